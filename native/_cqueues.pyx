@@ -1,0 +1,429 @@
+# cython: language_level=3
+"""Native hot path: lock-free queues on a shared-memory segment.
+
+Everything here operates on integer words at byte offsets inside one
+writable buffer (an mmap of a /dev/shm file shared by the client and all
+workers).  No pointers or Python objects live in shared memory.
+
+Structures (each starts on a 64-byte cache line):
+
+* ``Deque``   Chase-Lev work-stealing deque of uint64 handles, with the
+  memory orderings of Lê, Pop, Cohen, Nardelli, "Correct and Efficient
+  Work-Stealing for Weak Memory Models" (PPoPP 2013).  The owner pushes and
+  pops at the bottom; thieves steal at the top.  Fixed capacity (no growth:
+  the owner sees FULL and overflows to the injector).
+* ``MPMCRing`` Vyukov's bounded multi-producer multi-consumer ring (one
+  sequence word per cell).  Used for the injector, per-worker inboxes and
+  the free lists of the arena.
+* ``SPSCRing`` single-producer single-consumer ring (worker -> client
+  completions).
+
+Results are values, not exceptions: a handle (>= 0) or EMPTY (-1) / RETRY
+(-2); pushes return False when full.  ``_pyqueues.py`` is the pure-Python
+reference of the same layout and semantics; one test suite runs on both.
+"""
+
+from libc.stdint cimport int64_t, uint32_t, uint64_t
+
+from atomics cimport *
+
+EMPTY = ST_EMPTY
+RETRY = ST_RETRY
+NATIVE = True
+
+DEF LINE = 64
+
+
+cdef inline Py_ssize_t _round_line(Py_ssize_t n):
+    return (n + LINE - 1) & ~(LINE - 1)
+
+
+cdef class Region:
+    """Atomic word access at byte offsets of a shared writable buffer."""
+
+    def __cinit__(self, obj, lock=None):
+        # ``lock`` is accepted for signature parity with the pure-Python
+        # reference, which needs one; native atomics do not.
+        self.obj = obj
+        self.view = obj
+        self.size = self.view.shape[0]
+        self.base = <char *>&self.view[0] if self.size > 0 else NULL
+
+    @property
+    def nbytes(self):
+        return self.size
+
+    cdef inline int _check(self, Py_ssize_t off, Py_ssize_t width) except -1:
+        if off < 0 or off + width > self.size or (off & (width - 1)) != 0:
+            raise IndexError(f"bad {width}-byte word offset {off} in region of {self.size} bytes")
+        return 0
+
+    def load32(self, Py_ssize_t off):
+        self._check(off, 4)
+        return st_load_acquire_u32(self.at(off))       # pairs with store32/cas32/add32 (release or seq_cst)
+
+    def store32(self, Py_ssize_t off, uint32_t v):
+        self._check(off, 4)
+        st_store_seqcst_u32(self.at(off), v)           # seq_cst: Dekker-style park/notify handshakes
+
+    def cas32(self, Py_ssize_t off, uint32_t expected, uint32_t desired):
+        self._check(off, 4)
+        return bool(st_cas_seqcst_u32(self.at(off), expected, desired))
+
+    def add32(self, Py_ssize_t off, int64_t delta):
+        """Atomic add (seq_cst); returns the old value."""
+        self._check(off, 4)
+        return st_fetch_add_seqcst_u32(self.at(off), <uint32_t>delta)
+
+    def exchange32(self, Py_ssize_t off, uint32_t v):
+        self._check(off, 4)
+        return st_exchange_seqcst_u32(self.at(off), v)
+
+    def load64(self, Py_ssize_t off):
+        self._check(off, 8)
+        return st_load_acquire_u64(self.at(off))       # pairs with store64 (release) / add64 (acq_rel)
+
+    def store64(self, Py_ssize_t off, uint64_t v):
+        self._check(off, 8)
+        st_store_release_u64(self.at(off), v)          # pairs with load64 (acquire)
+
+    def cas64(self, Py_ssize_t off, uint64_t expected, uint64_t desired):
+        self._check(off, 8)
+        return bool(st_cas_seqcst_u64(self.at(off), expected, desired))
+
+    def add64(self, Py_ssize_t off, int64_t delta):
+        """Atomic add (acq_rel); returns the old value as a signed 64-bit integer."""
+        self._check(off, 8)
+        return <int64_t>st_fetch_add_acqrel_u64(self.at(off), <uint64_t>delta)
+
+    def fence(self):
+        st_fence_seqcst()
+
+    def futex_wait(self, Py_ssize_t off, uint32_t expected, timeout=None):
+        """Sleep while the 32-bit word at ``off`` equals ``expected``.
+
+        Releases the GIL.  Returns False on timeout, True otherwise (woken,
+        value changed, or interrupted: callers always re-check their condition).
+        """
+        self._check(off, 4)
+        cdef int64_t ns = -1 if timeout is None else <int64_t>(max(0.0, timeout) * 1e9)
+        cdef void *p = self.at(off)
+        cdef int rc
+        with nogil:
+            rc = st_futex_wait(p, expected, ns)
+        if rc < 0:
+            raise OSError(-rc, "futex wait failed")
+        return rc == 0
+
+    def futex_wake(self, Py_ssize_t off, int n=1):
+        self._check(off, 4)
+        return st_futex_wake(self.at(off), n)
+
+
+cdef class Deque:
+    """Chase-Lev deque of uint64 handles (Lê et al. 2013 orderings).
+
+    Layout: [top: int64, own line][bottom: int64, own line][ring: capacity x uint64].
+    Invariants: top <= bottom + 1 at all times; items live in [top, bottom);
+    top only grows (thieves' CAS, or the owner's CAS on the last item);
+    bottom is written by the owner only.  A slot ring[i & mask] is rewritten
+    only after top > i, so a thief that read it before losing its CAS
+    discards what it read.
+    """
+
+    @staticmethod
+    def nbytes(Py_ssize_t capacity):
+        return 2 * LINE + _round_line(8 * capacity)
+
+    def __cinit__(self, Region region, Py_ssize_t offset, Py_ssize_t capacity):
+        if capacity <= 0 or (capacity & (capacity - 1)) != 0:
+            raise ValueError("deque capacity must be a power of two")
+        if offset % LINE or offset + Deque.nbytes(capacity) > region.size:
+            raise ValueError("deque does not fit the region at that offset")
+        self.region = region
+        self.offset = offset
+        self.capacity = capacity
+        self.mask = capacity - 1
+        self.top_p = region.base + offset
+        self.bottom_p = region.base + offset + LINE
+        self.ring = region.base + offset + 2 * LINE
+
+    def init(self):
+        """Reset to empty; only before any other process uses it."""
+        st_store_release_u64(self.top_p, 0)     # creator only, before publication
+        st_store_release_u64(self.bottom_p, 0)  # creator only, before publication
+
+    cdef int c_push(self, uint64_t h) noexcept nogil:
+        cdef int64_t b = <int64_t>st_load_relaxed_u64(self.bottom_p)   # owner's own word
+        cdef int64_t t = <int64_t>st_load_acquire_u64(self.top_p)      # pairs with thieves' seq_cst CAS on top
+        if b - t > self.mask:
+            return ST_FULL
+        st_store_relaxed_u64(self.ring + 8 * (b & self.mask), h)       # published by the release fence below
+        st_fence_release()                                             # pairs with the thief's acquire load of bottom
+        st_store_relaxed_u64(self.bottom_p, <uint64_t>(b + 1))         # owner only
+        return ST_SUCCESS
+
+    cdef int c_pop(self, uint64_t *out) noexcept nogil:
+        cdef int64_t b = <int64_t>st_load_relaxed_u64(self.bottom_p) - 1
+        st_store_relaxed_u64(self.bottom_p, <uint64_t>b)   # reserve the bottom item (owner only)
+        st_fence_seqcst()                                  # pairs with the thief's seq_cst fence between top and bottom loads
+        cdef int64_t t = <int64_t>st_load_relaxed_u64(self.top_p)
+        cdef int rc = ST_SUCCESS
+        if t <= b:
+            out[0] = st_load_relaxed_u64(self.ring + 8 * (b & self.mask))
+            if t == b:
+                # Last item: race thieves for it with the same CAS they use.
+                if not st_cas_seqcst_u64(self.top_p, <uint64_t>t, <uint64_t>(t + 1)):
+                    rc = ST_EMPTY
+                st_store_relaxed_u64(self.bottom_p, <uint64_t>(b + 1))
+            return rc
+        st_store_relaxed_u64(self.bottom_p, <uint64_t>(b + 1))  # was empty: undo the reservation
+        return ST_EMPTY
+
+    cdef int c_steal(self, uint64_t *out) noexcept nogil:
+        cdef int64_t t = <int64_t>st_load_acquire_u64(self.top_p)     # pairs with other thieves' CAS
+        st_fence_seqcst()                                            # pairs with the owner's seq_cst fence in pop
+        cdef int64_t b = <int64_t>st_load_acquire_u64(self.bottom_p)  # pairs with the owner's release fence in push
+        if t >= b:
+            return ST_EMPTY
+        cdef uint64_t h = st_load_relaxed_u64(self.ring + 8 * (t & self.mask))
+        if not st_cas_seqcst_u64(self.top_p, <uint64_t>t, <uint64_t>(t + 1)):
+            return ST_RETRY                                          # lost to the owner or another thief
+        out[0] = h
+        return ST_SUCCESS
+
+    cdef int c_steal_half(self, Deque dest, int cap, uint64_t *out) noexcept nogil:
+        # Steal up to half (at most ``cap``) from the top, one CAS per item
+        # (a single CAS for the batch would race the owner's CAS-free pops,
+        # as crossbeam-deque notes for LIFO deques).  The first item goes
+        # to ``out``; the rest are pushed into ``dest``, the thief's own
+        # deque.  Only as many as ``dest`` has room for are taken: the
+        # caller owns ``dest``, so its free space can only grow meanwhile,
+        # and no stolen item is ever left without a home.
+        cdef uint64_t h
+        cdef int rc = self.c_steal(out)
+        if rc != ST_SUCCESS:
+            return rc
+        cdef int64_t t = <int64_t>st_load_acquire_u64(self.top_p)
+        cdef int64_t b = <int64_t>st_load_acquire_u64(self.bottom_p)
+        cdef int64_t want = (b - t) // 2
+        if want > cap - 1:
+            want = cap - 1
+        cdef int64_t room = dest.mask + 1 - (<int64_t>st_load_relaxed_u64(dest.bottom_p)
+                                             - <int64_t>st_load_acquire_u64(dest.top_p))
+        if want > room:
+            want = room
+        cdef int64_t i = 0
+        while i < want:
+            if self.c_steal(&h) != ST_SUCCESS:
+                break
+            dest.c_push(h)          # cannot be FULL: room was checked above
+            i += 1
+        return ST_SUCCESS
+
+    def push(self, uint64_t h):
+        """Owner only. False when full."""
+        return self.c_push(h) == ST_SUCCESS
+
+    def pop(self):
+        """Owner only. A handle, or EMPTY."""
+        cdef uint64_t h = 0
+        if self.c_pop(&h) == ST_SUCCESS:
+            return h
+        return ST_EMPTY
+
+    def steal(self):
+        """Any process. A handle, EMPTY, or RETRY (lost a race: try again)."""
+        cdef uint64_t h = 0
+        cdef int rc = self.c_steal(&h)
+        return h if rc == ST_SUCCESS else rc
+
+    def steal_half(self, Deque dest, int cap=32):
+        """Steal about half (at most ``cap``) into ``dest``; returns the first item, EMPTY or RETRY.
+
+        ``dest`` must be the caller's own deque (it is pushed to as its owner).
+        """
+        cdef uint64_t h = 0
+        if dest is self:
+            raise ValueError("cannot steal from the deque being filled")
+        if cap < 1:
+            cap = 1
+        cdef int rc = self.c_steal_half(dest, cap, &h)
+        return h if rc == ST_SUCCESS else rc
+
+    def __len__(self):
+        cdef int64_t b = <int64_t>st_load_acquire_u64(self.bottom_p)
+        cdef int64_t t = <int64_t>st_load_acquire_u64(self.top_p)
+        return <Py_ssize_t>(b - t) if b > t else 0
+
+
+cdef class MPMCRing:
+    """Vyukov bounded MPMC queue of uint64 values.
+
+    Layout: [enqueue pos, own line][dequeue pos, own line][cells: {seq, value} x capacity].
+    Cell i is free for the producer at position p when seq == p, full for
+    the consumer at position p when seq == p + 1; the consumer then sets
+    seq = p + capacity, freeing it for the next lap.
+    """
+
+    @staticmethod
+    def nbytes(Py_ssize_t capacity):
+        return 2 * LINE + _round_line(16 * capacity)
+
+    def __cinit__(self, Region region, Py_ssize_t offset, Py_ssize_t capacity):
+        if capacity <= 1 or (capacity & (capacity - 1)) != 0:
+            raise ValueError("ring capacity must be a power of two >= 2")
+        if offset % LINE or offset + MPMCRing.nbytes(capacity) > region.size:
+            raise ValueError("ring does not fit the region at that offset")
+        self.region = region
+        self.offset = offset
+        self.capacity = capacity
+        self.mask = capacity - 1
+        self.enq_p = region.base + offset
+        self.deq_p = region.base + offset + LINE
+        self.cells = region.base + offset + 2 * LINE
+
+    def init(self):
+        """Reset to empty; only before any other process uses it."""
+        cdef Py_ssize_t i
+        for i in range(self.capacity):
+            st_store_relaxed_u64(self.cells + 16 * i, <uint64_t>i)   # creator only
+        st_store_release_u64(self.enq_p, 0)   # creator only; publication via process start
+        st_store_release_u64(self.deq_p, 0)
+
+    cdef int c_push(self, uint64_t v) noexcept nogil:
+        cdef uint64_t pos = st_load_relaxed_u64(self.enq_p)
+        cdef char *cell
+        cdef uint64_t seq
+        cdef int64_t dif
+        while True:
+            cell = self.cells + 16 * (pos & self.mask)
+            seq = st_load_acquire_u64(cell)          # pairs with the consumer's release store of seq
+            dif = <int64_t>(seq - pos)
+            if dif == 0:
+                if st_cas_weak_relaxed_u64(self.enq_p, pos, pos + 1):   # claim position; ordering via seq
+                    break
+                pos = st_load_relaxed_u64(self.enq_p)
+            elif dif < 0:
+                return ST_FULL
+            else:
+                pos = st_load_relaxed_u64(self.enq_p)
+        st_store_relaxed_u64(cell + 8, v)            # published by the release store of seq below
+        st_store_release_u64(cell, pos + 1)          # pairs with the consumer's acquire load of seq
+        return ST_SUCCESS
+
+    cdef int c_pop(self, uint64_t *out) noexcept nogil:
+        cdef uint64_t pos = st_load_relaxed_u64(self.deq_p)
+        cdef char *cell
+        cdef uint64_t seq
+        cdef int64_t dif
+        while True:
+            cell = self.cells + 16 * (pos & self.mask)
+            seq = st_load_acquire_u64(cell)          # pairs with the producer's release store of seq
+            dif = <int64_t>(seq - (pos + 1))
+            if dif == 0:
+                if st_cas_weak_relaxed_u64(self.deq_p, pos, pos + 1):   # claim position; ordering via seq
+                    break
+                pos = st_load_relaxed_u64(self.deq_p)
+            elif dif < 0:
+                return ST_EMPTY
+            else:
+                pos = st_load_relaxed_u64(self.deq_p)
+        out[0] = st_load_relaxed_u64(cell + 8)
+        st_store_release_u64(cell, pos + self.mask + 1)  # pairs with the next producer's acquire load
+        return ST_SUCCESS
+
+    def push(self, uint64_t v):
+        """Any process. False when full."""
+        return self.c_push(v) == ST_SUCCESS
+
+    def pop(self):
+        """Any process. A value, or EMPTY."""
+        cdef uint64_t v = 0
+        if self.c_pop(&v) == ST_SUCCESS:
+            return v
+        return ST_EMPTY
+
+    def pop_many(self, Py_ssize_t n):
+        """Pop up to ``n`` values; returns a list (empty when the ring is empty)."""
+        cdef uint64_t v = 0
+        out = []
+        while n > 0 and self.c_pop(&v) == ST_SUCCESS:
+            out.append(v)
+            n -= 1
+        return out
+
+    def __len__(self):
+        cdef uint64_t d = st_load_acquire_u64(self.deq_p)
+        cdef uint64_t e = st_load_acquire_u64(self.enq_p)
+        return <Py_ssize_t>(e - d) if e > d else 0
+
+
+cdef class SPSCRing:
+    """Single-producer single-consumer ring of uint64 values.
+
+    Layout: [head (consumer), own line][tail (producer), own line][cells x capacity].
+    """
+
+    @staticmethod
+    def nbytes(Py_ssize_t capacity):
+        return 2 * LINE + _round_line(8 * capacity)
+
+    def __cinit__(self, Region region, Py_ssize_t offset, Py_ssize_t capacity):
+        if capacity <= 1 or (capacity & (capacity - 1)) != 0:
+            raise ValueError("ring capacity must be a power of two >= 2")
+        if offset % LINE or offset + SPSCRing.nbytes(capacity) > region.size:
+            raise ValueError("ring does not fit the region at that offset")
+        self.region = region
+        self.offset = offset
+        self.capacity = capacity
+        self.mask = capacity - 1
+        self.head_p = region.base + offset
+        self.tail_p = region.base + offset + LINE
+        self.cells = region.base + offset + 2 * LINE
+
+    def init(self):
+        st_store_release_u64(self.head_p, 0)   # creator only, before publication
+        st_store_release_u64(self.tail_p, 0)
+
+    cdef int c_push(self, uint64_t v) noexcept nogil:
+        cdef uint64_t t = st_load_relaxed_u64(self.tail_p)      # producer's own word
+        cdef uint64_t h = st_load_acquire_u64(self.head_p)      # pairs with the consumer's release of head
+        if t - h > self.mask:
+            return ST_FULL
+        st_store_relaxed_u64(self.cells + 8 * (t & self.mask), v)
+        st_store_release_u64(self.tail_p, t + 1)                # pairs with the consumer's acquire of tail
+        return ST_SUCCESS
+
+    cdef int c_pop(self, uint64_t *out) noexcept nogil:
+        cdef uint64_t h = st_load_relaxed_u64(self.head_p)      # consumer's own word
+        cdef uint64_t t = st_load_acquire_u64(self.tail_p)      # pairs with the producer's release of tail
+        if h == t:
+            return ST_EMPTY
+        out[0] = st_load_relaxed_u64(self.cells + 8 * (h & self.mask))
+        st_store_release_u64(self.head_p, h + 1)                # pairs with the producer's acquire of head
+        return ST_SUCCESS
+
+    def push(self, uint64_t v):
+        """Producer only. False when full."""
+        return self.c_push(v) == ST_SUCCESS
+
+    def pop(self):
+        """Consumer only. A value, or EMPTY."""
+        cdef uint64_t v = 0
+        if self.c_pop(&v) == ST_SUCCESS:
+            return v
+        return ST_EMPTY
+
+    def pop_many(self, Py_ssize_t n):
+        cdef uint64_t v = 0
+        out = []
+        while n > 0 and self.c_pop(&v) == ST_SUCCESS:
+            out.append(v)
+            n -= 1
+        return out
+
+    def __len__(self):
+        cdef uint64_t h = st_load_acquire_u64(self.head_p)
+        cdef uint64_t t = st_load_acquire_u64(self.tail_p)
+        return <Py_ssize_t>(t - h) if t > h else 0

@@ -1,0 +1,34 @@
+"""stealer: run CPU-heavy Python work and agents on every core, with work stealing.
+
+Public names only; each lives in its own module.
+"""
+
+from stealer.errors import (
+    AffinityError,
+    BrokenExecutor,
+    ExecutorShutdownError,
+    NotInTaskError,
+    RemoteError,
+    SerializationError,
+    StealerError,
+    WorkerCrashedError,
+)
+from stealer.executor import Executor
+from stealer.forkjoin import Child, run_inline, spawn
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AffinityError",
+    "BrokenExecutor",
+    "Child",
+    "Executor",
+    "ExecutorShutdownError",
+    "NotInTaskError",
+    "RemoteError",
+    "SerializationError",
+    "StealerError",
+    "WorkerCrashedError",
+    "run_inline",
+    "spawn",
+]

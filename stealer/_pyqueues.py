@@ -1,0 +1,401 @@
+"""Pure-Python reference of the native queues (``native/_cqueues.pyx``).
+
+Same shared-memory layout, same API, same results (a handle, or EMPTY /
+RETRY; pushes return False when full).  It serves two purposes:
+
+* the **test oracle**: one test suite runs against both implementations;
+* the **fallback** when the extension cannot be loaded or
+  ``STEALER_NO_EXTENSIONS=1`` is set.
+
+Python has no atomic read-modify-write on shared memory, so every
+operation runs under one lock.  Within a single process a ``threading``
+lock (the default) is enough; across processes, pass a
+``multiprocessing`` lock shared by every process that maps the buffer
+(the executor does this in fallback mode).  Under the lock each operation
+is trivially linearizable, so the reference is slow but exact.
+
+Parking uses the real futex through ``ctypes`` when libc exposes
+``syscall``; otherwise it polls with short sleeps.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import struct
+import threading
+import time
+from typing import Any
+
+__all__ = ["EMPTY", "RETRY", "NATIVE", "Region", "Deque", "MPMCRing", "SPSCRing"]
+
+EMPTY = -1
+RETRY = -2
+NATIVE = False
+
+_LINE = 64
+_U32 = struct.Struct("=I")
+_U64 = struct.Struct("=Q")
+_I64 = struct.Struct("=q")
+_M64 = (1 << 64) - 1
+_M32 = (1 << 32) - 1
+
+_SYS_FUTEX = 202  # x86-64; aarch64 is 98
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+
+
+def _load_futex() -> Any:
+    import platform
+
+    nr = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
+    if nr is None:
+        return None, None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.syscall
+        fn.restype = ctypes.c_long
+        return fn, nr
+    except (OSError, AttributeError):
+        return None, None
+
+
+_syscall, _futex_nr = _load_futex()
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _round_line(n: int) -> int:
+    return (n + _LINE - 1) & ~(_LINE - 1)
+
+
+class Region:
+    """Word access at byte offsets of a shared writable buffer, under one lock."""
+
+    def __init__(self, obj: Any, lock: Any = None) -> None:
+        self.obj = obj
+        self.mv = memoryview(obj).cast("B")
+        self.lock = lock if lock is not None else threading.Lock()
+        self.nbytes = len(self.mv)
+        self._addr: int | None = None
+
+    def _check(self, off: int, width: int) -> None:
+        if off < 0 or off + width > self.nbytes or off & (width - 1):
+            raise IndexError(f"bad {width}-byte word offset {off} in region of {self.nbytes} bytes")
+
+    # Unlocked primitives, for use inside an operation already holding the lock.
+    def _r64(self, off: int) -> int:
+        return _U64.unpack_from(self.mv, off)[0]
+
+    def _w64(self, off: int, v: int) -> None:
+        _U64.pack_into(self.mv, off, v & _M64)
+
+    def _r32(self, off: int) -> int:
+        return _U32.unpack_from(self.mv, off)[0]
+
+    def _w32(self, off: int, v: int) -> None:
+        _U32.pack_into(self.mv, off, v & _M32)
+
+    def load32(self, off: int) -> int:
+        self._check(off, 4)
+        with self.lock:
+            return self._r32(off)
+
+    def store32(self, off: int, v: int) -> None:
+        self._check(off, 4)
+        with self.lock:
+            self._w32(off, v)
+
+    def cas32(self, off: int, expected: int, desired: int) -> bool:
+        self._check(off, 4)
+        with self.lock:
+            if self._r32(off) != expected:
+                return False
+            self._w32(off, desired)
+            return True
+
+    def add32(self, off: int, delta: int) -> int:
+        self._check(off, 4)
+        with self.lock:
+            old = self._r32(off)
+            self._w32(off, old + delta)
+            return old
+
+    def exchange32(self, off: int, v: int) -> int:
+        self._check(off, 4)
+        with self.lock:
+            old = self._r32(off)
+            self._w32(off, v)
+            return old
+
+    def load64(self, off: int) -> int:
+        self._check(off, 8)
+        with self.lock:
+            return self._r64(off)
+
+    def store64(self, off: int, v: int) -> None:
+        self._check(off, 8)
+        with self.lock:
+            self._w64(off, v)
+
+    def cas64(self, off: int, expected: int, desired: int) -> bool:
+        self._check(off, 8)
+        with self.lock:
+            if self._r64(off) != expected & _M64:
+                return False
+            self._w64(off, desired)
+            return True
+
+    def add64(self, off: int, delta: int) -> int:
+        self._check(off, 8)
+        with self.lock:
+            old = _I64.unpack_from(self.mv, off)[0]
+            self._w64(off, old + delta)
+            return old
+
+    def fence(self) -> None:
+        with self.lock:
+            pass
+
+    def _address(self, off: int) -> int:
+        if self._addr is None:
+            self._addr = ctypes.addressof(ctypes.c_char.from_buffer(self.obj))
+        return self._addr + off
+
+    def futex_wait(self, off: int, expected: int, timeout: float | None = None) -> bool:
+        self._check(off, 4)
+        if _syscall is not None and not isinstance(self.obj, bytearray):
+            ts = None
+            if timeout is not None:
+                t = max(0.0, timeout)
+                ts = _Timespec(int(t), int((t - int(t)) * 1e9))
+            rc = _syscall(
+                _futex_nr,
+                ctypes.c_void_p(self._address(off)),
+                _FUTEX_WAIT,
+                ctypes.c_uint32(expected),
+                ctypes.byref(ts) if ts is not None else None,
+                None,
+                0,
+            )
+            if rc == 0:
+                return True
+            err = ctypes.get_errno()
+            return err != errno.ETIMEDOUT
+        # Polling fallback.
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.load32(off) == expected:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.0002)
+        return True
+
+    def futex_wake(self, off: int, n: int = 1) -> int:
+        self._check(off, 4)
+        if _syscall is not None and not isinstance(self.obj, bytearray):
+            rc = _syscall(_futex_nr, ctypes.c_void_p(self._address(off)), _FUTEX_WAKE, n, None, None, 0)
+            return max(0, rc)
+        return 0
+
+
+class _Ring:
+    """Common layout checks of the three structures."""
+
+    _cell = 8
+    _min_capacity = 2
+
+    def __init__(self, region: Region, offset: int, capacity: int) -> None:
+        if capacity < self._min_capacity or capacity & (capacity - 1):
+            raise ValueError(f"{type(self).__name__} capacity must be a power of two")
+        if offset % _LINE or offset + self.nbytes(capacity) > region.nbytes:
+            raise ValueError(f"{type(self).__name__} does not fit the region at that offset")
+        self.region = region
+        self.offset = offset
+        self.capacity = capacity
+        self.mask = capacity - 1
+        self._a = offset  # first control word
+        self._b = offset + _LINE  # second control word
+        self._cells = offset + 2 * _LINE
+
+    @classmethod
+    def nbytes(cls, capacity: int) -> int:
+        return 2 * _LINE + _round_line(cls._cell * capacity)
+
+
+class Deque(_Ring):
+    """Chase-Lev deque layout: [top][bottom][ring]; see the native version."""
+
+    _min_capacity = 1
+
+    def init(self) -> None:
+        r = self.region
+        with r.lock:
+            r._w64(self._a, 0)
+            r._w64(self._b, 0)
+
+    def _top_bottom(self) -> tuple[int, int]:
+        r = self.region
+        return _I64.unpack_from(r.mv, self._a)[0], _I64.unpack_from(r.mv, self._b)[0]
+
+    def push(self, h: int) -> bool:
+        r = self.region
+        with r.lock:
+            t, b = self._top_bottom()
+            if b - t > self.mask:
+                return False
+            r._w64(self._cells + 8 * (b & self.mask), h)
+            r._w64(self._b, b + 1)
+            return True
+
+    def pop(self) -> int:
+        r = self.region
+        with r.lock:
+            t, b = self._top_bottom()
+            if t >= b:
+                return EMPTY
+            b -= 1
+            r._w64(self._b, b)
+            return r._r64(self._cells + 8 * (b & self.mask))
+
+    def _steal_locked(self) -> int:
+        r = self.region
+        t, b = self._top_bottom()
+        if t >= b:
+            return EMPTY
+        h = r._r64(self._cells + 8 * (t & self.mask))
+        r._w64(self._a, t + 1)
+        return h
+
+    def steal(self) -> int:
+        with self.region.lock:
+            return self._steal_locked()
+
+    def steal_half(self, dest: Deque, cap: int = 32) -> int:
+        if dest is self:
+            raise ValueError("cannot steal from the deque being filled")
+        cap = max(1, cap)
+        with self.region.lock:
+            first = self._steal_locked()
+            if first < 0:
+                return first
+            t, b = self._top_bottom()
+            dt, db = dest._top_bottom()
+            want = min((b - t) // 2, cap - 1, dest.capacity - (db - dt))
+            for _ in range(want):
+                h = self._steal_locked()
+                dr = dest.region
+                dt, db = dest._top_bottom()
+                dr._w64(dest._cells + 8 * (db & dest.mask), h)
+                dr._w64(dest._b, db + 1)
+            return first
+
+    def __len__(self) -> int:
+        with self.region.lock:
+            t, b = self._top_bottom()
+            return max(0, b - t)
+
+
+class MPMCRing(_Ring):
+    """Vyukov ring layout: [enqueue pos][dequeue pos][{seq, value} cells]."""
+
+    _cell = 16
+
+    def init(self) -> None:
+        r = self.region
+        with r.lock:
+            for i in range(self.capacity):
+                r._w64(self._cells + 16 * i, i)
+            r._w64(self._a, 0)
+            r._w64(self._b, 0)
+
+    def push(self, v: int) -> bool:
+        r = self.region
+        with r.lock:
+            pos = r._r64(self._a)
+            cell = self._cells + 16 * (pos & self.mask)
+            if r._r64(cell) != pos:
+                return False
+            r._w64(cell + 8, v)
+            r._w64(cell, pos + 1)
+            r._w64(self._a, pos + 1)
+            return True
+
+    def _pop_locked(self) -> int:
+        r = self.region
+        pos = r._r64(self._b)
+        cell = self._cells + 16 * (pos & self.mask)
+        if r._r64(cell) != pos + 1:
+            return EMPTY
+        v = r._r64(cell + 8)
+        r._w64(cell, pos + self.capacity)
+        r._w64(self._b, pos + 1)
+        return v
+
+    def pop(self) -> int:
+        with self.region.lock:
+            return self._pop_locked()
+
+    def pop_many(self, n: int) -> list[int]:
+        out: list[int] = []
+        with self.region.lock:
+            while len(out) < n:
+                v = self._pop_locked()
+                if v < 0:
+                    break
+                out.append(v)
+        return out
+
+    def __len__(self) -> int:
+        r = self.region
+        with r.lock:
+            return max(0, r._r64(self._a) - r._r64(self._b))
+
+
+class SPSCRing(_Ring):
+    """Single-producer single-consumer ring layout: [head][tail][cells]."""
+
+    def init(self) -> None:
+        r = self.region
+        with r.lock:
+            r._w64(self._a, 0)
+            r._w64(self._b, 0)
+
+    def push(self, v: int) -> bool:
+        r = self.region
+        with r.lock:
+            h, t = r._r64(self._a), r._r64(self._b)
+            if t - h > self.mask:
+                return False
+            r._w64(self._cells + 8 * (t & self.mask), v)
+            r._w64(self._b, t + 1)
+            return True
+
+    def _pop_locked(self) -> int:
+        r = self.region
+        h, t = r._r64(self._a), r._r64(self._b)
+        if h == t:
+            return EMPTY
+        v = r._r64(self._cells + 8 * (h & self.mask))
+        r._w64(self._a, h + 1)
+        return v
+
+    def pop(self) -> int:
+        with self.region.lock:
+            return self._pop_locked()
+
+    def pop_many(self, n: int) -> list[int]:
+        out: list[int] = []
+        with self.region.lock:
+            while len(out) < n:
+                v = self._pop_locked()
+                if v < 0:
+                    break
+                out.append(v)
+        return out
+
+    def __len__(self) -> int:
+        r = self.region
+        with r.lock:
+            return max(0, r._r64(self._b) - r._r64(self._a))

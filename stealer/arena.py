@@ -1,0 +1,211 @@
+"""Task records and payload storage in the shared segment.
+
+A **record** (128 bytes) describes one task: who submitted it, its state,
+its join counter, and where its payload lives.  A **handle** names a record
+across processes: ``generation << 32 | index``; the generation is bumped
+when the record is freed, so a stale handle can be recognised.
+
+Payloads (the pickled call, later the pickled result) live in one of:
+
+* the record itself, when at most ``INLINE`` bytes (most small calls);
+* a block of a size class (1 KiB, 16 KiB, 256 KiB by default), taken from
+  that class's free ring;
+* an **overflow file** ``<segment>-x<n>`` in /dev/shm (0600) when larger
+  than every class or when the classes are exhausted: slower, never fails
+  for lack of arena space.
+
+Records come from a free ring too; when none is free the client keeps the
+task in a local backlog until one is (see executor.py).
+
+Ownership: a record is written by one process at a time, and handed to
+the next through a queue push (release) and pop (acquire), so its plain
+fields need no atomics.  Only ``state`` (client cancel vs worker start,
+CAS) and ``pending`` (join counter, add64 acq_rel) are contended.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+from typing import Any
+
+from stealer import serialize
+from stealer.shm import H_OVERFLOW_SEQ, RECORD_BYTES, SHM_DIR, Segment, _pow2
+
+__all__ = ["Arena"]
+
+# Record fields (byte offsets inside a record).
+R_GEN = 0  # u32 generation: bumped by whoever frees the record, read when decoding handles
+R_STATE = 4  # u32 S_*: client CAS (cancel) vs worker CAS (start), seq_cst both
+R_KIND = 8  # u32 K_* | F_* flags: written by the record's producer before the queue push
+R_STATUS = 12  # u32 ST_*: written by the worker that completes the task, before its completion push
+R_LINK = 16  # u64 future id (root) or parent handle (child): producer, before the push
+R_PENDING = 24  # i64 join counter: add64 (acq_rel) by the task and its children; the last one resumes it
+R_OWNER = 32  # u32 worker holding the suspended continuation: written before the first add64 on pending
+R_INCARNATION = 36  # u32 that worker's incarnation: same writer/ordering as R_OWNER
+R_CONT = 40  # u32 continuation id in that worker: same writer/ordering as R_OWNER
+R_PCLASS = 44  # u32 payload storage: 0 inline, i+1 block class i, OVERFLOW
+R_PREF = 48  # u64 block index or overflow number
+R_PLEN = 56  # u64 payload length in bytes
+R_TSUBMIT = 64  # u64 monotonic ns at submit (client) or spawn (worker)
+R_TSTART = 72  # u64 monotonic ns when a worker started it
+R_INLINE = 80
+INLINE = RECORD_BYTES - R_INLINE
+
+S_FREE, S_QUEUED, S_RUNNING, S_CANCELLED, S_DONE, S_DETACHED = range(6)
+K_ROOT, K_CHILD = 1, 2
+K_MASK = 0xFF
+F_BUFFERS = 0x100  # payload is a frame with out-of-band buffers
+ST_OK, ST_ERROR, ST_CRASHED = 0, 1, 2
+OVERFLOW = 0xFFFF
+
+_HEAD = struct.Struct("=IIIIQqIIIIQQQQ")  # the 80-byte header, all fields
+_KIND_LINK = struct.Struct("=IIQ")  # kind, status, link
+_PAYLOAD = struct.Struct("=IQQ")  # pclass, pref, plen
+_U32 = struct.Struct("=I")
+_U64 = struct.Struct("=Q")
+assert _HEAD.size == R_INLINE
+
+
+class Arena:
+    """Record and payload allocation over a :class:`~stealer.shm.Segment`."""
+
+    def __init__(self, seg: Segment) -> None:
+        from stealer._queues import impl as Q
+
+        L = seg.layout
+        self.seg = seg
+        self.mm = seg.mm
+        self.region = seg.region
+        self.nrecords = L.records
+        self.rec_base = L.offsets["records"]
+        self.rec_free = Q.MPMCRing(seg.region, L.offsets["record_free"], L.records)
+        self.classes: list[tuple[int, Any, int]] = []
+        for i, (size, count) in enumerate(L.block_classes):
+            ring = Q.MPMCRing(seg.region, L.offsets[f"block_free{i}"], _pow2(count))
+            self.classes.append((size, ring, L.offsets[f"blocks{i}"]))
+        self._counts = [count for _, count in L.block_classes]
+        self._ov_prefix = os.path.join(SHM_DIR, seg.name + "-x")
+
+    def init(self) -> None:
+        """Creator only: every record and block starts free."""
+        self.rec_free.init()
+        for i in range(self.nrecords):
+            self.rec_free.push(i)
+        for (_size, ring, _base), count in zip(self.classes, self._counts):
+            ring.init()
+            for i in range(count):
+                ring.push(i)
+
+    # -- records ---------------------------------------------------------
+    def off(self, h: int) -> int:
+        return self.rec_base + RECORD_BYTES * (h & 0xFFFFFFFF)
+
+    def alloc(self) -> int:
+        """A free record's handle, or -1 when all are in use."""
+        idx = self.rec_free.pop()
+        if idx < 0:
+            return -1
+        gen = _U32.unpack_from(self.mm, self.rec_base + RECORD_BYTES * idx)[0]
+        return (gen << 32) | idx
+
+    def free(self, h: int) -> None:
+        """Release the record and its payload storage; the handle becomes stale."""
+        off = self.off(h)
+        self.drop_payload(off)
+        gen = (_U32.unpack_from(self.mm, off)[0] + 1) & 0x7FFFFFFF
+        _U32.pack_into(self.mm, off, gen)
+        self.region.store32(off + R_STATE, S_FREE)
+        self.rec_free.push(h & 0xFFFFFFFF)  # release: the next owner sees gen and the cleared fields
+
+    def valid(self, h: int) -> bool:
+        return _U32.unpack_from(self.mm, self.off(h))[0] == (h >> 32)
+
+    def setup(self, h: int, kind: int, link: int, t_submit: int) -> int:
+        """Fill a fresh record's header (state QUEUED, no payload); returns its offset."""
+        off = self.off(h)
+        _HEAD.pack_into(self.mm, off, h >> 32, S_QUEUED, kind, ST_OK, link, 0, 0, 0, 0, 0, 0, 0,
+                        t_submit, 0)
+        return off
+
+    def kind_link(self, off: int) -> tuple[int, int, int]:
+        return _KIND_LINK.unpack_from(self.mm, off + R_KIND)
+
+    def set_status(self, off: int, status: int) -> None:
+        _U32.pack_into(self.mm, off + R_STATUS, status)
+
+    # -- payloads --------------------------------------------------------
+    def put(self, off: int, data: bytes, bufs: list) -> None:
+        """Store a pickled payload for the record at ``off`` (replacing none)."""
+        mm = self.mm
+        if bufs:
+            n = serialize.frame_size(data, bufs)
+            kind = _U32.unpack_from(mm, off + R_KIND)[0]
+            _U32.pack_into(mm, off + R_KIND, kind | F_BUFFERS)
+        else:
+            n = len(data)
+            kind = _U32.unpack_from(mm, off + R_KIND)[0]
+            if kind & F_BUFFERS:
+                _U32.pack_into(mm, off + R_KIND, kind & ~F_BUFFERS)
+        if n <= INLINE:
+            serialize.write_frame(mm, off + R_INLINE, data, bufs)
+            _PAYLOAD.pack_into(mm, off + R_PCLASS, 0, 0, n)
+            return
+        for ci, (size, ring, base) in enumerate(self.classes):
+            if n <= size:
+                b = ring.pop()
+                if b >= 0:
+                    serialize.write_frame(mm, base + size * b, data, bufs)
+                    _PAYLOAD.pack_into(mm, off + R_PCLASS, ci + 1, b, n)
+                    return
+        seq = self.region.add64(H_OVERFLOW_SEQ, 1)
+        path = f"{self._ov_prefix}{seq}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            if bufs:
+                buf = bytearray(n)
+                serialize.write_frame(buf, 0, data, bufs)
+                os.write(fd, buf)
+            else:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)
+        _PAYLOAD.pack_into(mm, off + R_PCLASS, OVERFLOW, seq, n)
+
+    def take(self, off: int) -> Any:
+        """Unpickle the record's payload and release its storage."""
+        mm = self.mm
+        pclass, pref, n = _PAYLOAD.unpack_from(mm, off + R_PCLASS)
+        has_bufs = bool(_U32.unpack_from(mm, off + R_KIND)[0] & F_BUFFERS)
+        if pclass == 0:
+            src = mm[off + R_INLINE : off + R_INLINE + n]
+        elif pclass == OVERFLOW:
+            path = f"{self._ov_prefix}{pref}"
+            with open(path, "rb") as f:
+                src = f.read()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        else:
+            size, ring, base = self.classes[pclass - 1]
+            start = base + size * pref
+            src = mm[start : start + n]
+            ring.push(pref)
+        _PAYLOAD.pack_into(mm, off + R_PCLASS, 0, 0, 0)
+        return serialize.loads_frame(src, has_bufs)
+
+    def drop_payload(self, off: int) -> None:
+        """Release payload storage without reading it."""
+        mm = self.mm
+        pclass, pref, _n = _PAYLOAD.unpack_from(mm, off + R_PCLASS)
+        if pclass == OVERFLOW:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"{self._ov_prefix}{pref}")
+        elif pclass:
+            self.classes[pclass - 1][1].push(pref)
+        _PAYLOAD.pack_into(mm, off + R_PCLASS, 0, 0, 0)

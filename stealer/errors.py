@@ -1,0 +1,83 @@
+"""Exceptions raised by stealer's public API.
+
+One base class, :class:`StealerError`.  Where a ``concurrent.futures``
+user already catches a standard exception, ours subclasses it too, so code
+written for :class:`~concurrent.futures.ProcessPoolExecutor` keeps working:
+
+    StealerError
+     ├── BrokenExecutor        (also concurrent.futures.BrokenExecutor)
+     │    └── WorkerCrashedError  (also concurrent.futures.process.BrokenProcessPool)
+     ├── SerializationError    (also pickle.PicklingError)
+     ├── ExecutorShutdownError (also RuntimeError, like submit-after-shutdown in the stdlib)
+     ├── AffinityError         (also ValueError)
+     ├── NotInTaskError        (also RuntimeError)
+     └── RemoteError           a task's exception that could not be sent back as itself
+
+Errors on the hot path are values (queue operations return EMPTY / RETRY);
+exceptions appear only at the API boundary.
+"""
+
+from __future__ import annotations
+
+import pickle
+from concurrent.futures import BrokenExecutor as _StdBrokenExecutor
+from concurrent.futures.process import BrokenProcessPool as _StdBrokenProcessPool
+
+__all__ = [
+    "StealerError",
+    "BrokenExecutor",
+    "WorkerCrashedError",
+    "SerializationError",
+    "ExecutorShutdownError",
+    "AffinityError",
+    "NotInTaskError",
+    "RemoteError",
+    "RemoteTraceback",
+]
+
+
+class StealerError(Exception):
+    """Base class of every exception stealer raises."""
+
+
+class BrokenExecutor(StealerError, _StdBrokenExecutor):
+    """The executor can no longer run tasks (an initializer failed, workers keep dying)."""
+
+
+class WorkerCrashedError(BrokenExecutor, _StdBrokenProcessPool):
+    """The worker process running this task died (os._exit, a signal, a segfault).
+
+    Only the tasks that were running in that process fail; the executor
+    starts a replacement and goes on.
+    """
+
+
+class SerializationError(StealerError, pickle.PicklingError):
+    """A function, argument or result could not be pickled or unpickled."""
+
+
+class ExecutorShutdownError(StealerError, RuntimeError):
+    """The executor was shut down; no new work is accepted."""
+
+
+class AffinityError(StealerError, ValueError):
+    """A CPU pinning request cannot be honoured on this machine."""
+
+
+class NotInTaskError(StealerError, RuntimeError):
+    """A task-only function (such as :func:`stealer.spawn`) was called outside a task."""
+
+
+class RemoteError(StealerError):
+    """A task raised an exception that could not be pickled back as itself."""
+
+
+class RemoteTraceback(Exception):
+    """Carries a worker-side traceback; chained as ``__cause__`` of re-raised errors."""
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return self.tb

@@ -1,0 +1,624 @@
+"""stealer.Executor: a work-stealing process pool behind the concurrent.futures API.
+
+Data flow::
+
+  client process                                 shared segment (/dev/shm, 0600)
+  ──────────────                                 ───────────────────────────────
+  submit(fn, *args) ─ pickle (fn id | fn, args) ─▶ record + payload (arena)
+       │                                              │ handle
+       └─ Future ◀─┐                                  ▼
+                   │                            injector (MPMC ring) ─▶ worker k: find_task
+                   │                            deque[k] (Chase-Lev) ◀─ spawn() / batches / steals
+                   │                            inbox[k] ◀─ resumes of k's suspended tasks
+  result thread ───┘◀── completion ring[k] (SPSC) ◀── worker k: result in the record
+      │  also: watches worker sentinels; a dead worker's running task fails with
+      │  WorkerCrashedError naming the exit code or signal, a replacement starts,
+      │  the rest goes on; moves backlog tasks in when records free up.
+      └─ parks on a futex word when idle; workers wake it only when it is parked.
+
+Futures are real ``concurrent.futures.Future`` objects, so ``wait``,
+``as_completed``, ``asyncio.wrap_future`` and ``loop.run_in_executor`` work.
+A task's exception is re-raised in the caller with the worker-side
+traceback chained as ``__cause__`` (as in CPython's ProcessPoolExecutor).
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import itertools
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import signal
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
+from concurrent.futures import _base as _fbase
+from typing import Any
+
+from stealer import affinity, serialize
+from stealer._queues import NATIVE
+from stealer._queues import impl as Q
+from stealer.arena import K_ROOT, R_PENDING, R_STATE, S_CANCELLED, S_QUEUED, ST_ERROR, ST_OK, Arena
+from stealer.errors import (
+    BrokenExecutor,
+    ExecutorShutdownError,
+    RemoteTraceback,
+    SerializationError,
+    WorkerCrashedError,
+)
+from stealer.idle import Idle
+from stealer.shm import (
+    H_SHUTDOWN,
+    H_STARTED,
+    W_CURRENT,
+    W_STATE,
+    Layout,
+    Segment,
+    cleanup_stale,
+)
+from stealer.worker import (
+    EXIT_INIT_FAILED,
+    STATE_EXITING,
+    STATE_INIT_FAILED,
+    STATE_RETIRED,
+    STATE_STARTING,
+    WorkerArgs,
+    finish_child,
+)
+from stealer.worker import main as worker_main
+
+__all__ = ["Executor"]
+
+MONITOR_INTERVAL = 0.05  # seconds between checks of worker liveness
+MAX_EARLY_DEATHS = 3  # a worker slot that dies this many times before starting breaks the pool
+
+_live: weakref.WeakSet[_Pool] = weakref.WeakSet()
+_exiting = False
+
+
+def _python_exit() -> None:
+    global _exiting
+    _exiting = True
+    for pool in list(_live):
+        pool.begin_shutdown()
+    for pool in list(_live):
+        if pool.thread is not None and pool.thread is not threading.current_thread():
+            pool.thread.join()
+
+
+atexit.register(_python_exit)
+
+
+class _Future(Future):
+    """A Future whose cancel() also withdraws the queued task from the workers."""
+
+    _st_pool: _Pool
+    _st_fid: int
+    _st_handle: int | None
+    _st_name: str
+
+    def cancel(self) -> bool:
+        with self._condition:
+            if self._state == _fbase.PENDING:
+                h = self._st_handle
+                if h is not None:
+                    pool = self._st_pool
+                    # The result thread frees a record only after resolving its future
+                    # (under this condition), so h still names our record here.
+                    if not pool.region.cas32(pool.arena.off(h) + R_STATE, S_QUEUED, S_CANCELLED):
+                        return False  # a worker started it (the CAS pairs with the worker's)
+                self._st_pool.futures.pop(self._st_fid, None)
+            return super().cancel()
+
+
+def _run_chunk(fref: Any, chunk: list[tuple]) -> list:
+    """Worker side of map(chunksize>1): run fn over a chunk of argument tuples."""
+    from stealer import forkjoin
+
+    fn = forkjoin._current.fns.get(fref) if type(fref) is int else fref
+    return [fn(*args) for args in chunk]
+
+
+def describe_exit(k: int, pid: int | None, code: int | None) -> str:
+    who = f"worker {k} (pid {pid})"
+    if code is None:
+        return f"{who} stopped"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = {
+            "SIGKILL": "killed from outside: the kernel's OOM killer (check `dmesg`), a "
+            "timeout, or kill -9",
+            "SIGSEGV": "a crash in native code (a C extension, ctypes, or a stack overflow)",
+            "SIGBUS": "a crash in native code, or /dev/shm ran out of space",
+            "SIGABRT": "the interpreter or a C library aborted (see the worker's stderr)",
+        }.get(name, "a signal from the task or from outside")
+        return f"{who} was killed by {name} ({hint})"
+    return (f"{who} exited with code {code} while running it (a task called os._exit() or "
+            "the interpreter aborted; see the worker's stderr)")
+
+
+class _Pool:
+    """Client-side state shared by the Executor facade and its result thread."""
+
+    def __init__(self, n: int, ctx: Any, cpus: list[int | None], steal: list[list[int]],
+                 initializer: bytes | None, initargs: tuple, max_tasks: int | None,
+                 thread_limit: int | None, records: int) -> None:
+        self.n = n
+        self.ctx = ctx
+        self.cpus = cpus
+        self.steal = steal
+        self.initializer = initializer
+        self.initargs = initargs
+        self.max_tasks = max_tasks
+        self.thread_limit = thread_limit
+        cleanup_stale()
+        self.lock = None if NATIVE else ctx.Lock()
+        layout = Layout(n, records=records)
+        self.layout = layout
+        self.seg = seg = Segment.create(layout, self.lock)
+        self.name = seg.name
+        self.region = r = seg.region
+        self.arena = Arena(seg)
+        self.arena.init()
+        for k in range(n):
+            Q.Deque(r, layout.deque(k), layout.records).init()
+            Q.MPMCRing(r, layout.inbox(k), layout.records).init()
+        self.inboxes = [Q.MPMCRing(r, layout.inbox(k), layout.records) for k in range(n)]
+        self.completions = [Q.SPSCRing(r, layout.completion(k), layout.records) for k in range(n)]
+        for ring in self.completions:
+            ring.init()
+        self.injector = Q.MPMCRing(r, layout.offsets["injector"], layout.records)
+        self.injector.init()
+        o = layout.offsets
+        self.fns = serialize.FunctionTable(seg.mm, r, o["fn_table"], layout.fn_entries,
+                                           o["fn_data"], layout.fn_data)
+        self.idle = Idle(r, layout)
+        self.futures: dict[int, _Future] = {}
+        self.ids = itertools.count()
+        self.backlog: collections.deque[tuple[_Future, bytes, list]] = collections.deque()
+        self.shutdown_lock = threading.Lock()
+        self.shutdown = False
+        self.broken: str | None = None
+        self.procs: list[Any] = [None] * n
+        self.incarnations = [0] * n
+        self.early_deaths = [0] * n
+        self.crashes = 0
+        self.closed = False
+        for k in range(n):
+            self.start_worker(k)
+        self.thread: threading.Thread | None = threading.Thread(
+            target=self.run, name=f"stealer-results-{seg.name[-8:]}", daemon=True)
+        self.thread.start()
+        _live.add(self)
+
+    # -- workers -------------------------------------------------------------
+    def start_worker(self, k: int) -> None:
+        r = self.region
+        base = self.layout.worker(k)
+        self.incarnations[k] += 1
+        r.store64(base + W_CURRENT, 0)
+        r.store32(base + W_STATE, STATE_STARTING)
+        args = WorkerArgs(
+            index=k, incarnation=self.incarnations[k], name=self.name,
+            layout=self.layout.to_args(), lock=self.lock, cpu=self.cpus[k],
+            steal_order=self.steal[k] if self.steal else None,
+            initializer=self.initializer, initargs=self.initargs,
+            max_tasks=self.max_tasks, ppid=os.getpid(), thread_limit=self.thread_limit,
+        )
+        p = self.ctx.Process(target=worker_main, args=(args,), name=f"stealer-worker-{k}")
+        p.start()
+        self.procs[k] = p
+
+    def check_workers(self) -> None:
+        procs = [p for p in self.procs if p is not None]
+        if not procs:
+            return
+        dead = mp.connection.wait([p.sentinel for p in procs], timeout=0)
+        for k, p in enumerate(self.procs):
+            if p is not None and p.sentinel in dead:
+                self.on_death(k, p)
+
+    def on_death(self, k: int, p: Any) -> None:
+        p.join(1.0)
+        code = p.exitcode
+        self.procs[k] = None
+        r = self.region
+        base = self.layout.worker(k)
+        state = r.load32(base + W_STATE)
+        cur = r.load64(base + W_CURRENT)
+        self.idle.forget(k)
+        if state == STATE_INIT_FAILED or code == EXIT_INIT_FAILED:
+            self.set_broken("the initializer raised an exception in a worker process (its "
+                            "traceback is on stderr); the executor cannot start workers")
+            return
+        if state == STATE_EXITING and r.load32(H_SHUTDOWN):
+            return
+        if state == STATE_RETIRED and cur == 0 and code == 0:
+            self.start_worker(k)  # max_tasks_per_child reached: a planned replacement
+            return
+        desc = describe_exit(k, p.pid, code)
+        self.crashes += 1
+        if cur:
+            self.fail_running(cur - 1, desc)
+        if state == STATE_STARTING:
+            self.early_deaths[k] += 1
+            if self.early_deaths[k] >= MAX_EARLY_DEATHS:
+                self.set_broken(f"{desc} before it was ready, {MAX_EARLY_DEATHS} times in a "
+                                "row; the executor cannot start workers")
+                return
+        else:
+            self.early_deaths[k] = 0
+        if not r.load32(H_SHUTDOWN):
+            self.start_worker(k)
+
+    def fail_running(self, h: int, desc: str) -> None:
+        """The worker died while running record ``h``: fail that task, not the pool."""
+        a = self.arena
+        off = a.off(h)
+        kind, _status, link = a.kind_link(off)
+        root = (kind & 0xFF) == K_ROOT
+        f = self.futures.pop(link, None) if root else None
+        name = getattr(f, "_st_name", "a spawned child task")
+        exc = WorkerCrashedError(f"{desc}; the task was {name}. Other tasks go on; a "
+                                 "replacement worker is starting.")
+        if f is not None:
+            self.resolve(f, ST_ERROR, (exc, ""))
+        old = self.region.add64(off + R_PENDING, -1)  # take the dead task's token
+        if old != 1:
+            # Children are still out there; the last one will resume this task on the
+            # replacement worker, which reports it as orphaned (and the client drops it).
+            return
+        if root:
+            a.free(h)
+        else:
+            a.drop_payload(off)
+            a.put(off, *serialize.dumps((exc, "")))
+            a.set_status(off, ST_ERROR)
+            finish_child(a, self.inboxes, self.idle, link)
+
+    def set_broken(self, msg: str) -> None:
+        self.broken = msg
+        self.shutdown = True
+        exc = BrokenExecutor(msg)
+        for fid in list(self.futures):
+            f = self.futures.pop(fid, None)
+            if f is not None:
+                self.resolve(f, ST_ERROR, (exc, ""))
+        while self.backlog:
+            f = self.backlog.popleft()[0]
+            self.resolve(f, ST_ERROR, (exc, ""))
+
+    # -- results -------------------------------------------------------------
+    def resolve(self, f: _Future, status: int, value: Any) -> None:
+        try:
+            if status == ST_OK:
+                f.set_result(value)
+            else:
+                exc, tb = value
+                if tb:
+                    exc.__cause__ = RemoteTraceback(tb)
+                f.set_exception(exc)
+        except _fbase.InvalidStateError:
+            pass  # cancelled meanwhile
+
+    def complete(self, h: int) -> None:
+        a = self.arena
+        off = a.off(h)
+        _kind, status, fid = a.kind_link(off)
+        try:
+            value = a.take(off)
+        except BaseException as exc:
+            status = ST_ERROR
+            value = (SerializationError(
+                f"could not unpickle the task result in the client ({type(exc).__name__}: "
+                f"{exc})"), "")
+        f = self.futures.pop(fid, None)
+        if f is not None:
+            self.resolve(f, status, value)
+        a.free(h)  # after resolving: _Future.cancel relies on this order
+
+    def drain_backlog(self) -> None:
+        a = self.arena
+        moved = 0
+        while self.backlog:
+            h = a.alloc()
+            if h < 0:
+                break
+            f, data, bufs = self.backlog.popleft()
+            with f._condition:
+                if f._state != _fbase.PENDING:
+                    a.free(h)
+                    continue
+                off = a.setup(h, K_ROOT, f._st_fid, time.monotonic_ns())
+                a.put(off, data, bufs)
+                f._st_handle = h
+                self.injector.push(h)
+                moved += 1
+        if moved:
+            self.idle.notify_one()
+
+    def has_completions(self) -> bool:
+        return any(len(c) for c in self.completions)
+
+    def run(self) -> None:
+        """The result thread."""
+        try:
+            self._run()
+        finally:
+            self.close()
+
+    def _run(self) -> None:
+        rings = self.completions
+        complete = self.complete
+        last_check = 0.0
+        while True:
+            got = 0
+            for ring in rings:
+                hs = ring.pop_many(1024)
+                if hs:
+                    got += len(hs)
+                    for h in hs:
+                        complete(h)
+            if self.backlog:
+                self.drain_backlog()
+            now = time.monotonic()
+            if not got or now - last_check > MONITOR_INTERVAL:
+                last_check = now
+                self.check_workers()
+            if self.shutdown and not self.futures and not self.backlog:
+                return
+            if not got:
+                self.idle.client_park(self.has_completions, MONITOR_INTERVAL)
+
+    def begin_shutdown(self) -> None:
+        with self.shutdown_lock:
+            self.shutdown = True
+        self.wake()
+
+    def wake(self) -> None:
+        r = self.region
+        r.store32(0x100, 2)  # H_CLIENT_PARK: NOTIFIED
+        r.futex_wake(0x100, 1)
+
+    def close(self) -> None:
+        """Stop the workers and remove the segment (result thread, at the end)."""
+        if self.closed:
+            return
+        self.closed = True
+        r = self.region
+        r.store32(H_SHUTDOWN, 1)  # seq_cst: workers exit once they find no work
+        self.idle.notify_all()
+        deadline = time.monotonic() + 5.0
+        for p in self.procs:
+            if p is None:
+                continue
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.exitcode is None:
+                p.kill()
+                p.join(1.0)
+        self.seg.unlink()
+        _live.discard(self)
+
+
+class Executor(_fbase.Executor):
+    """A ``concurrent.futures.Executor`` of worker processes that steal work from each other.
+
+    Drop-in for :class:`~concurrent.futures.ProcessPoolExecutor`: the same
+    constructor arguments, ``submit``/``map``/``shutdown``, context manager and
+    exception types.  Beyond it:
+
+    * ``cpus``: where to pin workers: ``"auto"`` (default: ``"compact"`` when
+      there are enough allowed CPUs, else unpinned), ``"compact"``,
+      ``"scatter"``, ``"physical"``, ``"none"``, or an explicit list of CPU ids.
+    * ``thread_limit``: BLAS/OpenMP threads per worker (default 1; None leaves
+      the environment alone).
+    * ``records``: how many tasks may be alive at once in shared memory (more
+      wait in a client-side backlog).
+    * tasks may :func:`stealer.spawn` children and join them by ``yield``.
+    """
+
+    def __init__(
+        self,
+        max_workers: int | None = None,
+        mp_context: Any = None,
+        initializer: Callable[..., object] | None = None,
+        initargs: tuple = (),
+        *,
+        max_tasks_per_child: int | None = None,
+        cpus: str | Iterable[int] | None = "auto",
+        thread_limit: int | None = 1,
+        records: int = 16384,
+    ) -> None:
+        topo = affinity.read_topology()
+        if max_workers is None:
+            max_workers = max(1, topo.usable_count)
+        elif max_workers <= 0:
+            raise ValueError("max_workers must be greater than 0")
+        if mp_context is None:
+            mp_context = mp.get_context("spawn")
+        if max_tasks_per_child is not None:
+            if not isinstance(max_tasks_per_child, int) or max_tasks_per_child <= 0:
+                raise ValueError("max_tasks_per_child must be >= 1")
+            if mp_context.get_start_method(allow_none=False) == "fork":
+                raise ValueError("max_tasks_per_child is incompatible with the 'fork' "
+                                 "multiprocessing start method; supply a different mp_context.")
+        if initializer is not None and not callable(initializer):
+            raise TypeError("initializer must be a callable")
+        if records < 2:
+            raise ValueError("records must be >= 2")
+        policy: Any = cpus
+        if cpus == "auto":
+            policy = "compact" if max_workers <= topo.usable_count else "none"
+        plan = affinity.plan(max_workers, policy, topo)
+        steal = affinity.steal_order(plan, topo)
+        init_bytes = None
+        if initializer is not None:
+            data, bufs = serialize.dumps(initializer, "initializer")
+            if bufs:
+                raise SerializationError("the initializer must not carry out-of-band buffers")
+            init_bytes = data
+        self._max_workers = max_workers
+        self._cpus = plan
+        self._pool = _Pool(max_workers, mp_context, plan, steal, init_bytes, tuple(initargs),
+                           max_tasks_per_child, thread_limit, records)
+        weakref.finalize(self, self._pool.begin_shutdown)
+
+    # -- concurrent.futures API ----------------------------------------------
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        pool = self._pool
+        with pool.shutdown_lock:
+            if pool.broken:
+                raise BrokenExecutor(pool.broken)
+            if pool.shutdown:
+                raise ExecutorShutdownError("cannot schedule new futures after shutdown")
+            if _exiting:
+                raise ExecutorShutdownError(
+                    "cannot schedule new futures after interpreter shutdown")
+            f = _Future()
+            fid = next(pool.ids)
+            f._st_pool = pool
+            f._st_fid = fid
+            f._st_handle = None
+            f._st_name = getattr(fn, "__qualname__", None) or repr(fn)
+            fref = pool.fns.id_of(fn)
+            try:
+                data, bufs = serialize.dumps((fref if fref >= 0 else fn, args, kwargs or None),
+                                             "task (function and arguments)")
+            except SerializationError as exc:
+                f.set_exception(exc)
+                return f
+            pool.futures[fid] = f
+            a = pool.arena
+            h = a.alloc()
+            if h < 0:
+                pool.backlog.append((f, data, bufs))
+                pool.wake()
+                return f
+            off = a.setup(h, K_ROOT, fid, time.monotonic_ns())
+            try:
+                a.put(off, data, bufs)
+            except BaseException:
+                pool.futures.pop(fid, None)
+                a.free(h)
+                raise
+            f._st_handle = h
+            pool.injector.push(h)  # capacity == records: never full
+            pool.idle.notify_one()
+            return f
+
+    def map(self, fn: Callable[..., Any], *iterables: Iterable[Any], timeout: float | None = None,
+            chunksize: int = 1, buffersize: int | None = None) -> Iterator[Any]:
+        """Like ``Executor.map``, but lazy: at most ``buffersize`` tasks are in flight.
+
+        The first ``buffersize`` tasks (default: 4 per worker per chunk, at
+        least 64) are submitted at once; each result consumed submits the
+        next, so an endless input is fine.  Results come in input order.
+        """
+        if chunksize < 1:
+            raise ValueError("chunksize must be >= 1.")
+        if buffersize is None:
+            buffersize = max(64, 4 * self._max_workers)
+        elif buffersize < 1:
+            raise ValueError("buffersize must be >= 1.")
+        end_time = None if timeout is None else timeout + time.monotonic()
+        args_iter = zip(*iterables)
+        if chunksize > 1:
+            fref = self._pool.fns.id_of(fn)
+            fn_ref: Any = fref if fref >= 0 else fn
+            it = iter(lambda: list(itertools.islice(args_iter, chunksize)), [])
+
+            def submit_next() -> Future | None:
+                chunk = next(it, None)
+                return None if chunk is None else self.submit(_run_chunk, fn_ref, chunk)
+        else:
+            def submit_next() -> Future | None:
+                args = next(args_iter, None)
+                return None if args is None else self.submit(fn, *args)
+
+        pending: collections.deque[Future] = collections.deque()
+        while len(pending) < buffersize:
+            f = submit_next()
+            if f is None:
+                break
+            pending.append(f)
+
+        def results() -> Iterator[Any]:
+            try:
+                while pending:
+                    f = pending.popleft()
+                    if end_time is None:
+                        res = f.result()
+                    else:
+                        res = f.result(end_time - time.monotonic())
+                    nxt = submit_next()
+                    if nxt is not None:
+                        pending.append(nxt)
+                    if chunksize > 1:
+                        yield from res
+                    else:
+                        yield res
+            finally:
+                for f in pending:
+                    f.cancel()
+
+        return results()
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        pool = self._pool
+        with pool.shutdown_lock:
+            pool.shutdown = True
+        if cancel_futures:
+            for f in list(pool.futures.values()):
+                f.cancel()
+            while pool.backlog:
+                try:
+                    f = pool.backlog.popleft()[0]
+                except IndexError:
+                    break
+                pool.futures.pop(f._st_fid, None)
+                f.cancel()
+        pool.wake()
+        t = pool.thread
+        if wait and t is not None and t is not threading.current_thread():
+            t.join()
+
+    # -- extras --------------------------------------------------------------
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until every worker has started (and run its initializer)."""
+        pool = self._pool
+        r = pool.region
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            started = r.load32(H_STARTED)
+            if started >= pool.n:
+                return True
+            if pool.broken:
+                raise BrokenExecutor(pool.broken)
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            r.futex_wait(H_STARTED, started, min(0.05, left) if left is not None else 0.05)
+
+    @property
+    def max_workers(self) -> int:
+        return self._max_workers
+
+    @property
+    def cpus(self) -> list[int | None]:
+        """The CPU each worker is pinned to (None: not pinned)."""
+        return list(self._cpus)
+
+    @property
+    def segment_name(self) -> str:
+        """Name of this executor's shared-memory segment in /dev/shm."""
+        return self._pool.name
+
+    def worker_pids(self) -> list[int | None]:
+        return [p.pid if p is not None else None for p in self._pool.procs]

@@ -1,0 +1,189 @@
+"""Serialization: stdlib pickle first, cloudpickle when that fails, protocol 5.
+
+Out-of-band buffers (numpy arrays and anything exposing ``PickleBuffer``)
+are written straight into shared memory by the arena, after a small frame
+header; the reader copies each buffer once into a private ``bytearray`` so
+the object it gets owns its memory (the shared block is recycled at once).
+
+Frame of a payload with buffers (the record's FLAG_BUFFERS bit is set)::
+
+    u32 nbuf | u32 0 | u64 pickle_len | u64 len[nbuf] | pickle | buf0 | buf1 ...
+
+Without buffers the payload is the pickle bytes alone.
+
+Functions are sent once: :class:`FunctionTable` writes a function's pickle
+into the segment's function area and tasks then carry its integer id.
+Only plain functions and builtins are cached this way; bound methods,
+partials and other callables carry state and travel with every task.
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+import threading
+import types
+from typing import Any
+
+import cloudpickle
+
+from stealer.errors import SerializationError
+
+__all__ = ["dumps", "frame_size", "write_frame", "loads_frame", "FunctionTable"]
+
+_HDR = struct.Struct("=IIQ")
+_LEN = struct.Struct("=Q")
+_PROTO = 5
+
+
+def dumps(obj: Any, what: str = "object") -> tuple[bytes, list[pickle.PickleBuffer]]:
+    """Pickle ``obj``; returns the pickle and its out-of-band buffers."""
+    bufs: list[pickle.PickleBuffer] = []
+    try:
+        return pickle.dumps(obj, _PROTO, buffer_callback=bufs.append), bufs
+    except Exception:
+        bufs.clear()
+    try:
+        return cloudpickle.dumps(obj, _PROTO, buffer_callback=bufs.append), bufs
+    except Exception as exc:
+        raise SerializationError(
+            f"could not pickle the {what} ({type(exc).__name__}: {exc}). Tasks, their "
+            "arguments and results must be picklable (stealer uses cloudpickle, so lambdas "
+            "and closures work; open files, locks, sockets and generators do not)."
+        ) from exc
+
+
+def frame_size(data: bytes, bufs: list[pickle.PickleBuffer]) -> int:
+    if not bufs:
+        return len(data)
+    return _HDR.size + _LEN.size * len(bufs) + len(data) + sum(b.raw().nbytes for b in bufs)
+
+
+def write_frame(dst: Any, off: int, data: bytes, bufs: list[pickle.PickleBuffer]) -> None:
+    """Write a payload at ``dst[off:]`` (``dst`` is an mmap or writable buffer)."""
+    if not bufs:
+        dst[off : off + len(data)] = data
+        return
+    raws = [b.raw() for b in bufs]
+    _HDR.pack_into(dst, off, len(raws), 0, len(data))
+    p = off + _HDR.size
+    for r in raws:
+        _LEN.pack_into(dst, p, r.nbytes)
+        p += _LEN.size
+    dst[p : p + len(data)] = data
+    p += len(data)
+    for r in raws:
+        dst[p : p + r.nbytes] = r
+        p += r.nbytes
+
+
+def loads_frame(src: Any, has_buffers: bool) -> Any:
+    """Unpickle a payload written by :func:`write_frame` (``src`` is bytes-like)."""
+    if not has_buffers:
+        return pickle.loads(src)
+    mv = memoryview(src)
+    nbuf, _, plen = _HDR.unpack_from(mv, 0)
+    p = _HDR.size
+    lens = [_LEN.unpack_from(mv, p + _LEN.size * i)[0] for i in range(nbuf)]
+    p += _LEN.size * nbuf
+    data = mv[p : p + plen]
+    p += plen
+    buffers = []
+    for n in lens:
+        buffers.append(bytearray(mv[p : p + n]))
+        p += n
+    return pickle.loads(data, buffers=buffers)
+
+
+def cacheable(fn: Any) -> bool:
+    """Functions whose pickle does not change between calls (no bound state)."""
+    return type(fn) in (types.FunctionType, types.BuiltinFunctionType)
+
+
+class FunctionTable:
+    """Function pickles stored once in the segment, referenced by id.
+
+    Writer: the client only (under ``self._lock``).  Readers: workers, which
+    look an id up the first time they meet it and keep the function.
+    Entry i is (offset u64, length u64) at ``table_off + 16 i``; the length
+    is stored last with release (store64), so a reader that sees a non-zero
+    length (load64 acquire) sees the bytes.  The client writes an entry
+    before it submits any task that names the id, and the injector push
+    (release) orders the two anyway.
+    """
+
+    def __init__(self, mm: Any, region: Any, table_off: int, entries: int, data_off: int,
+                 data_size: int) -> None:
+        self.mm = mm
+        self.region = region
+        self.table_off = table_off
+        self.entries = entries
+        self.data_off = data_off
+        self.data_size = data_size
+        self._ids: dict[Any, int] = {}  # client side: function -> id
+        self._fns: dict[int, Any] = {}  # worker side: id -> function
+        self._count = 0
+        self._used = 0
+        self._lock = threading.Lock()
+
+    def id_of(self, fn: Any) -> int:
+        """Client: the id of ``fn``, registering it on first use; -1 when not cacheable."""
+        try:
+            return self._ids[fn]
+        except KeyError:
+            pass
+        except TypeError:
+            return -1
+        if not cacheable(fn):
+            return -1
+        with self._lock:
+            if fn in self._ids:
+                return self._ids[fn]
+            data, bufs = dumps(fn, "function")
+            if bufs or self._count >= self.entries or self._used + len(data) > self.data_size:
+                return -1
+            off = self.data_off + self._used
+            self.mm[off : off + len(data)] = data
+            ent = self.table_off + 16 * self._count
+            self.region.store64(ent, off)          # entry offset; published by the length store below
+            self.region.store64(ent + 8, len(data))  # release: pairs with load64 in get()
+            fid = self._count
+            self._count += 1
+            self._used += len(data)
+            self._ids[fn] = fid
+            return fid
+
+    def get(self, fid: int) -> Any:
+        """Worker: the function registered under ``fid``."""
+        try:
+            return self._fns[fid]
+        except KeyError:
+            pass
+        if not 0 <= fid < self.entries:
+            raise SerializationError(f"unknown function id {fid}")
+        ent = self.table_off + 16 * fid
+        n = self.region.load64(ent + 8)  # acquire: pairs with the client's store64 of the length
+        if n == 0:
+            raise SerializationError(f"function id {fid} is not registered")
+        off = self.region.load64(ent)
+        try:
+            fn = pickle.loads(self.mm[off : off + n])
+        except Exception as exc:
+            raise SerializationError(
+                f"could not unpickle the task function in the worker ({type(exc).__name__}: "
+                f"{exc}). If it is defined in a module, that module must be importable in the "
+                "worker processes."
+            ) from exc
+        self._fns[fid] = fn
+        try:
+            self._ids[fn] = fid
+        except TypeError:
+            pass
+        return fn
+
+    def id_known(self, fn: Any) -> int:
+        """Worker: the id of a function already loaded from the table, else -1."""
+        try:
+            return self._ids.get(fn, -1)
+        except TypeError:
+            return -1

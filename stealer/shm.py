@@ -1,0 +1,225 @@
+"""The shared-memory segment of one executor: layout, create/attach, cleanup.
+
+One file in /dev/shm per executor, mode 0600, named
+``stealer-<client pid>-<128-bit random token>`` so it cannot be guessed.
+Everything inside is fixed-size integers at fixed offsets (see
+:class:`Layout`); each structure starts on its own 64-byte cache line.
+
+Cleanup: the client unlinks the segment (and its overflow files,
+``<name>-x<n>``) at shutdown and from a finalizer; a worker whose client
+died unlinks them before exiting; and every new executor removes segments
+left by clients that no longer exist (``cleanup_stale``).  Nothing here
+uses ``multiprocessing.shared_memory``, so the resource tracker never
+warns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import mmap
+import os
+import re
+import secrets
+from dataclasses import dataclass, field
+
+from stealer._queues import impl as Q
+
+__all__ = ["Layout", "Segment", "cleanup_stale", "SHM_DIR", "PREFIX"]
+
+SHM_DIR = "/dev/shm"
+PREFIX = "stealer-"
+LINE = 64
+MAGIC = 0x5354454C45525631  # "STELERV1"
+
+# Header words (byte offsets). Each on its own cache line.
+H_MAGIC = 0  # u64 written by the creator once, read by attachers to validate
+H_NWORKERS = 8  # u32 written by the creator once
+H_SHUTDOWN = 64  # u32 written by the client (store32 seq_cst), read by workers in their loop
+H_SEARCHING = 128  # u32 workers searching for work: add32 by workers; read by notifiers after a seq_cst fence
+H_PARKED = 192  # u32 workers parked: add32 by workers; read by notifiers after a seq_cst fence
+H_CLIENT_PARK = 256  # u32 futex word of the client's result thread (0 awake, 1 parked); CAS by workers to wake it
+H_OVERFLOW_SEQ = 320  # u64 counter of overflow files: add64 by any producer
+H_FN_COUNT = 384  # u64 number of function-table entries: written by the client only (store64 release)
+H_FN_BYTES = 392  # u64 bytes used in the function data area: client only
+H_STARTED = 448  # u32 workers that finished starting: add32 by workers, futex-waited by wait_ready
+HEADER_BYTES = 4096
+
+# Per-worker block (stride WORKER_BYTES). Park word alone on its line.
+W_PARK = 0  # u32 0 running, 1 parked, 2 notified: worker sets 1, notifier CASes 1->2 then futex-wakes
+W_CURRENT = 64  # u64 handle+1 of the task running now (0 none): worker store64 release, client load64 after death
+W_INCARNATION = 72  # u32 bumped by the client before starting a (replacement) worker process
+W_STATE = 76  # u32 0 starting, 1 ready, 2 exiting, 3 retired, 4 init failed: worker store32, client load32
+W_SEARCHING = 80  # u32 1 while counted in H_SEARCHING: worker store32; client corrects H_SEARCHING after a death
+W_TASKS = 128  # u64 tasks run: worker only (store64), client reads for stats
+W_STEALS = 136  # u64 successful steals: worker only
+W_PARKS = 144  # u64 times parked: worker only
+WORKER_BYTES = 256
+
+# Record (task) layout: RECORD_BYTES each, see arena.py for the fields.
+RECORD_BYTES = 128
+
+
+def _pow2(n: int) -> int:
+    p = 1
+    while p < n:
+        p <<= 1
+    return p
+
+
+def _align(n: int) -> int:
+    return (n + LINE - 1) & ~(LINE - 1)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Offsets of every structure in the segment; computed identically by every process."""
+
+    nworkers: int
+    records: int = 16384  # max tasks alive at once (queued, running, waiting on children, results unread)
+    block_classes: tuple[tuple[int, int], ...] = ((1024, 4096), (16384, 512), (262144, 32))
+    fn_entries: int = 4096
+    fn_data: int = 1 << 20
+    offsets: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.nworkers < 1:
+            raise ValueError("nworkers must be >= 1")
+        object.__setattr__(self, "records", _pow2(self.records))
+        off = HEADER_BYTES
+        o: dict[str, int] = {}
+
+        def take(name: str, size: int) -> None:
+            nonlocal off
+            o[name] = off
+            off = _align(off + size)
+
+        n, cap = self.nworkers, self.records
+        take("workers", WORKER_BYTES * n)
+        take("deques", Q.Deque.nbytes(cap) * n)
+        take("inboxes", Q.MPMCRing.nbytes(cap) * n)
+        take("completions", Q.SPSCRing.nbytes(cap) * n)
+        take("injector", Q.MPMCRing.nbytes(cap))
+        take("record_free", Q.MPMCRing.nbytes(cap))
+        take("records", RECORD_BYTES * cap)
+        for i, (size, count) in enumerate(self.block_classes):
+            take(f"block_free{i}", Q.MPMCRing.nbytes(_pow2(count)))
+            take(f"blocks{i}", size * count)
+        take("fn_table", 16 * self.fn_entries)
+        take("fn_data", self.fn_data)
+        o["total"] = off
+        object.__setattr__(self, "offsets", o)
+
+    @property
+    def total(self) -> int:
+        return self.offsets["total"]
+
+    def worker(self, k: int) -> int:
+        return self.offsets["workers"] + WORKER_BYTES * k
+
+    def deque(self, k: int) -> int:
+        return self.offsets["deques"] + Q.Deque.nbytes(self.records) * k
+
+    def inbox(self, k: int) -> int:
+        return self.offsets["inboxes"] + Q.MPMCRing.nbytes(self.records) * k
+
+    def completion(self, k: int) -> int:
+        return self.offsets["completions"] + Q.SPSCRing.nbytes(self.records) * k
+
+    def to_args(self) -> tuple:
+        return (self.nworkers, self.records, self.block_classes, self.fn_entries, self.fn_data)
+
+    @classmethod
+    def from_args(cls, args: tuple) -> Layout:
+        n, records, classes, fn_entries, fn_data = args
+        return cls(n, records, tuple(tuple(c) for c in classes), fn_entries, fn_data)
+
+
+class Segment:
+    """An mmap of the executor's /dev/shm file, plus a Region over it."""
+
+    def __init__(self, name: str, mm: mmap.mmap, layout: Layout, lock: object = None) -> None:
+        self.name = name
+        self.path = os.path.join(SHM_DIR, name)
+        self.mm = mm
+        self.layout = layout
+        self.region = Q.Region(mm, lock)
+
+    @classmethod
+    def create(cls, layout: Layout, lock: object = None) -> Segment:
+        name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(16)}"
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.ftruncate(fd, layout.total)
+            mm = mmap.mmap(fd, layout.total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+        os.close(fd)
+        seg = cls(name, mm, layout, lock)
+        r = seg.region
+        r.store64(H_MAGIC, MAGIC)
+        r.store32(H_NWORKERS, layout.nworkers)
+        return seg
+
+    @classmethod
+    def attach(cls, name: str, layout: Layout, lock: object = None) -> Segment:
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            mm = mmap.mmap(fd, layout.total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        seg = cls(name, mm, layout, lock)
+        if seg.region.load64(H_MAGIC) != MAGIC:
+            raise RuntimeError(f"{path} is not a stealer segment")
+        return seg
+
+    def unlink(self) -> None:
+        unlink_all(self.name)
+
+
+def unlink_all(name: str) -> None:
+    """Remove the segment file and its overflow files; missing files are fine."""
+    for path in [os.path.join(SHM_DIR, name), *glob.glob(os.path.join(SHM_DIR, name + "-x*"))]:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+_NAME_RE = re.compile(r"^stealer-(\d+)-[0-9a-f]{32}(-x\d+)?$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def cleanup_stale() -> list[str]:
+    """Unlink segments (and overflow files) whose creating client no longer runs."""
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    uid = os.getuid()
+    for name in names:
+        m = _NAME_RE.match(name)
+        if not m:
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if os.stat(path).st_uid != uid or _alive(int(m.group(1))):
+                continue
+            os.unlink(path)
+            removed.append(name)
+        except OSError:
+            continue
+    return removed

@@ -1,0 +1,518 @@
+"""Worker process: find a task, run it, report it.
+
+::
+
+    find_task (one worker)
+      inbox[k]   continuations of this worker's suspended tasks, resumed first
+      deque[k]   own Chase-Lev deque, newest first (children, injector batches)
+      injector   client submissions, a batch at a time (also first every 61 tasks, for fairness)
+      steal      half of a peer's deque, oldest first, peers in steal order
+      spin       a few rounds, then park on the futex word (idle.py)
+
+    run: CAS record QUEUED -> RUNNING (lost: the client cancelled it) ->
+         unpickle (fn id | fn, args, kwargs) -> call -> a generator is driven
+         as a fork-join continuation -> pickle the result into the record ->
+         root: push to completion ring k, wake the client if parked;
+         child: decrement the parent's join counter, the last child resumes it.
+
+A generator task is pinned to its worker (generators do not pickle): while
+it waits for children its frame lives in ``self.conts`` and the record says
+which worker and incarnation hold it.  Every resume goes through the
+worker's shared inbox, so a continuation is never lost silently: when a
+worker dies, its successor finds the orphaned resumes and fails those tasks
+with WorkerCrashedError instead of hanging them.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import struct
+import sys
+import time
+import traceback
+from types import GeneratorType
+from typing import Any
+
+from stealer import forkjoin, serialize
+from stealer.arena import (
+    K_CHILD,
+    K_MASK,
+    K_ROOT,
+    R_OWNER,
+    R_PENDING,
+    R_STATE,
+    R_TSTART,
+    S_QUEUED,
+    S_RUNNING,
+    ST_ERROR,
+    ST_OK,
+    Arena,
+)
+from stealer.errors import RemoteError, SerializationError, WorkerCrashedError
+from stealer.forkjoin import Child, children_of
+from stealer.idle import Idle
+from stealer.shm import (
+    H_SHUTDOWN,
+    H_STARTED,
+    W_CURRENT,
+    W_PARKS,
+    W_STATE,
+    W_STEALS,
+    W_TASKS,
+    Layout,
+    Segment,
+    unlink_all,
+)
+
+__all__ = ["WorkerArgs", "main", "error_payload", "finish_child", "STATE_READY"]
+
+STATE_STARTING, STATE_READY, STATE_EXITING, STATE_RETIRED, STATE_INIT_FAILED = range(5)
+EXIT_INIT_FAILED = 3
+
+_OWNER = struct.Struct("=III")  # owner, incarnation, cont id
+_I64 = struct.Struct("=q")
+_U64 = struct.Struct("=Q")
+
+SPIN_ROUNDS = 64  # search rounds before parking
+PARK_TIMEOUT = 0.5  # seconds; on timeout the worker checks that its client is alive
+INJECTOR_BATCH = 16
+STEAL_CAP = 32
+FAIR_TICK = 61
+
+
+class WorkerArgs:
+    """Everything a worker process needs; pickled by multiprocessing at start."""
+
+    def __init__(self, **kw: Any) -> None:
+        self.__dict__.update(kw)
+
+
+def error_payload(exc: BaseException) -> tuple:
+    """(exception, formatted traceback), or a picklable stand-in for the exception."""
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        serialize.dumps(exc, "exception")
+        return exc, tb
+    except SerializationError:
+        return RemoteError(f"{type(exc).__qualname__}: {exc} (the original exception could "
+                           "not be pickled)"), tb
+
+
+def finish_child(arena: Arena, inboxes: list, idle: Idle, parent: int, me: int = -1) -> None:
+    """A child's result is in its record: count it off its parent; the last one resumes it."""
+    poff = arena.off(parent)
+    old = arena.region.add64(poff + R_PENDING, -1)  # acq_rel: our result writes -> the resumer
+    if old == 1:
+        owner = _OWNER.unpack_from(arena.mm, poff + R_OWNER)[0]  # written before the parent's add64
+        while not inboxes[owner].push(parent):
+            time.sleep(0.0001)
+        if owner != me:
+            idle.notify_worker(owner)
+
+
+class _Frame:
+    """A running or suspended task on this worker (fork-join state)."""
+
+    __slots__ = ("final", "gen", "h", "kids", "kind", "link", "off", "waiting")
+
+    def __init__(self, h: int, off: int, kind: int, link: int) -> None:
+        self.h = h
+        self.off = off
+        self.kind = kind
+        self.link = link
+        self.gen: Any = None
+        self.kids: dict[int, Child] = {}  # spawned children not yet joined-and-read
+        self.waiting: tuple[list[Child], bool] | None = None
+        self.final: tuple[int, Any] | None = None  # result held until children finish
+
+
+class Worker:
+    def __init__(self, a: WorkerArgs) -> None:
+        from stealer._queues import impl as Q
+
+        self.k = a.index
+        self.incarnation = a.incarnation
+        self.ppid = a.ppid
+        self.max_tasks = a.max_tasks or 0
+        self.name = a.name
+        layout = Layout.from_args(a.layout)
+        self.seg = seg = Segment.attach(a.name, layout, a.lock)
+        self.r = r = seg.region
+        self.arena = Arena(seg)
+        self.idle = Idle(r, layout)
+        n = layout.nworkers
+        self.n = n
+        self.deques = [Q.Deque(r, layout.deque(i), layout.records) for i in range(n)]
+        self.inboxes = [Q.MPMCRing(r, layout.inbox(i), layout.records) for i in range(n)]
+        self.deque = self.deques[self.k]
+        self.inbox = self.inboxes[self.k]
+        self.injector = Q.MPMCRing(r, layout.offsets["injector"], layout.records)
+        self.completions = Q.SPSCRing(r, layout.completion(self.k), layout.records)
+        o = layout.offsets
+        self.fns = serialize.FunctionTable(seg.mm, r, o["fn_table"], layout.fn_entries,
+                                           o["fn_data"], layout.fn_data)
+        self.wbase = layout.worker(self.k)
+        self.cur_off = self.wbase + W_CURRENT
+        order = a.steal_order or [(self.k + i) % n for i in range(1, n)]
+        self.victims = [self.deques[i] for i in order]
+        self.conts: dict[int, _Frame] = {}
+        self.next_cid = 1
+        self.frame: _Frame | None = None
+        self.tasks = 0
+        self.steals = 0
+        self.parks = 0
+        self.tick = 0
+
+    # -- main loop -----------------------------------------------------------
+    def loop(self) -> int:
+        inbox_pop = self.inbox.pop
+        deque_pop = self.deque.pop
+        while True:
+            h = inbox_pop()
+            if h >= 0:
+                self.resume(h)
+                continue
+            self.tick += 1
+            if self.tick % FAIR_TICK == 0:
+                h = self.injector.pop()
+                if h < 0:
+                    h = deque_pop()
+            else:
+                h = deque_pop()
+            if h < 0:
+                h = self.search()
+                if h is None:
+                    return STATE_EXITING
+                if h < 0:
+                    continue
+            self.execute(h)
+            if self.max_tasks and self.tasks >= self.max_tasks and not self.conts:
+                return STATE_RETIRED
+
+    def has_work(self) -> bool:
+        if len(self.inbox) or len(self.injector) or len(self.deque):
+            return True
+        return any(len(d) for d in self.victims)
+
+    def take_injector(self) -> int:
+        inj = self.injector
+        n = len(inj)
+        if n <= 0:
+            return -1
+        want = max(1, min(INJECTOR_BATCH, n // self.n))
+        items = inj.pop_many(want)
+        if not items:
+            return -1
+        if len(items) > 1:
+            push = self.deque.push
+            for h in reversed(items[1:]):  # owner pops newest first: keep submission order
+                if not push(h):
+                    while not inj.push(h):
+                        time.sleep(0.0001)
+            self.idle.notify_one()
+        return items[0]
+
+    def steal(self) -> int:
+        mine = self.deque
+        victims = self.victims
+        nv = len(victims)
+        if not nv:
+            return -1
+        start = random.randrange(nv) if nv > 2 else 0
+        for i in range(nv):
+            v = victims[(start + i) % nv]
+            for _attempt in range(2):
+                h = v.steal_half(mine, STEAL_CAP)
+                if h >= 0:
+                    self.steals += 1
+                    if len(mine):
+                        self.idle.notify_one()
+                    return h
+                if h != -2:  # EMPTY: next victim; RETRY: once more
+                    break
+        return -1
+
+    def search(self) -> int | None:
+        """Injector, then peers; spin briefly, then park. None means shut down."""
+        idle = self.idle
+        r = self.r
+        searching = idle.try_search(self.k)
+        rounds = 0
+        while True:
+            if len(self.inbox):
+                if searching:
+                    idle.stop_search(self.k, False)
+                return -1
+            h = self.take_injector()
+            if h < 0:
+                h = self.steal()
+            if h >= 0:
+                if searching:
+                    idle.stop_search(self.k, True)
+                return h
+            if r.load32(H_SHUTDOWN) and not self.conts:
+                if searching:
+                    idle.stop_search(self.k, False)
+                return None
+            rounds += 1
+            if rounds < SPIN_ROUNDS:
+                if rounds & 7 == 0:
+                    os.sched_yield()
+                continue
+            if searching:
+                idle.stop_search(self.k, False)
+                searching = False
+            self.parks += 1
+            woke = idle.park(self.k, self.has_work, PARK_TIMEOUT)
+            if not woke and os.getppid() != self.ppid:
+                self.orphaned()
+            rounds = 0
+            searching = idle.try_search(self.k)
+
+    def orphaned(self) -> None:
+        """Our client died without shutting down: remove its files and exit."""
+        unlink_all(self.name)
+        os._exit(0)
+
+    # -- running tasks -------------------------------------------------------
+    def execute(self, h: int) -> None:
+        a = self.arena
+        r = self.r
+        off = a.off(h)
+        if not r.cas32(off + R_STATE, S_QUEUED, S_RUNNING):  # pairs with the client's cancel CAS
+            a.free(h)  # cancelled before it started
+            return
+        kind, _status, link = a.kind_link(off)
+        r.store64(self.cur_off, h + 1)  # release: read by the client after this process dies
+        self.tasks += 1
+        frame = _Frame(h, off, kind, link)
+        mm = self.seg.mm
+        _I64.pack_into(mm, off + R_PENDING, 1)  # the running task's own token (no children yet)
+        _U64.pack_into(mm, off + R_TSTART, time.monotonic_ns())
+        self.frame = frame
+        try:
+            fref, args, kwargs = a.take(off)
+            fn = self.fns.get(fref) if type(fref) is int else fref
+            res = fn(*args, **kwargs) if kwargs else fn(*args)
+        except BaseException as exc:
+            self.finish(frame, ST_ERROR, exc)
+        else:
+            if type(res) is GeneratorType:
+                frame.gen = res
+                self.drive(frame, None, None)
+            else:
+                self.finish(frame, ST_OK, res)
+        finally:
+            self.frame = None
+            r.store64(self.cur_off, 0)
+
+    def drive(self, frame: _Frame, send: Any, exc: BaseException | None) -> None:
+        gen = frame.gen
+        self.frame = frame
+        while True:
+            try:
+                y = gen.throw(exc) if exc is not None else gen.send(send)
+            except StopIteration as stop:
+                self.finish(frame, ST_OK, stop.value)
+                return
+            except BaseException as e:
+                self.finish(frame, ST_ERROR, e)
+                return
+            exc = None
+            try:
+                kids, single = children_of(y)
+                for c in kids:
+                    if c.handle != -1 and not c.done and frame.kids.get(c.handle) is not c:
+                        raise TypeError("a task can only join children it spawned itself")
+            except TypeError as e:
+                exc = e
+                continue
+            frame.waiting = (kids, single)
+            if not all(c.done for c in kids) and not self.join(frame):
+                return  # suspended; resume() continues it
+            send, exc = self.collect(frame)
+
+    def join(self, frame: _Frame) -> bool:
+        """Drop the task's token; True if every child is already done (go on now)."""
+        off = frame.off
+        cid = self.next_cid
+        self.next_cid = (cid + 1) & 0xFFFFFFFF or 1
+        _OWNER.pack_into(self.seg.mm, off + R_OWNER, self.k, self.incarnation, cid)
+        old = self.r.add64(off + R_PENDING, -1)  # acq_rel: publishes R_OWNER to the last child
+        if old == 1:
+            _I64.pack_into(self.seg.mm, off + R_PENDING, 1)  # take the token back
+            return True
+        self.conts[cid] = frame
+        return False
+
+    def collect(self, frame: _Frame) -> tuple[Any, BaseException | None]:
+        assert frame.waiting is not None
+        kids, single = frame.waiting
+        frame.waiting = None
+        a = self.arena
+        for c in kids:
+            if c.done:
+                continue
+            coff = a.off(c.handle)
+            status = a.kind_link(coff)[1]
+            try:
+                value = a.take(coff)
+            except BaseException as e:
+                status, value = ST_ERROR, error_payload(e)
+            a.free(c.handle)
+            del frame.kids[c.handle]
+            c.done = True
+            if status == ST_OK:
+                c.value = value
+            else:
+                c.exc = _with_remote_tb(value)
+        for c in kids:
+            if c.exc is not None:
+                return None, c.exc
+        return (kids[0].value if single else [c.value for c in kids]), None
+
+    def resume(self, h: int) -> None:
+        a = self.arena
+        off = a.off(h)
+        _owner, inc, cid = _OWNER.unpack_from(self.seg.mm, off + R_OWNER)
+        frame = self.conts.pop(cid, None) if inc == self.incarnation else None
+        if frame is None or frame.h != h:
+            self.fail_orphan(h, off)
+            return
+        _I64.pack_into(self.seg.mm, off + R_PENDING, 1)  # token back: no child is outstanding
+        r = self.r
+        r.store64(self.cur_off, h + 1)
+        try:
+            if frame.final is not None:
+                status, value = frame.final
+                frame.final = None
+                self.finish(frame, status, value)
+            else:
+                send, exc = self.collect(frame)
+                self.drive(frame, send, exc)
+        finally:
+            self.frame = None
+            r.store64(self.cur_off, 0)
+
+    def fail_orphan(self, h: int, off: int) -> None:
+        """A resume for a continuation a dead predecessor held: fail that task."""
+        kind, _status, link = self.arena.kind_link(off)
+        exc = WorkerCrashedError(
+            f"the worker process holding this task's continuation (worker {self.k}, an "
+            "earlier incarnation) died while the task waited for its children"
+        )
+        frame = _Frame(h, off, kind, link)
+        self.report(frame, ST_ERROR, exc)
+
+    def finish(self, frame: _Frame, status: int, value: Any) -> None:
+        """The task body is done; wait for outstanding children (implicit join), then report."""
+        if frame.kids:
+            frame.waiting = None
+            frame.final = (status, value)
+            if not self.join(frame):
+                return
+            frame.final = None
+            a = self.arena
+            for h in frame.kids:  # results never joined: drop them
+                a.free(h)
+            frame.kids.clear()
+        self.report(frame, status, value)
+
+    def report(self, frame: _Frame, status: int, value: Any) -> None:
+        a = self.arena
+        off = frame.off
+        if status != ST_OK:
+            value = error_payload(value)
+        try:
+            data, bufs = serialize.dumps(value, "task result")
+        except SerializationError as exc:
+            status = ST_ERROR
+            data, bufs = serialize.dumps(error_payload(exc))
+        a.put(off, data, bufs)
+        a.set_status(off, status)
+        if frame.kind & K_MASK == K_ROOT:
+            while not self.completions.push(frame.h):  # capacity == records: cannot stay full
+                time.sleep(0.0001)
+            self.idle.wake_client()
+        else:
+            finish_child(a, self.inboxes, self.idle, frame.link, self.k)
+
+    # -- fork-join -----------------------------------------------------------
+    def spawn(self, fn: Any, args: tuple, kwargs: dict) -> Child:
+        frame = self.frame
+        if frame is None:
+            raise RuntimeError("spawn() outside a running task")
+        a = self.arena
+        h = a.alloc()
+        if h < 0:
+            return forkjoin.inline_child(fn, args, kwargs)  # arena exhausted: run it here
+        fid = self.fns.id_known(fn)
+        try:
+            data, bufs = serialize.dumps((fid if fid >= 0 else fn, args, kwargs or None),
+                                         "spawned task")
+        except BaseException:
+            a.free(h)
+            raise
+        off = a.setup(h, K_CHILD, frame.h, time.monotonic_ns())
+        a.put(off, data, bufs)
+        self.r.add64(frame.off + R_PENDING, 1)  # before the push: the child may finish at once
+        c = Child(h)
+        frame.kids[h] = c
+        if not self.deque.push(h):
+            while not self.injector.push(h):
+                time.sleep(0.0001)
+        self.idle.notify_one()
+        return c
+
+
+def _with_remote_tb(payload: Any) -> BaseException:
+    exc, tb = payload
+    if tb:
+        from stealer.errors import RemoteTraceback
+
+        exc.__cause__ = RemoteTraceback(tb)
+    return exc
+
+
+def main(a: WorkerArgs) -> None:
+    """Entry point of a worker process."""
+    from stealer import affinity
+
+    if a.thread_limit is not None:
+        affinity.apply_thread_limits(a.thread_limit)
+    try:
+        w = Worker(a)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(2)
+    r = w.r
+    try:
+        if a.cpu is not None:
+            affinity.pin_current_process(a.cpu)
+        if a.initializer is not None:
+            init = serialize.loads_frame(a.initializer, False)
+            init(*a.initargs)
+    except BaseException:
+        print(f"stealer: the initializer failed in worker {a.index}:", file=sys.stderr)
+        traceback.print_exc()
+        sys.stderr.flush()
+        r.store32(w.wbase + W_STATE, STATE_INIT_FAILED)
+        os._exit(EXIT_INIT_FAILED)
+    r.store32(w.wbase + W_STATE, STATE_READY)
+    r.add32(H_STARTED, 1)
+    r.futex_wake(H_STARTED, 1 << 30)
+    forkjoin._current = w
+    state = STATE_EXITING
+    try:
+        state = w.loop()
+    finally:
+        forkjoin._current = None
+        r.store64(w.wbase + W_TASKS, w.tasks)
+        r.store64(w.wbase + W_STEALS, w.steals)
+        r.store64(w.wbase + W_PARKS, w.parks)
+        r.store32(w.wbase + W_STATE, state)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(0)

@@ -42,7 +42,17 @@ from typing import Any
 from stealer import affinity, serialize
 from stealer._queues import NATIVE
 from stealer._queues import impl as Q
-from stealer.arena import K_ROOT, R_PENDING, R_STATE, S_CANCELLED, S_QUEUED, ST_ERROR, ST_OK, Arena
+from stealer.arena import (
+    K_ROOT,
+    R_PENDING,
+    R_STATE,
+    S_CANCELLED,
+    S_QUEUED,
+    S_RUNNING,
+    ST_ERROR,
+    ST_OK,
+    Arena,
+)
 from stealer.errors import (
     BrokenExecutor,
     ExecutorShutdownError,
@@ -113,6 +123,13 @@ class _Future(Future):
                         return False  # a worker started it (the CAS pairs with the worker's)
                 self._st_pool.futures.pop(self._st_fid, None)
             return super().cancel()
+
+    def running(self) -> bool:
+        with self._condition:
+            if self._state == _fbase.PENDING and self._st_handle is not None:
+                pool = self._st_pool
+                return pool.region.load32(pool.arena.off(self._st_handle) + R_STATE) == S_RUNNING
+            return super().running()
 
 
 def _run_chunk(fref: Any, chunk: list[tuple]) -> list:

@@ -1,0 +1,73 @@
+"""The ``stealer`` command (also ``python -m stealer``).
+
+Subcommands:
+  demo    a short fork-join and submit demo on all cores, with timings
+  topo    the machine's CPU topology and where each pinning policy puts workers
+  bench   the yardstick workloads beside ProcessPoolExecutor and the ideal
+          (``stealer bench --quick``; see ``stealer bench --help``)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import stealer
+    from stealer.bench import workloads as wl
+
+    t0 = time.perf_counter()
+    with stealer.Executor(args.workers) as ex:
+        ex.wait_ready(60)
+        ready = time.perf_counter() - t0
+        print(f"stealer {stealer.__version__}: {ex.max_workers} workers pinned to {ex.cpus}, "
+              f"ready in {ready * 1e3:.0f} ms")
+        n = 20_000
+        t = time.perf_counter()
+        fs = [ex.submit(wl.noop, i) for i in range(n)]
+        total = sum(f.result() for f in fs)
+        dt = time.perf_counter() - t
+        assert total == n * (n - 1) // 2
+        print(f"submit: {n:,} no-op tasks in {dt:.3f} s = {dt / n * 1e6:.1f} µs per task")
+        t = time.perf_counter()
+        seq = stealer.run_inline(wl.fib, 31, 18)
+        t_seq = time.perf_counter() - t
+        t = time.perf_counter()
+        par = ex.submit(wl.fib, 31, 18).result()
+        t_par = time.perf_counter() - t
+        assert par == seq
+        print(f"fork-join fib(31): {t_par:.3f} s on {ex.max_workers} workers vs {t_seq:.3f} s "
+              f"in one process = {t_seq / t_par:.2f}x speedup")
+    return 0
+
+
+def _topo(args: argparse.Namespace) -> int:
+    from stealer import affinity
+
+    print(affinity.describe(affinity.read_topology(), args.workers))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        from stealer.bench.runner import main as bench_main
+
+        return bench_main(argv[1:])
+    p = argparse.ArgumentParser(prog="stealer", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="a short demo on all cores")
+    d.add_argument("--workers", type=int, default=None)
+    t = sub.add_parser("topo", help="CPU topology and pinning policies")
+    t.add_argument("--workers", type=int, default=None)
+    sub.add_parser("bench", help="yardstick benchmarks (see stealer bench --help)")
+    args = p.parse_args(argv)
+    return {"demo": _demo, "topo": _topo}[args.cmd](args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

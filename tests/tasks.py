@@ -1,0 +1,197 @@
+"""Task functions for the executor tests (importable by spawned workers)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import threading
+import time
+
+import stealer
+
+STATE: dict[str, object] = {}
+
+
+def square(x):
+    return x * x
+
+
+def add(a, b=0, *, c=0):
+    return a + b + c
+
+
+def identity(x):
+    return x
+
+
+def pid(_=None):
+    return os.getpid()
+
+
+def sleep_then(seconds, value=None):
+    time.sleep(seconds)
+    return value
+
+
+def busy(seconds):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+    return seconds
+
+
+def raise_value_error(msg):
+    raise ValueError(msg)
+
+
+def exit_now(code):
+    os._exit(code)
+
+
+def kill_self(sig):
+    os.kill(os.getpid(), sig)
+    time.sleep(5)
+
+
+def segfault():
+    ctypes.string_at(0)
+
+
+def return_lock():
+    return threading.Lock()
+
+
+def set_state(key, value):
+    STATE[key] = value
+
+
+def get_state(key):
+    return STATE.get(key)
+
+
+def failing_init():
+    raise RuntimeError("init exploded")
+
+
+class Unpicklable:
+    def __reduce__(self):
+        raise TypeError("this object refuses to be pickled")
+
+
+def return_unpicklable():
+    return Unpicklable()
+
+
+class BadException(Exception):
+    def __init__(self, a, b):  # cannot be rebuilt from args alone
+        super().__init__(a)
+        self.lock = threading.Lock()
+
+
+def raise_bad_exception():
+    raise BadException("x", "y")
+
+
+def fib_seq(n):
+    return n if n < 2 else fib_seq(n - 1) + fib_seq(n - 2)
+
+
+def fib(n, cutoff):
+    if n <= cutoff:
+        return fib_seq(n)
+    a = stealer.spawn(fib, n - 1, cutoff)
+    b = stealer.spawn(fib, n - 2, cutoff)
+    x, y = yield [a, b]
+    return x + y
+
+
+def chain(depth):
+    """A spawn chain ``depth`` deep: each task spawns one child and joins it."""
+    if depth == 0:
+        return 0
+    c = stealer.spawn(chain, depth - 1)
+    v = yield c
+    return v + 1
+
+
+def wide(n):
+    kids = [stealer.spawn(square, i) for i in range(n)]
+    results = yield kids
+    return sum(results)
+
+
+def child_fails():
+    c = stealer.spawn(raise_value_error, "child broke")
+    try:
+        yield c
+    except ValueError as exc:
+        return f"caught: {exc}"
+    return "not raised"
+
+
+def child_fails_uncaught():
+    c = stealer.spawn(raise_value_error, "child broke")
+    yield c
+    return "unreachable"
+
+
+def unjoined_children(n):
+    for i in range(n):
+        stealer.spawn(square, i)
+    return "parent done"
+
+
+def plain_spawner(n):
+    """A non-generator task that spawns: it completes after its children (implicit join)."""
+    for _ in range(n):
+        stealer.spawn(busy, 0.001)
+    return n
+
+
+def yields_garbage():
+    yield 42
+
+
+def join_twice():
+    c = stealer.spawn(square, 5)
+    a = yield c
+    b = yield c
+    return a + b
+
+
+def spawn_outside():
+    return stealer.spawn(square, 1)
+
+
+def tree_sum(depth, fanout):
+    if depth == 0:
+        return 1
+    kids = [stealer.spawn(tree_sum, depth - 1, fanout) for _ in range(fanout)]
+    vals = yield kids
+    return 1 + sum(vals)
+
+
+def killer_tree(depth, victim_marker):
+    """Fork-join tree whose leaf number 0 kills its own worker (SIGKILL) once."""
+    if depth == 0:
+        if not os.path.exists(victim_marker):
+            open(victim_marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        busy(0.002)
+        return 1
+    kids = [stealer.spawn(killer_tree, depth - 1, victim_marker) for _ in range(2)]
+    vals = yield kids
+    return sum(vals)
+
+
+def numpy_double(a):
+    return a * 2
+
+
+def nbytes_of(b):
+    return len(b)
+
+
+def make_bytes(n):
+    return bytes(range(256)) * (n // 256)

@@ -9,6 +9,32 @@ cdef enum:
     ST_FULL = -3
 
 
+# Record layout (keep in sync with stealer/arena.py; the reference implementation).
+cdef enum:
+    R_WORD0 = 0      # u64: generation (low 32 bits) | state (high 32 bits)
+    R_KIND = 8
+    R_STATUS = 12
+    R_LINK = 16
+    R_PENDING = 24
+    R_OWNER = 32
+    R_PCLASS = 44
+    R_PREF = 48
+    R_PLEN = 56
+    R_TSUBMIT = 64
+    R_TSTART = 72
+    R_INLINE = 80
+    RECORD_BYTES = 128
+    INLINE = 48
+    S_FREE = 0
+    S_QUEUED = 1
+    S_RUNNING = 2
+    K_MASK = 0xFF
+    K_ROOT = 1
+    F_BUFFERS = 0x100
+    PARKED = 1
+    NOTIFIED = 2
+
+
 cdef class Region:
     cdef object obj                     # the exporter (mmap / bytearray), kept alive
     cdef unsigned char[::1] view        # buffer export pinning the mapping
@@ -55,3 +81,14 @@ cdef class SPSCRing:
     cdef readonly Py_ssize_t offset
     cdef int c_push(self, uint64_t v) noexcept nogil
     cdef int c_pop(self, uint64_t *out) noexcept nogil
+
+
+cdef class HotPath:
+    cdef Region region
+    cdef char *rec_base      # records: 128 bytes each, fields in stealer/arena.py
+    cdef MPMCRing free_ring  # free record indices
+    cdef MPMCRing injector   # client submissions
+    cdef uint64_t nrecords
+    cdef Py_ssize_t client_park_off
+    cdef char *rec(self, uint64_t h) noexcept nogil
+    cdef void c_free(self, uint64_t h) noexcept nogil

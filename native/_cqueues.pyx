@@ -138,7 +138,7 @@ cdef class Deque:
     def __cinit__(self, Region region, Py_ssize_t offset, Py_ssize_t capacity):
         if capacity <= 0 or (capacity & (capacity - 1)) != 0:
             raise ValueError("deque capacity must be a power of two")
-        if offset % LINE or offset + Deque.nbytes(capacity) > region.size:
+        if offset < 0 or offset % LINE or offset + Deque.nbytes(capacity) > region.size:
             raise ValueError("deque does not fit the region at that offset")
         self.region = region
         self.offset = offset
@@ -273,7 +273,7 @@ cdef class MPMCRing:
     def __cinit__(self, Region region, Py_ssize_t offset, Py_ssize_t capacity):
         if capacity <= 1 or (capacity & (capacity - 1)) != 0:
             raise ValueError("ring capacity must be a power of two >= 2")
-        if offset % LINE or offset + MPMCRing.nbytes(capacity) > region.size:
+        if offset < 0 or offset % LINE or offset + MPMCRing.nbytes(capacity) > region.size:
             raise ValueError("ring does not fit the region at that offset")
         self.region = region
         self.offset = offset
@@ -372,7 +372,7 @@ cdef class SPSCRing:
     def __cinit__(self, Region region, Py_ssize_t offset, Py_ssize_t capacity):
         if capacity <= 1 or (capacity & (capacity - 1)) != 0:
             raise ValueError("ring capacity must be a power of two >= 2")
-        if offset % LINE or offset + SPSCRing.nbytes(capacity) > region.size:
+        if offset < 0 or offset % LINE or offset + SPSCRing.nbytes(capacity) > region.size:
             raise ValueError("ring does not fit the region at that offset")
         self.region = region
         self.offset = offset
@@ -427,3 +427,140 @@ cdef class SPSCRing:
         cdef uint64_t h = st_load_acquire_u64(self.head_p)
         cdef uint64_t t = st_load_acquire_u64(self.tail_p)
         return <Py_ssize_t>(t - h) if t > h else 0
+
+
+# Record layout constants (R_*, S_*, K_*, INLINE...) are in _cqueues.pxd.
+
+from libc.string cimport memcpy, memset
+from cpython.bytes cimport PyBytes_FromStringAndSize
+
+
+cdef class HotPath:
+    """The per-task record operations, one native call each (see stealer/arena.py).
+
+    ``stealer.arena.Arena`` holds the pure-Python reference of every method
+    here; it delegates to this class when the extension is loaded.  Only
+    payloads that fit inline in the record take this path; larger ones and
+    out-of-band buffers go through the Python arena.
+    """
+
+    def __cinit__(self, Region region, Py_ssize_t rec_base, uint64_t nrecords,
+                  MPMCRing free_ring, MPMCRing injector, Py_ssize_t client_park_off):
+        if rec_base < 0 or rec_base % 64 or rec_base + <Py_ssize_t>(nrecords * RECORD_BYTES) > region.size:
+            raise ValueError("records do not fit the region")
+        self.region = region
+        self.rec_base = region.base + rec_base
+        self.nrecords = nrecords
+        self.free_ring = free_ring
+        self.injector = injector
+        self.client_park_off = client_park_off
+
+    cdef char *rec(self, uint64_t h) noexcept nogil:
+        return self.rec_base + RECORD_BYTES * (h & 0xFFFFFFFFU)
+
+    cdef void c_free(self, uint64_t h) noexcept nogil:
+        cdef char *r = self.rec(h)
+        cdef uint64_t gen = (st_load_relaxed_u64(r) + 1) & 0x7FFFFFFF
+        (<uint32_t *>(r + R_PCLASS))[0] = 0
+        (<uint64_t *>(r + R_PLEN))[0] = 0
+        st_store_release_u64(r, gen | (<uint64_t>S_FREE << 32))  # stale handles now fail their CAS
+        self.free_ring.c_push(h & 0xFFFFFFFFU)                     # release: next owner sees the new gen
+
+    def free(self, uint64_t h):
+        if (h & 0xFFFFFFFFU) >= self.nrecords:
+            raise IndexError("bad handle")
+        self.c_free(h)
+
+    def submit_inline(self, uint32_t kind, uint64_t link, uint64_t t_submit, const unsigned char[::1] data):
+        """Client: take a record, fill it with an inline payload, push it on the injector.
+
+        Returns the handle, or -1 when no record is free.  ``len(data)`` must be <= INLINE.
+        """
+        cdef Py_ssize_t n = data.shape[0]
+        if n > INLINE:
+            raise ValueError("payload too large for the inline path")
+        cdef uint64_t idx
+        if self.free_ring.c_pop(&idx) != ST_SUCCESS:
+            return -1
+        cdef char *r = self.rec_base + RECORD_BYTES * idx
+        cdef uint64_t gen = st_load_relaxed_u64(r) & 0xFFFFFFFFU
+        memset(r + 8, 0, R_INLINE - 8)
+        (<uint32_t *>(r + R_KIND))[0] = kind
+        (<uint64_t *>(r + R_LINK))[0] = link
+        (<uint64_t *>(r + R_PLEN))[0] = <uint64_t>n
+        (<uint64_t *>(r + R_TSUBMIT))[0] = t_submit
+        if n:
+            memcpy(r + R_INLINE, &data[0], n)
+        st_store_relaxed_u64(r, gen | (<uint64_t>S_QUEUED << 32))  # published by the push below
+        cdef uint64_t h = (gen << 32) | idx
+        self.injector.c_push(h)     # release (cell seq): the worker's pop acquires the record
+        return h
+
+    def start(self, uint64_t h, Py_ssize_t current_off, uint64_t t_start):
+        """Worker: claim a queued record. None if the client cancelled it (the caller frees it).
+
+        Otherwise sets the worker's current-task word, the join token and the
+        start time, and returns (kind, link, inline payload bytes or None).
+        """
+        self.region._check(current_off, 8)
+        cdef char *r = self.rec(h)
+        cdef uint64_t gen = h >> 32
+        # seq_cst CAS, pairs with the client's cancel CAS on the same word (gen-checked).
+        if not st_cas_seqcst_u64(r, gen | (<uint64_t>S_QUEUED << 32), gen | (<uint64_t>S_RUNNING << 32)):
+            return None
+        st_store_release_u64(self.region.base + current_off, h + 1)  # read by the client after a death
+        (<int64_t *>(r + R_PENDING))[0] = 1
+        (<uint64_t *>(r + R_TSTART))[0] = t_start
+        cdef uint32_t kind = (<uint32_t *>(r + R_KIND))[0]
+        cdef uint64_t link = (<uint64_t *>(r + R_LINK))[0]
+        cdef uint64_t n
+        if (<uint32_t *>(r + R_PCLASS))[0] == 0:
+            n = (<uint64_t *>(r + R_PLEN))[0]
+            (<uint64_t *>(r + R_PLEN))[0] = 0
+            return kind, link, PyBytes_FromStringAndSize(r + R_INLINE, <Py_ssize_t>n)
+        return kind, link, None
+
+    def finish_inline(self, uint64_t h, uint32_t status, const unsigned char[::1] data,
+                      SPSCRing completions):
+        """Worker: store a small result; for a root task also push the completion.
+
+        Returns 0 if ``data`` is too large (use the Python path), 1 when a root
+        task was completed (client woken if parked), 2 for a child (the caller
+        counts it off its parent).
+        """
+        cdef Py_ssize_t n = data.shape[0]
+        if n > INLINE:
+            return 0
+        cdef char *r = self.rec(h)
+        if n:
+            memcpy(r + R_INLINE, &data[0], n)
+        (<uint32_t *>(r + R_PCLASS))[0] = 0
+        (<uint64_t *>(r + R_PLEN))[0] = <uint64_t>n
+        cdef uint32_t kind = (<uint32_t *>(r + R_KIND))[0] & ~(<uint32_t>F_BUFFERS)
+        (<uint32_t *>(r + R_KIND))[0] = kind
+        (<uint32_t *>(r + R_STATUS))[0] = status
+        if (kind & K_MASK) != K_ROOT:
+            return 2
+        while completions.c_push(h) != ST_SUCCESS:   # release: the client's pop acquires the result
+            pass                                       # capacity == records: cannot stay full
+        st_fence_seqcst()                              # pairs with the client's park store + recheck
+        cdef char *w = self.region.base + self.client_park_off
+        if st_load_relaxed_u32(w) == PARKED and st_cas_seqcst_u32(w, PARKED, NOTIFIED):
+            st_futex_wake(w, 1)
+        return 1
+
+    def complete_take(self, uint64_t h):
+        """Client: (kind, status, link, inline payload or None) of a completed record.
+
+        An inline payload is copied out and the record freed; otherwise the
+        record stays for the Python path to read and free.
+        """
+        cdef char *r = self.rec(h)
+        cdef uint32_t kind = (<uint32_t *>(r + R_KIND))[0]
+        cdef uint32_t status = (<uint32_t *>(r + R_STATUS))[0]
+        cdef uint64_t link = (<uint64_t *>(r + R_LINK))[0]
+        cdef object data = None
+        if (<uint32_t *>(r + R_PCLASS))[0] == 0:
+            data = PyBytes_FromStringAndSize(r + R_INLINE, <Py_ssize_t>(<uint64_t *>(r + R_PLEN))[0])
+            self.c_free(h)
+        return kind, status, link, data

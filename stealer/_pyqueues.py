@@ -209,7 +209,7 @@ class _Ring:
     def __init__(self, region: Region, offset: int, capacity: int) -> None:
         if capacity < self._min_capacity or capacity & (capacity - 1):
             raise ValueError(f"{type(self).__name__} capacity must be a power of two")
-        if offset % _LINE or offset + self.nbytes(capacity) > region.nbytes:
+        if offset < 0 or offset % _LINE or offset + self.nbytes(capacity) > region.nbytes:
             raise ValueError(f"{type(self).__name__} does not fit the region at that offset")
         self.region = region
         self.offset = offset

@@ -31,13 +31,15 @@ import struct
 from typing import Any
 
 from stealer import serialize
-from stealer.shm import H_OVERFLOW_SEQ, RECORD_BYTES, SHM_DIR, Segment, _pow2
+from stealer.shm import H_CLIENT_PARK, H_OVERFLOW_SEQ, RECORD_BYTES, SHM_DIR, Segment, _pow2
 
 __all__ = ["Arena"]
 
 # Record fields (byte offsets inside a record).
-R_GEN = 0  # u32 generation: bumped by whoever frees the record, read when decoding handles
-R_STATE = 4  # u32 S_*: client CAS (cancel) vs worker CAS (start), seq_cst both
+R_WORD0 = 0  # u64 generation (low 32) | state S_* (high 32): cancel and start CAS the whole
+#              word with the handle's generation, so a stale handle can never hit a reused record
+R_GEN = 0  # u32 generation: bumped (store64 release) by whoever frees the record
+R_STATE = 4  # u32 S_*: client CAS (cancel) vs worker CAS (start), seq_cst both, via R_WORD0
 R_KIND = 8  # u32 K_* | F_* flags: written by the record's producer before the queue push
 R_STATUS = 12  # u32 ST_*: written by the worker that completes the task, before its completion push
 R_LINK = 16  # u64 future id (root) or parent handle (child): producer, before the push
@@ -63,6 +65,8 @@ OVERFLOW = 0xFFFF
 _HEAD = struct.Struct("=IIIIQqIIIIQQQQ")  # the 80-byte header, all fields
 _KIND_LINK = struct.Struct("=IIQ")  # kind, status, link
 _PAYLOAD = struct.Struct("=IQQ")  # pclass, pref, plen
+_KIND_STATUS = struct.Struct("=II")
+_I64 = struct.Struct("=q")
 _U32 = struct.Struct("=I")
 _U64 = struct.Struct("=Q")
 assert _HEAD.size == R_INLINE
@@ -71,7 +75,7 @@ assert _HEAD.size == R_INLINE
 class Arena:
     """Record and payload allocation over a :class:`~stealer.shm.Segment`."""
 
-    def __init__(self, seg: Segment) -> None:
+    def __init__(self, seg: Segment, injector: Any = None) -> None:
         from stealer._queues import impl as Q
 
         L = seg.layout
@@ -87,6 +91,32 @@ class Arena:
             self.classes.append((size, ring, L.offsets[f"blocks{i}"]))
         self._counts = [count for _, count in L.block_classes]
         self._ov_prefix = os.path.join(SHM_DIR, seg.name + "-x")
+        self.injector = injector or Q.MPMCRing(seg.region, L.offsets["injector"], L.records)
+        if getattr(Q, "HotPath", None) is not None and os.environ.get("STEALER_PY_HOTPATH") != "1":
+            hot = Q.HotPath(seg.region, self.rec_base, self.nrecords, self.rec_free,
+                            self.injector, H_CLIENT_PARK)
+            self.submit_inline = hot.submit_inline
+            self.start = hot.start
+            self.finish_inline = hot.finish_inline
+            self.complete_take = hot.complete_take
+            self.free = self._native_free(hot)
+
+    def _native_free(self, hot: Any) -> Any:
+        drop = self.drop_payload
+        off = self.off
+        nfree = hot.free
+
+        def free(h: int) -> None:
+            drop(off(h))
+            nfree(h)
+
+        return free
+
+    def _wake_client(self) -> None:
+        r = self.region
+        r.fence()  # seq_cst: the completion push before reading the client's park word
+        if r.load32(H_CLIENT_PARK) == 1 and r.cas32(H_CLIENT_PARK, 1, 2):
+            r.futex_wake(H_CLIENT_PARK, 1)
 
     def init(self) -> None:
         """Creator only: every record and block starts free."""
@@ -115,9 +145,74 @@ class Arena:
         off = self.off(h)
         self.drop_payload(off)
         gen = (_U32.unpack_from(self.mm, off)[0] + 1) & 0x7FFFFFFF
-        _U32.pack_into(self.mm, off, gen)
-        self.region.store32(off + R_STATE, S_FREE)
+        self.region.store64(off + R_WORD0, gen | (S_FREE << 32))  # release: stale CASes fail now
         self.rec_free.push(h & 0xFFFFFFFF)  # release: the next owner sees gen and the cleared fields
+
+    def cas_state(self, h: int, old: int, new: int) -> bool:
+        """CAS the record's state from ``old`` to ``new`` if ``h`` is still current."""
+        gen = h >> 32
+        return self.region.cas64(self.off(h) + R_WORD0, gen | (old << 32), gen | (new << 32))
+
+    # -- composite hot-path operations --------------------------------------
+    # Reference implementations; HotPath in native/_cqueues.pyx does the same
+    # in one native call each and replaces these when the extension loads.
+
+    def submit_inline(self, kind: int, link: int, t_submit: int, data: bytes) -> int:
+        """Client: a fresh record with an inline payload, pushed on the injector; -1 if none."""
+        if len(data) > INLINE:
+            raise ValueError("payload too large for the inline path")
+        h = self.alloc()
+        if h < 0:
+            return -1
+        off = self.setup(h, kind, link, t_submit)
+        self.mm[off + R_INLINE : off + R_INLINE + len(data)] = data
+        _PAYLOAD.pack_into(self.mm, off + R_PCLASS, 0, 0, len(data))
+        self.injector.push(h)
+        return h
+
+    def start(self, h: int, current_off: int, t_start: int) -> tuple | None:
+        """Worker: claim a queued record; None if the client cancelled it (caller frees it)."""
+        if not self.cas_state(h, S_QUEUED, S_RUNNING):
+            return None
+        off = self.off(h)
+        self.region.store64(current_off, h + 1)
+        _I64.pack_into(self.mm, off + R_PENDING, 1)
+        _U64.pack_into(self.mm, off + R_TSTART, t_start)
+        kind, _status, link = self.kind_link(off)
+        pclass, _pref, n = _PAYLOAD.unpack_from(self.mm, off + R_PCLASS)
+        if pclass == 0:
+            data = self.mm[off + R_INLINE : off + R_INLINE + n]
+            _U64.pack_into(self.mm, off + R_PLEN, 0)
+            return kind, link, data
+        return kind, link, None
+
+    def finish_inline(self, h: int, status: int, data: bytes, completions: Any) -> int:
+        """Worker: store a small result; 0 too large, 1 root completed, 2 child."""
+        if len(data) > INLINE:
+            return 0
+        off = self.off(h)
+        mm = self.mm
+        mm[off + R_INLINE : off + R_INLINE + len(data)] = data
+        _PAYLOAD.pack_into(mm, off + R_PCLASS, 0, 0, len(data))
+        kind = _U32.unpack_from(mm, off + R_KIND)[0] & ~F_BUFFERS
+        _KIND_STATUS.pack_into(mm, off + R_KIND, kind, status)
+        if kind & K_MASK != K_ROOT:
+            return 2
+        while not completions.push(h):
+            pass
+        self._wake_client()
+        return 1
+
+    def complete_take(self, h: int) -> tuple:
+        """Client: (kind, status, link, inline payload or None); frees the record if inline."""
+        off = self.off(h)
+        kind, status, link = self.kind_link(off)
+        pclass, _pref, n = _PAYLOAD.unpack_from(self.mm, off + R_PCLASS)
+        if pclass != 0:
+            return kind, status, link, None
+        data = self.mm[off + R_INLINE : off + R_INLINE + n]
+        self.free(h)
+        return kind, status, link, data
 
     def valid(self, h: int) -> bool:
         return _U32.unpack_from(self.mm, self.off(h))[0] == (h >> 32)

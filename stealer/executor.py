@@ -30,6 +30,7 @@ import itertools
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import pickle
 import signal
 import threading
 import time
@@ -43,9 +44,10 @@ from stealer import affinity, serialize
 from stealer._queues import NATIVE
 from stealer._queues import impl as Q
 from stealer.arena import (
+    F_BUFFERS,
+    INLINE,
     K_ROOT,
     R_PENDING,
-    R_STATE,
     S_CANCELLED,
     S_QUEUED,
     S_RUNNING,
@@ -104,12 +106,78 @@ atexit.register(_python_exit)
 
 
 class _Future(Future):
-    """A Future whose cancel() also withdraws the queued task from the workers."""
+    """A Future that withdraws its queued task on cancel() and is cheap to create.
 
-    _st_pool: _Pool
-    _st_fid: int
-    _st_handle: int | None
-    _st_name: str
+    ``concurrent.futures.Future`` builds a ``threading.Condition`` per future
+    (most of the cost of creating one) and takes it on every transition.
+    Here the condition is created on first use (``_condition`` is a
+    property), and the result thread resolves a future that nobody waits on
+    yet without any lock:
+
+    * resolver: store the result, publish ``_state = FINISHED``, *then* look
+      for a condition; if one exists, take it, notify waiters and wake
+      sleepers, as the stdlib does;
+    * anyone who blocks (``result``, ``wait``, ``as_completed``,
+      ``add_done_callback``, ``cancel``) first creates the condition, then
+      reads ``_state`` under it.
+
+    Under the GIL these steps are sequentially consistent, so either the
+    reader sees FINISHED or the resolver sees the condition (a Dekker
+    handshake): nothing is missed.  Every other method is the stdlib's.
+    """
+
+    def __init__(self, pool: _Pool, fid: int, name: str) -> None:
+        # Future.__init__ without the Condition (created lazily, see _condition).
+        self._state = _fbase.PENDING
+        self._result = None
+        self._exception = None
+        self._waiters: list[Any] = []
+        self._done_callbacks: list[Any] = []
+        self._st_pool = pool
+        self._st_fid = fid
+        self._st_handle: int | None = None
+        self._st_name = name
+
+    @property
+    def _condition(self) -> threading.Condition:  # type: ignore[override]
+        d = self.__dict__
+        cond = d.get("_st_cond")
+        if cond is None:
+            cond = d.setdefault("_st_cond", threading.Condition())  # atomic under the GIL
+        return cond
+
+    def _st_resolve(self, result: Any, exc: BaseException | None) -> None:
+        """Result thread: set the outcome (raises InvalidStateError if already set)."""
+        d = self.__dict__
+        if "_st_cond" in d:  # somebody is (or was) waiting: the stdlib's locked path
+            if exc is None:
+                Future.set_result(self, result)
+            else:
+                Future.set_exception(self, exc)
+            return
+        if self._state != _fbase.PENDING:
+            raise _fbase.InvalidStateError(f"{self._state}: {self!r}")
+        self._result = result
+        self._exception = exc
+        self._state = _fbase.FINISHED  # publish first ...
+        cond = d.get("_st_cond")  # ... then look for a waiter that came meanwhile
+        if cond is not None:
+            with cond:
+                for waiter in self._waiters:
+                    if exc is None:
+                        waiter.add_result(self)
+                    else:
+                        waiter.add_exception(self)
+                cond.notify_all()
+        self._invoke_callbacks()
+
+    def result(self, timeout: float | None = None) -> Any:
+        if self._state == _fbase.FINISHED and self._exception is None:
+            return self._result  # fast path: no lock needed once finished
+        return super().result(timeout)
+
+    def done(self) -> bool:
+        return self._state in (_fbase.CANCELLED, _fbase.CANCELLED_AND_NOTIFIED, _fbase.FINISHED)
 
     def cancel(self) -> bool:
         with self._condition:
@@ -117,10 +185,9 @@ class _Future(Future):
                 h = self._st_handle
                 if h is not None:
                     pool = self._st_pool
-                    # The result thread frees a record only after resolving its future
-                    # (under this condition), so h still names our record here.
-                    if not pool.region.cas32(pool.arena.off(h) + R_STATE, S_QUEUED, S_CANCELLED):
-                        return False  # a worker started it (the CAS pairs with the worker's)
+                    # generation-checked CAS, pairs with the worker's start CAS
+                    if not pool.arena.cas_state(h, S_QUEUED, S_CANCELLED):
+                        return False  # a worker started it, or it is already done
                 self._st_pool.futures.pop(self._st_fid, None)
             return super().cancel()
 
@@ -128,7 +195,9 @@ class _Future(Future):
         with self._condition:
             if self._state == _fbase.PENDING and self._st_handle is not None:
                 pool = self._st_pool
-                return pool.region.load32(pool.arena.off(self._st_handle) + R_STATE) == S_RUNNING
+                h = self._st_handle
+                word = pool.region.load64(pool.arena.off(h))  # gen | state << 32
+                return word == (h >> 32) | (S_RUNNING << 32)
             return super().running()
 
 
@@ -316,21 +385,28 @@ class _Pool:
     def resolve(self, f: _Future, status: int, value: Any) -> None:
         try:
             if status == ST_OK:
-                f.set_result(value)
+                f._st_resolve(value, None)
             else:
                 exc, tb = value
                 if tb:
                     exc.__cause__ = RemoteTraceback(tb)
-                f.set_exception(exc)
+                f._st_resolve(None, exc)
         except _fbase.InvalidStateError:
             pass  # cancelled meanwhile
 
     def complete(self, h: int) -> None:
         a = self.arena
-        off = a.off(h)
-        _kind, status, fid = a.kind_link(off)
+        kind, status, fid, data = a.complete_take(h)  # frees the record if the result is inline
         try:
-            value = a.take(off)
+            if data is None:
+                try:
+                    value = a.take(a.off(h))
+                finally:
+                    a.free(h)
+            elif kind & F_BUFFERS:
+                value = serialize.loads_frame(data, True)
+            else:
+                value = pickle.loads(data)
         except BaseException as exc:
             status = ST_ERROR
             value = (SerializationError(
@@ -339,7 +415,6 @@ class _Pool:
         f = self.futures.pop(fid, None)
         if f is not None:
             self.resolve(f, status, value)
-        a.free(h)  # after resolving: _Future.cancel relies on this order
 
     def drain_backlog(self) -> None:
         a = self.arena
@@ -373,7 +448,6 @@ class _Pool:
 
     def _run(self) -> None:
         rings = self.completions
-        complete = self.complete
         last_check = 0.0
         while True:
             got = 0
@@ -382,7 +456,7 @@ class _Pool:
                 if hs:
                     got += len(hs)
                     for h in hs:
-                        complete(h)
+                        self.complete(h)
             if self.backlog:
                 self.drain_backlog()
             now = time.monotonic()
@@ -498,12 +572,8 @@ class Executor(_fbase.Executor):
             if _exiting:
                 raise ExecutorShutdownError(
                     "cannot schedule new futures after interpreter shutdown")
-            f = _Future()
             fid = next(pool.ids)
-            f._st_pool = pool
-            f._st_fid = fid
-            f._st_handle = None
-            f._st_name = getattr(fn, "__qualname__", None) or repr(fn)
+            f = _Future(pool, fid, getattr(fn, "__qualname__", None) or repr(fn))
             fref = pool.fns.id_of(fn)
             try:
                 data, bufs = serialize.dumps((fref if fref >= 0 else fn, args, kwargs or None),
@@ -513,6 +583,12 @@ class Executor(_fbase.Executor):
                 return f
             pool.futures[fid] = f
             a = pool.arena
+            if not bufs and len(data) <= INLINE:
+                h = a.submit_inline(K_ROOT, fid, time.monotonic_ns(), data)
+                if h >= 0:
+                    f._st_handle = h
+                    pool.idle.notify_one()
+                    return f
             h = a.alloc()
             if h < 0:
                 pool.backlog.append((f, data, bufs))

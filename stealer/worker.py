@@ -26,6 +26,7 @@ with WorkerCrashedError instead of hanging them.
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import struct
 import sys
@@ -36,15 +37,12 @@ from typing import Any
 
 from stealer import forkjoin, serialize
 from stealer.arena import (
+    F_BUFFERS,
     K_CHILD,
     K_MASK,
     K_ROOT,
     R_OWNER,
     R_PENDING,
-    R_STATE,
-    R_TSTART,
-    S_QUEUED,
-    S_RUNNING,
     ST_ERROR,
     ST_OK,
     Arena,
@@ -159,6 +157,7 @@ class Worker:
         self.conts: dict[int, _Frame] = {}
         self.next_cid = 1
         self.frame: _Frame | None = None
+        self.cur: tuple[int, int, int] | None = None  # (handle, kind, link) of the running task
         self.tasks = 0
         self.steals = 0
         self.parks = 0
@@ -278,34 +277,40 @@ class Worker:
     # -- running tasks -------------------------------------------------------
     def execute(self, h: int) -> None:
         a = self.arena
-        r = self.r
-        off = a.off(h)
-        if not r.cas32(off + R_STATE, S_QUEUED, S_RUNNING):  # pairs with the client's cancel CAS
-            a.free(h)  # cancelled before it started
+        t = a.start(h, self.cur_off, time.monotonic_ns())  # CAS QUEUED->RUNNING, set current
+        if t is None:
+            a.free(h)  # the client cancelled it before it started
             return
-        kind, _status, link = a.kind_link(off)
-        r.store64(self.cur_off, h + 1)  # release: read by the client after this process dies
+        kind, link, data = t
         self.tasks += 1
-        frame = _Frame(h, off, kind, link)
-        mm = self.seg.mm
-        _I64.pack_into(mm, off + R_PENDING, 1)  # the running task's own token (no children yet)
-        _U64.pack_into(mm, off + R_TSTART, time.monotonic_ns())
-        self.frame = frame
+        self.cur = (h, kind, link)
+        status = ST_OK
         try:
-            fref, args, kwargs = a.take(off)
+            if data is None:
+                fref, args, kwargs = a.take(a.off(h))
+            elif kind & F_BUFFERS:
+                fref, args, kwargs = serialize.loads_frame(data, True)
+            else:
+                fref, args, kwargs = pickle.loads(data)
             fn = self.fns.get(fref) if type(fref) is int else fref
             res = fn(*args, **kwargs) if kwargs else fn(*args)
         except BaseException as exc:
-            self.finish(frame, ST_ERROR, exc)
-        else:
-            if type(res) is GeneratorType:
+            status, res = ST_ERROR, exc
+        try:
+            frame = self.frame  # created by spawn() if the task forked
+            if status == ST_OK and type(res) is GeneratorType:
+                if frame is None:
+                    frame = _Frame(h, a.off(h), kind, link)
                 frame.gen = res
                 self.drive(frame, None, None)
+            elif frame is not None:
+                self.finish(frame, status, res)
             else:
-                self.finish(frame, ST_OK, res)
+                self.report(h, kind, link, status, res)
         finally:
             self.frame = None
-            r.store64(self.cur_off, 0)
+            self.cur = None
+            self.r.store64(self.cur_off, 0)  # release: nothing running now
 
     def drive(self, frame: _Frame, send: Any, exc: BaseException | None) -> None:
         gen = frame.gen
@@ -402,8 +407,7 @@ class Worker:
             f"the worker process holding this task's continuation (worker {self.k}, an "
             "earlier incarnation) died while the task waited for its children"
         )
-        frame = _Frame(h, off, kind, link)
-        self.report(frame, ST_ERROR, exc)
+        self.report(h, kind, link, ST_ERROR, exc)
 
     def finish(self, frame: _Frame, status: int, value: Any) -> None:
         """The task body is done; wait for outstanding children (implicit join), then report."""
@@ -417,11 +421,11 @@ class Worker:
             for h in frame.kids:  # results never joined: drop them
                 a.free(h)
             frame.kids.clear()
-        self.report(frame, status, value)
+        self.report(frame.h, frame.kind, frame.link, status, value)
 
-    def report(self, frame: _Frame, status: int, value: Any) -> None:
+    def report(self, h: int, kind: int, link: int, status: int, value: Any) -> None:
+        """Store the result in the record; complete a root task, count a child off its parent."""
         a = self.arena
-        off = frame.off
         if status != ST_OK:
             value = error_payload(value)
         try:
@@ -429,21 +433,32 @@ class Worker:
         except SerializationError as exc:
             status = ST_ERROR
             data, bufs = serialize.dumps(error_payload(exc))
+        if not bufs:
+            done = a.finish_inline(h, status, data, self.completions)
+            if done == 1:
+                return
+            if done == 2:
+                finish_child(a, self.inboxes, self.idle, link, self.k)
+                return
+        off = a.off(h)
         a.put(off, data, bufs)
         a.set_status(off, status)
-        if frame.kind & K_MASK == K_ROOT:
-            while not self.completions.push(frame.h):  # capacity == records: cannot stay full
+        if kind & K_MASK == K_ROOT:
+            while not self.completions.push(h):  # capacity == records: cannot stay full
                 time.sleep(0.0001)
             self.idle.wake_client()
         else:
-            finish_child(a, self.inboxes, self.idle, frame.link, self.k)
+            finish_child(a, self.inboxes, self.idle, link, self.k)
 
     # -- fork-join -----------------------------------------------------------
     def spawn(self, fn: Any, args: tuple, kwargs: dict) -> Child:
+        a = self.arena
         frame = self.frame
         if frame is None:
-            raise RuntimeError("spawn() outside a running task")
-        a = self.arena
+            if self.cur is None:
+                raise RuntimeError("spawn() outside a running task")
+            h0, kind0, link0 = self.cur
+            frame = self.frame = _Frame(h0, a.off(h0), kind0, link0)
         h = a.alloc()
         if h < 0:
             return forkjoin.inline_child(fn, args, kwargs)  # arena exhausted: run it here

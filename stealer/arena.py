@@ -76,8 +76,7 @@ class Arena:
     """Record and payload allocation over a :class:`~stealer.shm.Segment`."""
 
     def __init__(self, seg: Segment, injector: Any = None) -> None:
-        from stealer._queues import impl as Q
-
+        Q = seg.Q
         L = seg.layout
         self.seg = seg
         self.mm = seg.mm

@@ -41,8 +41,7 @@ from concurrent.futures import _base as _fbase
 from typing import Any
 
 from stealer import affinity, serialize
-from stealer._queues import NATIVE
-from stealer._queues import impl as Q
+from stealer._queues import impl as _default_queues
 from stealer.arena import (
     F_BUFFERS,
     INLINE,
@@ -73,7 +72,6 @@ from stealer.shm import (
     cleanup_stale,
 )
 from stealer.worker import (
-    EXIT_INIT_FAILED,
     STATE_EXITING,
     STATE_INIT_FAILED,
     STATE_RETIRED,
@@ -245,10 +243,12 @@ class _Pool:
         self.max_tasks = max_tasks
         self.thread_limit = thread_limit
         cleanup_stale()
-        self.lock = None if NATIVE else ctx.Lock()
+        Q = _default_queues
+        self.native = Q.NATIVE
+        self.lock = None if Q.NATIVE else ctx.Lock()  # the reference queues need one shared lock
         layout = Layout(n, records=records)
         self.layout = layout
-        self.seg = seg = Segment.create(layout, self.lock)
+        self.seg = seg = Segment.create(layout, self.lock, Q)
         self.name = seg.name
         self.region = r = seg.region
         self.arena = Arena(seg)
@@ -293,7 +293,7 @@ class _Pool:
         r.store32(base + W_STATE, STATE_STARTING)
         args = WorkerArgs(
             index=k, incarnation=self.incarnations[k], name=self.name,
-            layout=self.layout.to_args(), lock=self.lock, cpu=self.cpus[k],
+            layout=self.layout.to_args(), lock=self.lock, native=self.native, cpu=self.cpus[k],
             steal_order=self.steal[k] if self.steal else None,
             initializer=self.initializer, initargs=self.initargs,
             max_tasks=self.max_tasks, ppid=os.getpid(), thread_limit=self.thread_limit,
@@ -320,7 +320,7 @@ class _Pool:
         state = r.load32(base + W_STATE)
         cur = r.load64(base + W_CURRENT)
         self.idle.forget(k)
-        if state == STATE_INIT_FAILED or code == EXIT_INIT_FAILED:
+        if state == STATE_INIT_FAILED:  # the worker says so; its exit code alone proves nothing
             self.set_broken("the initializer raised an exception in a worker process (its "
                             "traceback is on stderr); the executor cannot start workers")
             return

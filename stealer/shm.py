@@ -22,6 +22,7 @@ import os
 import re
 import secrets
 from dataclasses import dataclass, field
+from typing import Any
 
 from stealer._queues import impl as Q
 
@@ -138,15 +139,17 @@ class Layout:
 class Segment:
     """An mmap of the executor's /dev/shm file, plus a Region over it."""
 
-    def __init__(self, name: str, mm: mmap.mmap, layout: Layout, lock: object = None) -> None:
+    def __init__(self, name: str, mm: mmap.mmap, layout: Layout, lock: object = None,
+                 queues: Any = None) -> None:
         self.name = name
+        self.Q = queues or Q  # the queue implementation every process of this executor uses
         self.path = os.path.join(SHM_DIR, name)
         self.mm = mm
         self.layout = layout
-        self.region = Q.Region(mm, lock)
+        self.region = self.Q.Region(mm, lock)
 
     @classmethod
-    def create(cls, layout: Layout, lock: object = None) -> Segment:
+    def create(cls, layout: Layout, lock: object = None, queues: Any = None) -> Segment:
         name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(16)}"
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -159,21 +162,22 @@ class Segment:
                 os.unlink(path)
             raise
         os.close(fd)
-        seg = cls(name, mm, layout, lock)
+        seg = cls(name, mm, layout, lock, queues)
         r = seg.region
         r.store64(H_MAGIC, MAGIC)
         r.store32(H_NWORKERS, layout.nworkers)
         return seg
 
     @classmethod
-    def attach(cls, name: str, layout: Layout, lock: object = None) -> Segment:
+    def attach(cls, name: str, layout: Layout, lock: object = None,
+               queues: Any = None) -> Segment:
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         try:
             mm = mmap.mmap(fd, layout.total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        seg = cls(name, mm, layout, lock)
+        seg = cls(name, mm, layout, lock, queues)
         if seg.region.load64(H_MAGIC) != MAGIC:
             raise RuntimeError(f"{path} is not a stealer segment")
         return seg

@@ -127,15 +127,19 @@ class _Frame:
 
 class Worker:
     def __init__(self, a: WorkerArgs) -> None:
-        from stealer._queues import impl as Q
+        from stealer import _queues
 
+        # The client chose the implementation; every process must use the same one.
+        Q = _queues.load(force_python=not a.native)
+        if a.native != Q.NATIVE:
+            raise RuntimeError("this worker could not load the native queues its client uses")
         self.k = a.index
         self.incarnation = a.incarnation
         self.ppid = a.ppid
         self.max_tasks = a.max_tasks or 0
         self.name = a.name
         layout = Layout.from_args(a.layout)
-        self.seg = seg = Segment.attach(a.name, layout, a.lock)
+        self.seg = seg = Segment.attach(a.name, layout, a.lock, Q)
         self.r = r = seg.region
         self.arena = Arena(seg)
         self.idle = Idle(r, layout)

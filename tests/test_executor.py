@@ -307,10 +307,11 @@ def _crash_and_recover(e, fn, *args, match):
     ]
 
 
-def test_os_exit_fails_only_that_task():
+@pytest.mark.parametrize("code", [3, 7])
+def test_os_exit_fails_only_that_task(code):
     with stealer.Executor(2) as e:
         others = [e.submit(tasks.sleep_then, 0.2, i) for i in range(4)]
-        _crash_and_recover(e, tasks.exit_now, 7, match="exited with code 7")
+        _crash_and_recover(e, tasks.exit_now, code, match=f"exited with code {code}")
         assert [f.result(timeout=20) for f in others] == list(range(4))
 
 

@@ -119,6 +119,17 @@ cdef class Region:
         self._check(off, 4)
         return st_futex_wake(self.at(off), n)
 
+    def hist_record(self, Py_ssize_t off, int64_t v):
+        """Record ``v`` (ns, clamped at 0) in the histogram at ``off`` (single writer)."""
+        self._check(off, 8)
+        if off + 64 + 8 * ST_HIST_NBUCKETS > self.size:
+            raise IndexError("histogram does not fit the region")
+        st_hist_record(self.base + off, <uint64_t>(v if v > 0 else 0))
+
+    @staticmethod
+    def hist_bucket(uint64_t v):
+        return st_hist_bucket(v)
+
 
 cdef class Deque:
     """Chase-Lev deque of uint64 handles (Lê et al. 2013 orderings).
@@ -496,11 +507,14 @@ cdef class HotPath:
         self.injector.c_push(h)     # release (cell seq): the worker's pop acquires the record
         return h
 
-    def start(self, uint64_t h, Py_ssize_t current_off, uint64_t t_start):
+    def start(self, uint64_t h, Py_ssize_t current_off, uint64_t t_start,
+              Py_ssize_t wait_hist_off=-1):
         """Worker: claim a queued record. None if the client cancelled it (the caller frees it).
 
         Otherwise sets the worker's current-task word, the join token and the
-        start time, and returns (kind, link, inline payload bytes or None).
+        start time, records the queue wait (start - submit) in the histogram
+        at ``wait_hist_off`` (if >= 0), and returns (kind, link, inline
+        payload bytes or None).
         """
         self.region._check(current_off, 8)
         cdef char *r = self.rec(h)
@@ -511,6 +525,10 @@ cdef class HotPath:
         st_store_release_u64(self.region.base + current_off, h + 1)  # read by the client after a death
         (<int64_t *>(r + R_PENDING))[0] = 1
         (<uint64_t *>(r + R_TSTART))[0] = t_start
+        cdef uint64_t t_submit = (<uint64_t *>(r + R_TSUBMIT))[0]
+        if wait_hist_off >= 0 and wait_hist_off + 64 + 8 * ST_HIST_NBUCKETS <= self.region.size:
+            st_hist_record(self.region.base + wait_hist_off,
+                           t_start - t_submit if t_start > t_submit else 0)
         cdef uint32_t kind = (<uint32_t *>(r + R_KIND))[0]
         cdef uint64_t link = (<uint64_t *>(r + R_LINK))[0]
         cdef uint64_t n

@@ -51,3 +51,25 @@ static inline void st_fence_release(void) { atomic_thread_fence(memory_order_rel
 static inline void st_fence_acquire(void) { atomic_thread_fence(memory_order_acquire); }
 
 #endif
+
+/* Log-linear histogram bucket (mirrors stealer/metrics.py bucket_of):
+ * values < 128 have their own bucket; above, 64 sub-buckets per power of two. */
+#define ST_HIST_SUB_BITS 6
+#define ST_HIST_NBUCKETS 2240
+static inline int st_hist_bucket(uint64_t v) {
+    if (v < (2u << ST_HIST_SUB_BITS)) return (int)v;
+    int e = (63 - __builtin_clzll(v)) + 1 - (ST_HIST_SUB_BITS + 1);
+    uint64_t idx = ((uint64_t)e << ST_HIST_SUB_BITS) + (v >> e);
+    return idx < ST_HIST_NBUCKETS ? (int)idx : ST_HIST_NBUCKETS - 1;
+}
+
+/* Record v into the histogram at h: [count][sum][max][pad to 64][buckets].
+ * Single writer (the worker owning it): relaxed load + relaxed store, no RMW;
+ * readers (client snapshots) load relaxed and tolerate being a few events behind. */
+static inline void st_hist_record(char *h, uint64_t v) {
+    char *b = h + 64 + 8 * st_hist_bucket(v);
+    st_store_relaxed_u64(b, st_load_relaxed_u64(b) + 1);
+    st_store_relaxed_u64(h, st_load_relaxed_u64(h) + 1);
+    st_store_relaxed_u64(h + 8, st_load_relaxed_u64(h + 8) + v);
+    if (v > st_load_relaxed_u64(h + 16)) st_store_relaxed_u64(h + 16, v);
+}

@@ -29,3 +29,9 @@ cdef extern from "atomics.h" nogil:
 cdef extern from "futex.h" nogil:
     int st_futex_wait(void *addr, uint32_t expected, int64_t timeout_ns)
     int st_futex_wake(void *addr, int n)
+
+
+cdef extern from "atomics.h" nogil:
+    int st_hist_bucket(uint64_t v)
+    int ST_HIST_NBUCKETS
+    void st_hist_record(char *h, uint64_t v)

@@ -192,12 +192,38 @@ class Region:
             time.sleep(0.0002)
         return True
 
+    def hist_record(self, off: int, v: int) -> None:
+        """Record ``v`` in the histogram at ``off``: [count][sum][max][pad][buckets]."""
+        from stealer.metrics import NBUCKETS
+
+        self._check(off, 8)
+        if off + 64 + 8 * NBUCKETS > self.nbytes:
+            raise IndexError("histogram does not fit the region")
+        v = max(0, v)
+        b = off + 64 + 8 * _hist_bucket(v)
+        with self.lock:
+            self._w64(b, self._r64(b) + 1)
+            self._w64(off, self._r64(off) + 1)
+            self._w64(off + 8, self._r64(off + 8) + v)
+            if v > self._r64(off + 16):
+                self._w64(off + 16, v)
+
+    @staticmethod
+    def hist_bucket(v: int) -> int:
+        return _hist_bucket(v)
+
     def futex_wake(self, off: int, n: int = 1) -> int:
         self._check(off, 4)
         if _syscall is not None and not isinstance(self.obj, bytearray):
             rc = _syscall(_futex_nr, ctypes.c_void_p(self._address(off)), _FUTEX_WAKE, n, None, None, 0)
             return max(0, rc)
         return 0
+
+
+def _hist_bucket(v: int) -> int:
+    from stealer.metrics import bucket_of
+
+    return bucket_of(v)
 
 
 class _Ring:

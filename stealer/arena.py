@@ -169,7 +169,7 @@ class Arena:
         self.injector.push(h)
         return h
 
-    def start(self, h: int, current_off: int, t_start: int) -> tuple | None:
+    def start(self, h: int, current_off: int, t_start: int, wait_hist_off: int = -1) -> tuple | None:
         """Worker: claim a queued record; None if the client cancelled it (caller frees it)."""
         if not self.cas_state(h, S_QUEUED, S_RUNNING):
             return None
@@ -177,6 +177,9 @@ class Arena:
         self.region.store64(current_off, h + 1)
         _I64.pack_into(self.mm, off + R_PENDING, 1)
         _U64.pack_into(self.mm, off + R_TSTART, t_start)
+        if wait_hist_off >= 0:
+            t_submit = _U64.unpack_from(self.mm, off + R_TSUBMIT)[0]
+            self.region.hist_record(wait_hist_off, t_start - t_submit)
         kind, _status, link = self.kind_link(off)
         pclass, _pref, n = _PAYLOAD.unpack_from(self.mm, off + R_PCLASS)
         if pclass == 0:

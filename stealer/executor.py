@@ -71,6 +71,7 @@ from stealer.shm import (
     Segment,
     cleanup_stale,
 )
+from stealer.stats import Stats, collect
 from stealer.worker import (
     STATE_EXITING,
     STATE_INIT_FAILED,
@@ -228,12 +229,20 @@ def describe_exit(k: int, pid: int | None, code: int | None) -> str:
             "the interpreter aborted; see the worker's stderr)")
 
 
+def describe_start_failure(k: int, pid: int | None, code: int | None) -> str:
+    how = describe_exit(k, pid, code).split(" while running it")[0]
+    return (f"{how} before it was ready (see its traceback on stderr). With the 'spawn' and "
+            "'forkserver' start methods the main module is re-imported in each worker: run "
+            "from a file (not stdin) and guard the entry point with "
+            "`if __name__ == '__main__':`")
+
+
 class _Pool:
     """Client-side state shared by the Executor facade and its result thread."""
 
     def __init__(self, n: int, ctx: Any, cpus: list[int | None], steal: list[list[int]],
                  initializer: bytes | None, initargs: tuple, max_tasks: int | None,
-                 thread_limit: int | None, records: int) -> None:
+                 thread_limit: int | None, records: int, metrics: bool = True) -> None:
         self.n = n
         self.ctx = ctx
         self.cpus = cpus
@@ -242,6 +251,7 @@ class _Pool:
         self.initargs = initargs
         self.max_tasks = max_tasks
         self.thread_limit = thread_limit
+        self.metrics = metrics
         cleanup_stale()
         Q = _default_queues
         self.native = Q.NATIVE
@@ -294,6 +304,7 @@ class _Pool:
         args = WorkerArgs(
             index=k, incarnation=self.incarnations[k], name=self.name,
             layout=self.layout.to_args(), lock=self.lock, native=self.native, cpu=self.cpus[k],
+            metrics=self.metrics,
             steal_order=self.steal[k] if self.steal else None,
             initializer=self.initializer, initargs=self.initargs,
             max_tasks=self.max_tasks, ppid=os.getpid(), thread_limit=self.thread_limit,
@@ -329,15 +340,18 @@ class _Pool:
         if state == STATE_RETIRED and cur == 0 and code == 0:
             self.start_worker(k)  # max_tasks_per_child reached: a planned replacement
             return
-        desc = describe_exit(k, p.pid, code)
+        if state == STATE_STARTING:
+            desc = describe_start_failure(k, p.pid, code)
+        else:
+            desc = describe_exit(k, p.pid, code)
         self.crashes += 1
         if cur:
             self.fail_running(cur - 1, desc)
         if state == STATE_STARTING:
             self.early_deaths[k] += 1
             if self.early_deaths[k] >= MAX_EARLY_DEATHS:
-                self.set_broken(f"{desc} before it was ready, {MAX_EARLY_DEATHS} times in a "
-                                "row; the executor cannot start workers")
+                self.set_broken(f"{desc}, {MAX_EARLY_DEATHS} times in a row; the executor "
+                                "cannot start workers")
                 return
         else:
             self.early_deaths[k] = 0
@@ -512,6 +526,8 @@ class Executor(_fbase.Executor):
       the environment alone).
     * ``records``: how many tasks may be alive at once in shared memory (more
       wait in a client-side backlog).
+    * ``metrics``: keep per-worker counters and latency histograms in shared
+      memory (default on; see :meth:`stats` and ``stealer top``).
     * tasks may :func:`stealer.spawn` children and join them by ``yield``.
     """
 
@@ -526,6 +542,7 @@ class Executor(_fbase.Executor):
         cpus: str | Iterable[int] | None = "auto",
         thread_limit: int | None = 1,
         records: int = 16384,
+        metrics: bool = True,
     ) -> None:
         topo = affinity.read_topology()
         if max_workers is None:
@@ -558,7 +575,7 @@ class Executor(_fbase.Executor):
         self._max_workers = max_workers
         self._cpus = plan
         self._pool = _Pool(max_workers, mp_context, plan, steal, init_bytes, tuple(initargs),
-                           max_tasks_per_child, thread_limit, records)
+                           max_tasks_per_child, thread_limit, records, metrics)
         weakref.finalize(self, self._pool.begin_shutdown)
 
     # -- concurrent.futures API ----------------------------------------------
@@ -698,6 +715,23 @@ class Executor(_fbase.Executor):
             if left is not None and left <= 0:
                 return False
             r.futex_wait(H_STARTED, started, min(0.05, left) if left is not None else 0.05)
+
+    def stats(self) -> Stats:
+        """A snapshot of counters, queue depths and latency histograms (see stealer.stats)."""
+        pool = self._pool
+        s = collect(pool.seg)
+        s.client = {
+            "pending": len(pool.futures),
+            "backlog": len(pool.backlog),
+            "crashes": pool.crashes,
+            "replacements": sum(pool.incarnations) - pool.n,
+        }
+        return s
+
+    @property
+    def id(self) -> str:
+        """The executor's id for ``stealer top <id>`` (its shared segment's name)."""
+        return self._pool.name
 
     @property
     def max_workers(self) -> int:

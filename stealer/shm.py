@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import mmap
 import os
 import re
 import secrets
+import struct
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +47,8 @@ H_OVERFLOW_SEQ = 320  # u64 counter of overflow files: add64 by any producer
 H_FN_COUNT = 384  # u64 number of function-table entries: written by the client only (store64 release)
 H_FN_BYTES = 392  # u64 bytes used in the function data area: client only
 H_STARTED = 448  # u32 workers that finished starting: add32 by workers, futex-waited by wait_ready
+H_CREATED_NS = 512  # u64 time.time_ns() at creation: creator only, before any attach
+H_LAYOUT = 1024  # u32 length + JSON of the layout and options: creator only, read by attach_any
 HEADER_BYTES = 4096
 
 # Per-worker block (stride WORKER_BYTES). Park word alone on its line.
@@ -52,9 +57,8 @@ W_CURRENT = 64  # u64 handle+1 of the task running now (0 none): worker store64 
 W_INCARNATION = 72  # u32 bumped by the client before starting a (replacement) worker process
 W_STATE = 76  # u32 0 starting, 1 ready, 2 exiting, 3 retired, 4 init failed: worker store32, client load32
 W_SEARCHING = 80  # u32 1 while counted in H_SEARCHING: worker store32; client corrects H_SEARCHING after a death
-W_TASKS = 128  # u64 tasks run: worker only (store64), client reads for stats
-W_STEALS = 136  # u64 successful steals: worker only
-W_PARKS = 144  # u64 times parked: worker only
+W_PID = 84  # u32 pid of the current incarnation: worker store32 at start; read by stats/top
+W_CPU = 88  # u32 CPU the worker is pinned to + 1 (0: not pinned): worker store32 at start
 WORKER_BYTES = 256
 
 # Record (task) layout: RECORD_BYTES each, see arena.py for the fields.
@@ -106,6 +110,9 @@ class Layout:
         for i, (size, count) in enumerate(self.block_classes):
             take(f"block_free{i}", Q.MPMCRing.nbytes(_pow2(count)))
             take(f"blocks{i}", size * count)
+        from stealer.metrics import BLOCK_BYTES
+
+        take("metrics", _align(BLOCK_BYTES) * n)
         take("fn_table", 16 * self.fn_entries)
         take("fn_data", self.fn_data)
         o["total"] = off
@@ -126,6 +133,11 @@ class Layout:
 
     def completion(self, k: int) -> int:
         return self.offsets["completions"] + Q.SPSCRing.nbytes(self.records) * k
+
+    def metrics(self, k: int) -> int:
+        from stealer.metrics import BLOCK_BYTES
+
+        return self.offsets["metrics"] + _align(BLOCK_BYTES) * k
 
     def to_args(self) -> tuple:
         return (self.nworkers, self.records, self.block_classes, self.fn_entries, self.fn_data)
@@ -164,8 +176,14 @@ class Segment:
         os.close(fd)
         seg = cls(name, mm, layout, lock, queues)
         r = seg.region
-        r.store64(H_MAGIC, MAGIC)
+        meta = json.dumps({"layout": layout.to_args(), "client_pid": os.getpid()}).encode()
+        if len(meta) > HEADER_BYTES - H_LAYOUT - 4:
+            raise ValueError("layout description too large for the header")
+        mm[H_LAYOUT + 4 : H_LAYOUT + 4 + len(meta)] = meta
+        r.store32(H_LAYOUT, len(meta))
+        r.store64(H_CREATED_NS, time.time_ns())
         r.store32(H_NWORKERS, layout.nworkers)
+        r.store64(H_MAGIC, MAGIC)  # last: attachers check it
         return seg
 
     @classmethod
@@ -181,6 +199,23 @@ class Segment:
         if seg.region.load64(H_MAGIC) != MAGIC:
             raise RuntimeError(f"{path} is not a stealer segment")
         return seg
+
+    @classmethod
+    def attach_any(cls, name: str) -> Segment:
+        """Attach to a running executor's segment knowing only its name (``stealer top``)."""
+        if not _NAME_RE.match(name):
+            raise ValueError(f"{name!r} is not a stealer segment name (stealer-<pid>-<token>)")
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            with mmap.mmap(fd, HEADER_BYTES, mmap.MAP_SHARED, mmap.PROT_READ) as head:
+                if struct.unpack_from("=Q", head, H_MAGIC)[0] != MAGIC:
+                    raise RuntimeError(f"{path} is not a stealer segment (or is still starting)")
+                n = struct.unpack_from("=I", head, H_LAYOUT)[0]
+                meta = json.loads(head[H_LAYOUT + 4 : H_LAYOUT + 4 + n])
+        finally:
+            os.close(fd)
+        return cls.attach(name, Layout.from_args(tuple(meta["layout"])))
 
     def unlink(self) -> None:
         unlink_all(self.name)

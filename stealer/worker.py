@@ -35,7 +35,7 @@ import traceback
 from types import GeneratorType
 from typing import Any
 
-from stealer import forkjoin, serialize
+from stealer import forkjoin, metrics, serialize
 from stealer.arena import (
     F_BUFFERS,
     K_CHILD,
@@ -53,11 +53,10 @@ from stealer.idle import Idle
 from stealer.shm import (
     H_SHUTDOWN,
     H_STARTED,
+    W_CPU,
     W_CURRENT,
-    W_PARKS,
+    W_PID,
     W_STATE,
-    W_STEALS,
-    W_TASKS,
     Layout,
     Segment,
     unlink_all,
@@ -77,6 +76,10 @@ PARK_TIMEOUT = 0.5  # seconds; on timeout the worker checks that its client is a
 INJECTOR_BATCH = 16
 STEAL_CAP = 32
 FAIR_TICK = 61
+FLUSH_MASK = 63  # publish counters every 64 steps (and before parking)
+_COUNTERS = struct.Struct(f"={metrics.NCOUNTERS}Q")
+(C_TASKS, C_STEALS, C_STEAL_ATTEMPTS, C_PARKS, C_WAKEUPS, C_INJECTOR_TAKES, C_SPAWNS, C_RESUMES,
+ C_ERRORS, C_BUSY_NS) = range(len(metrics.COUNTERS))
 
 
 class WorkerArgs:
@@ -158,13 +161,18 @@ class Worker:
         self.cur_off = self.wbase + W_CURRENT
         order = a.steal_order or [(self.k + i) % n for i in range(1, n)]
         self.victims = [self.deques[i] for i in order]
+        # Metrics (metrics.py): local counters flushed to the shared block every
+        # FLUSH_EVERY steps and before parking; histograms recorded per step.
+        self.c = [0] * metrics.NCOUNTERS
+        self.mbase = layout.metrics(self.k)
+        self.metrics_on = a.metrics
+        t = metrics.DEFAULT_TIER
+        self.wait_off = self.mbase + metrics.hist_offset(t, 0) if a.metrics else -1
+        self.run_off = self.mbase + metrics.hist_offset(t, 1)
         self.conts: dict[int, _Frame] = {}
         self.next_cid = 1
         self.frame: _Frame | None = None
         self.cur: tuple[int, int, int] | None = None  # (handle, kind, link) of the running task
-        self.tasks = 0
-        self.steals = 0
-        self.parks = 0
         self.tick = 0
 
     # -- main loop -----------------------------------------------------------
@@ -190,7 +198,7 @@ class Worker:
                 if h < 0:
                     continue
             self.execute(h)
-            if self.max_tasks and self.tasks >= self.max_tasks and not self.conts:
+            if self.max_tasks and self.c[C_TASKS] >= self.max_tasks and not self.conts:
                 return STATE_RETIRED
 
     def has_work(self) -> bool:
@@ -207,6 +215,7 @@ class Worker:
         items = inj.pop_many(want)
         if not items:
             return -1
+        self.c[C_INJECTOR_TAKES] += 1
         if len(items) > 1:
             push = self.deque.push
             for h in reversed(items[1:]):  # owner pops newest first: keep submission order
@@ -226,9 +235,10 @@ class Worker:
         for i in range(nv):
             v = victims[(start + i) % nv]
             for _attempt in range(2):
+                self.c[C_STEAL_ATTEMPTS] += 1
                 h = v.steal_half(mine, STEAL_CAP)
                 if h >= 0:
-                    self.steals += 1
+                    self.c[C_STEALS] += 1
                     if len(mine):
                         self.idle.notify_one()
                     return h
@@ -266,12 +276,20 @@ class Worker:
             if searching:
                 idle.stop_search(self.k, False)
                 searching = False
-            self.parks += 1
+            self.c[C_PARKS] += 1
+            self.flush()
             woke = idle.park(self.k, self.has_work, PARK_TIMEOUT)
+            if woke:
+                self.c[C_WAKEUPS] += 1
             if not woke and os.getppid() != self.ppid:
                 self.orphaned()
             rounds = 0
             searching = idle.try_search(self.k)
+
+    def flush(self) -> None:
+        """Publish the local counters to this worker's metrics block (single writer)."""
+        if self.metrics_on:
+            _COUNTERS.pack_into(self.seg.mm, self.mbase, *self.c)
 
     def orphaned(self) -> None:
         """Our client died without shutting down: remove its files and exit."""
@@ -281,12 +299,14 @@ class Worker:
     # -- running tasks -------------------------------------------------------
     def execute(self, h: int) -> None:
         a = self.arena
-        t = a.start(h, self.cur_off, time.monotonic_ns())  # CAS QUEUED->RUNNING, set current
+        t0 = time.monotonic_ns()
+        t = a.start(h, self.cur_off, t0, self.wait_off)  # CAS QUEUED->RUNNING, set current
         if t is None:
             a.free(h)  # the client cancelled it before it started
             return
         kind, link, data = t
-        self.tasks += 1
+        c = self.c
+        c[C_TASKS] += 1
         self.cur = (h, kind, link)
         status = ST_OK
         try:
@@ -300,6 +320,7 @@ class Worker:
             res = fn(*args, **kwargs) if kwargs else fn(*args)
         except BaseException as exc:
             status, res = ST_ERROR, exc
+            c[C_ERRORS] += 1
         try:
             frame = self.frame  # created by spawn() if the task forked
             if status == ST_OK and type(res) is GeneratorType:
@@ -315,6 +336,12 @@ class Worker:
             self.frame = None
             self.cur = None
             self.r.store64(self.cur_off, 0)  # release: nothing running now
+            if self.metrics_on:
+                dt = time.monotonic_ns() - t0
+                c[C_BUSY_NS] += dt
+                self.r.hist_record(self.run_off, dt)
+                if c[C_TASKS] & FLUSH_MASK == 0:
+                    self.flush()
 
     def drive(self, frame: _Frame, send: Any, exc: BaseException | None) -> None:
         gen = frame.gen
@@ -392,6 +419,10 @@ class Worker:
         _I64.pack_into(self.seg.mm, off + R_PENDING, 1)  # token back: no child is outstanding
         r = self.r
         r.store64(self.cur_off, h + 1)
+        c = self.c
+        c[C_TASKS] += 1
+        c[C_RESUMES] += 1
+        t0 = time.monotonic_ns()
         try:
             if frame.final is not None:
                 status, value = frame.final
@@ -403,6 +434,10 @@ class Worker:
         finally:
             self.frame = None
             r.store64(self.cur_off, 0)
+            if self.metrics_on:
+                dt = time.monotonic_ns() - t0
+                c[C_BUSY_NS] += dt
+                r.hist_record(self.run_off, dt)
 
     def fail_orphan(self, h: int, off: int) -> None:
         """A resume for a continuation a dead predecessor held: fail that task."""
@@ -476,6 +511,7 @@ class Worker:
         off = a.setup(h, K_CHILD, frame.h, time.monotonic_ns())
         a.put(off, data, bufs)
         self.r.add64(frame.off + R_PENDING, 1)  # before the push: the child may finish at once
+        self.c[C_SPAWNS] += 1
         c = Child(h)
         frame.kids[h] = c
         if not self.deque.push(h):
@@ -519,6 +555,8 @@ def main(a: WorkerArgs) -> None:
         sys.stderr.flush()
         r.store32(w.wbase + W_STATE, STATE_INIT_FAILED)
         os._exit(EXIT_INIT_FAILED)
+    r.store32(w.wbase + W_PID, os.getpid())
+    r.store32(w.wbase + W_CPU, 0 if a.cpu is None else a.cpu + 1)
     r.store32(w.wbase + W_STATE, STATE_READY)
     r.add32(H_STARTED, 1)
     r.futex_wake(H_STARTED, 1 << 30)
@@ -528,9 +566,7 @@ def main(a: WorkerArgs) -> None:
         state = w.loop()
     finally:
         forkjoin._current = None
-        r.store64(w.wbase + W_TASKS, w.tasks)
-        r.store64(w.wbase + W_STEALS, w.steals)
-        r.store64(w.wbase + W_PARKS, w.parks)
+        w.flush()
         r.store32(w.wbase + W_STATE, state)
         sys.stdout.flush()
         sys.stderr.flush()

@@ -1,0 +1,113 @@
+"""Snapshots of a running executor, read from its shared segment.
+
+``collect(segment)`` works from any process that can map the segment: the
+executor's own client (``Executor.stats()``), or ``stealer top`` attached to
+a running executor by its id (the segment name).  Reading never blocks a
+worker: counters are published by their single writer and read relaxed, so
+a snapshot may be a few events behind, never torn.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from stealer import metrics
+from stealer.shm import H_CREATED_NS, W_CPU, W_CURRENT, W_PID, W_STATE, Segment
+
+__all__ = ["Stats", "WorkerStats", "collect"]
+
+STATE_NAMES = ("starting", "ready", "exiting", "retired", "init-failed")
+
+
+@dataclass
+class WorkerStats:
+    index: int
+    pid: int | None
+    cpu: int | None
+    state: str
+    running: bool  # a task is running on it right now
+    deque_depth: int
+    inbox_depth: int
+    counters: dict[str, int]
+
+
+@dataclass
+class Stats:
+    """One snapshot: per-worker counters and queue depths, latency histograms per tier."""
+
+    id: str
+    time: float  # time.time() of the snapshot
+    uptime_s: float
+    workers: list[WorkerStats]
+    injector_depth: int
+    latency: dict[str, dict[str, metrics.Histogram]]  # tier -> {"wait"|"run": Histogram}
+    client: dict[str, int] = field(default_factory=dict)  # backlog, pending, crashes (client only)
+
+    def totals(self) -> dict[str, int]:
+        """Counters summed over workers."""
+        out = dict.fromkeys(metrics.COUNTERS, 0)
+        for w in self.workers:
+            for k, v in w.counters.items():
+                out[k] += v
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain JSON-able data (latency as millisecond summaries)."""
+        return {
+            "id": self.id,
+            "time": self.time,
+            "uptime_s": self.uptime_s,
+            "injector_depth": self.injector_depth,
+            "client": dict(self.client),
+            "totals": self.totals(),
+            "workers": [w.__dict__ for w in self.workers],
+            "latency": {tier: {k: h.summary_ms() for k, h in kinds.items()}
+                        for tier, kinds in self.latency.items()},
+        }
+
+
+def collect(seg: Segment, queues: Any | None = None) -> Stats:
+    """Read a snapshot of the executor whose segment is ``seg``."""
+    Q = queues or seg.Q
+    L = seg.layout
+    r = seg.region
+    mm = seg.mm
+    workers = []
+    tiers: list[list[metrics.Histogram]] = [
+        [metrics.Histogram() for _ in metrics.KINDS] for _ in range(metrics.TIERS)]
+    for k in range(L.nworkers):
+        base = L.worker(k)
+        counters, hists = metrics.read_worker(mm, L.metrics(k))
+        for t in range(metrics.TIERS):
+            for j in range(len(metrics.KINDS)):
+                tiers[t][j] = tiers[t][j].merge(hists[t][j])
+        state = r.load32(base + W_STATE)
+        pid = r.load32(base + W_PID)
+        cpu = r.load32(base + W_CPU)
+        workers.append(WorkerStats(
+            index=k,
+            pid=pid or None,
+            cpu=cpu - 1 if cpu else None,
+            state=STATE_NAMES[state] if state < len(STATE_NAMES) else str(state),
+            running=bool(r.load64(base + W_CURRENT)),
+            deque_depth=len(Q.Deque(r, L.deque(k), L.records)),
+            inbox_depth=len(Q.MPMCRing(r, L.inbox(k), L.records)),
+            counters=counters,
+        ))
+    created = r.load64(H_CREATED_NS) / 1e9
+    now = time.time()
+    latency = {
+        metrics.TIER_NAMES[t]: dict(zip(metrics.KINDS, tiers[t]))
+        for t in range(metrics.TIERS)
+        if any(h.total for h in tiers[t])
+    }
+    return Stats(
+        id=seg.name,
+        time=now,
+        uptime_s=max(0.0, now - created) if created else 0.0,
+        workers=workers,
+        injector_depth=len(Q.MPMCRing(r, L.offsets["injector"], L.records)),
+        latency=latency,
+    )

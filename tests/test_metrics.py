@@ -7,9 +7,9 @@ import time
 
 import numpy as np
 import pytest
+import tasks
 
 import stealer
-import tasks
 from stealer import _cqueues, _pyqueues, metrics
 from stealer.metrics import NBUCKETS, Histogram, bucket_bounds, bucket_of
 

@@ -59,28 +59,27 @@ cdef class Deque:
     cdef int c_steal_half(self, Deque dest, int cap, uint64_t *out) noexcept nogil
 
 
-cdef class MPMCRing:
+cdef class _Ring:
+    # Shared by both rings: the two position words on their own cache lines.
     cdef Region region
-    cdef char *enq_p         # uint64 enqueue position: claimed by producers (CAS)
-    cdef char *deq_p         # uint64 dequeue position: claimed by consumers (CAS)
-    cdef char *cells         # capacity x {uint64 seq, uint64 value}
+    cdef char *prod_p        # uint64 producer position (MPMC: enqueue pos, claimed by CAS; SPSC: tail)
+    cdef char *cons_p        # uint64 consumer position (MPMC: dequeue pos, claimed by CAS; SPSC: head)
+    cdef char *cells
     cdef uint64_t mask
     cdef readonly Py_ssize_t capacity
     cdef readonly Py_ssize_t offset
+    cdef int _setup(self, Region region, Py_ssize_t offset, Py_ssize_t capacity,
+                    Py_ssize_t cell_bytes, bint producer_first) except -1
     cdef int c_push(self, uint64_t v) noexcept nogil
     cdef int c_pop(self, uint64_t *out) noexcept nogil
 
 
-cdef class SPSCRing:
-    cdef Region region
-    cdef char *head_p        # uint64 head: written by the single consumer
-    cdef char *tail_p        # uint64 tail: written by the single producer
-    cdef char *cells         # capacity x uint64
-    cdef uint64_t mask
-    cdef readonly Py_ssize_t capacity
-    cdef readonly Py_ssize_t offset
-    cdef int c_push(self, uint64_t v) noexcept nogil
-    cdef int c_pop(self, uint64_t *out) noexcept nogil
+cdef class MPMCRing(_Ring):
+    pass        # cells: capacity x {uint64 seq, uint64 value}
+
+
+cdef class SPSCRing(_Ring):
+    pass        # cells: capacity x uint64
 
 
 cdef class HotPath:

@@ -268,88 +268,36 @@ cdef class Deque:
         return <Py_ssize_t>(b - t) if b > t else 0
 
 
-cdef class MPMCRing:
-    """Vyukov bounded MPMC queue of uint64 values.
+cdef class _Ring:
+    """What the two rings share: layout checks, the Python API, length."""
 
-    Layout: [enqueue pos, own line][dequeue pos, own line][cells: {seq, value} x capacity].
-    Cell i is free for the producer at position p when seq == p, full for
-    the consumer at position p when seq == p + 1; the consumer then sets
-    seq = p + capacity, freeing it for the next lap.
-    """
-
-    @staticmethod
-    def nbytes(Py_ssize_t capacity):
-        return 2 * LINE + _round_line(16 * capacity)
-
-    def __cinit__(self, Region region, Py_ssize_t offset, Py_ssize_t capacity):
+    cdef int _setup(self, Region region, Py_ssize_t offset, Py_ssize_t capacity,
+                    Py_ssize_t cell_bytes, bint producer_first) except -1:
         if capacity <= 1 or (capacity & (capacity - 1)) != 0:
             raise ValueError("ring capacity must be a power of two >= 2")
-        if offset < 0 or offset % LINE or offset + MPMCRing.nbytes(capacity) > region.size:
+        if offset < 0 or offset % LINE or offset + 2 * LINE + _round_line(cell_bytes * capacity) > region.size:
             raise ValueError("ring does not fit the region at that offset")
         self.region = region
         self.offset = offset
         self.capacity = capacity
         self.mask = capacity - 1
-        self.enq_p = region.base + offset
-        self.deq_p = region.base + offset + LINE
+        self.prod_p = region.base + offset + (0 if producer_first else LINE)
+        self.cons_p = region.base + offset + (LINE if producer_first else 0)
         self.cells = region.base + offset + 2 * LINE
-
-    def init(self):
-        """Reset to empty; only before any other process uses it."""
-        cdef Py_ssize_t i
-        for i in range(self.capacity):
-            st_store_relaxed_u64(self.cells + 16 * i, <uint64_t>i)   # creator only
-        st_store_release_u64(self.enq_p, 0)   # creator only; publication via process start
-        st_store_release_u64(self.deq_p, 0)
+        return 0
 
     cdef int c_push(self, uint64_t v) noexcept nogil:
-        cdef uint64_t pos = st_load_relaxed_u64(self.enq_p)
-        cdef char *cell
-        cdef uint64_t seq
-        cdef int64_t dif
-        while True:
-            cell = self.cells + 16 * (pos & self.mask)
-            seq = st_load_acquire_u64(cell)          # pairs with the consumer's release store of seq
-            dif = <int64_t>(seq - pos)
-            if dif == 0:
-                if st_cas_weak_relaxed_u64(self.enq_p, pos, pos + 1):   # claim position; ordering via seq
-                    break
-                pos = st_load_relaxed_u64(self.enq_p)
-            elif dif < 0:
-                return ST_FULL
-            else:
-                pos = st_load_relaxed_u64(self.enq_p)
-        st_store_relaxed_u64(cell + 8, v)            # published by the release store of seq below
-        st_store_release_u64(cell, pos + 1)          # pairs with the consumer's acquire load of seq
-        return ST_SUCCESS
+        return ST_FULL
 
     cdef int c_pop(self, uint64_t *out) noexcept nogil:
-        cdef uint64_t pos = st_load_relaxed_u64(self.deq_p)
-        cdef char *cell
-        cdef uint64_t seq
-        cdef int64_t dif
-        while True:
-            cell = self.cells + 16 * (pos & self.mask)
-            seq = st_load_acquire_u64(cell)          # pairs with the producer's release store of seq
-            dif = <int64_t>(seq - (pos + 1))
-            if dif == 0:
-                if st_cas_weak_relaxed_u64(self.deq_p, pos, pos + 1):   # claim position; ordering via seq
-                    break
-                pos = st_load_relaxed_u64(self.deq_p)
-            elif dif < 0:
-                return ST_EMPTY
-            else:
-                pos = st_load_relaxed_u64(self.deq_p)
-        out[0] = st_load_relaxed_u64(cell + 8)
-        st_store_release_u64(cell, pos + self.mask + 1)  # pairs with the next producer's acquire load
-        return ST_SUCCESS
+        return ST_EMPTY
 
     def push(self, uint64_t v):
-        """Any process. False when full."""
+        """False when full (MPMC: any process; SPSC: the producer only)."""
         return self.c_push(v) == ST_SUCCESS
 
     def pop(self):
-        """Any process. A value, or EMPTY."""
+        """A value, or EMPTY (MPMC: any process; SPSC: the consumer only)."""
         cdef uint64_t v = 0
         if self.c_pop(&v) == ST_SUCCESS:
             return v
@@ -365,12 +313,79 @@ cdef class MPMCRing:
         return out
 
     def __len__(self):
-        cdef uint64_t d = st_load_acquire_u64(self.deq_p)
-        cdef uint64_t e = st_load_acquire_u64(self.enq_p)
-        return <Py_ssize_t>(e - d) if e > d else 0
+        cdef uint64_t c = st_load_acquire_u64(self.cons_p)  # approximate: the two loads race
+        cdef uint64_t p = st_load_acquire_u64(self.prod_p)
+        return <Py_ssize_t>(p - c) if p > c else 0
 
 
-cdef class SPSCRing:
+cdef class MPMCRing(_Ring):
+    """Vyukov bounded MPMC queue of uint64 values.
+
+    Layout: [enqueue pos, own line][dequeue pos, own line][cells: {seq, value} x capacity].
+    Cell i is free for the producer at position p when seq == p, full for
+    the consumer at position p when seq == p + 1; the consumer then sets
+    seq = p + capacity, freeing it for the next lap.
+    """
+
+    @staticmethod
+    def nbytes(Py_ssize_t capacity):
+        return 2 * LINE + _round_line(16 * capacity)
+
+    def __cinit__(self, Region region, Py_ssize_t offset, Py_ssize_t capacity):
+        self._setup(region, offset, capacity, 16, True)
+
+    def init(self):
+        """Reset to empty; only before any other process uses it."""
+        cdef Py_ssize_t i
+        for i in range(self.capacity):
+            st_store_relaxed_u64(self.cells + 16 * i, <uint64_t>i)   # creator only
+        st_store_release_u64(self.prod_p, 0)   # creator only; publication via process start
+        st_store_release_u64(self.cons_p, 0)
+
+    cdef int c_push(self, uint64_t v) noexcept nogil:
+        cdef uint64_t pos = st_load_relaxed_u64(self.prod_p)
+        cdef char *cell
+        cdef uint64_t seq
+        cdef int64_t dif
+        while True:
+            cell = self.cells + 16 * (pos & self.mask)
+            seq = st_load_acquire_u64(cell)          # pairs with the consumer's release store of seq
+            dif = <int64_t>(seq - pos)
+            if dif == 0:
+                if st_cas_weak_relaxed_u64(self.prod_p, pos, pos + 1):   # claim position; ordering via seq
+                    break
+                pos = st_load_relaxed_u64(self.prod_p)
+            elif dif < 0:
+                return ST_FULL
+            else:
+                pos = st_load_relaxed_u64(self.prod_p)
+        st_store_relaxed_u64(cell + 8, v)            # published by the release store of seq below
+        st_store_release_u64(cell, pos + 1)          # pairs with the consumer's acquire load of seq
+        return ST_SUCCESS
+
+    cdef int c_pop(self, uint64_t *out) noexcept nogil:
+        cdef uint64_t pos = st_load_relaxed_u64(self.cons_p)
+        cdef char *cell
+        cdef uint64_t seq
+        cdef int64_t dif
+        while True:
+            cell = self.cells + 16 * (pos & self.mask)
+            seq = st_load_acquire_u64(cell)          # pairs with the producer's release store of seq
+            dif = <int64_t>(seq - (pos + 1))
+            if dif == 0:
+                if st_cas_weak_relaxed_u64(self.cons_p, pos, pos + 1):   # claim position; ordering via seq
+                    break
+                pos = st_load_relaxed_u64(self.cons_p)
+            elif dif < 0:
+                return ST_EMPTY
+            else:
+                pos = st_load_relaxed_u64(self.cons_p)
+        out[0] = st_load_relaxed_u64(cell + 8)
+        st_store_release_u64(cell, pos + self.mask + 1)  # pairs with the next producer's acquire load
+        return ST_SUCCESS
+
+
+cdef class SPSCRing(_Ring):
     """Single-producer single-consumer ring of uint64 values.
 
     Layout: [head (consumer), own line][tail (producer), own line][cells x capacity].
@@ -381,63 +396,29 @@ cdef class SPSCRing:
         return 2 * LINE + _round_line(8 * capacity)
 
     def __cinit__(self, Region region, Py_ssize_t offset, Py_ssize_t capacity):
-        if capacity <= 1 or (capacity & (capacity - 1)) != 0:
-            raise ValueError("ring capacity must be a power of two >= 2")
-        if offset < 0 or offset % LINE or offset + SPSCRing.nbytes(capacity) > region.size:
-            raise ValueError("ring does not fit the region at that offset")
-        self.region = region
-        self.offset = offset
-        self.capacity = capacity
-        self.mask = capacity - 1
-        self.head_p = region.base + offset
-        self.tail_p = region.base + offset + LINE
-        self.cells = region.base + offset + 2 * LINE
+        self._setup(region, offset, capacity, 8, False)
 
     def init(self):
-        st_store_release_u64(self.head_p, 0)   # creator only, before publication
-        st_store_release_u64(self.tail_p, 0)
+        st_store_release_u64(self.cons_p, 0)   # creator only, before publication
+        st_store_release_u64(self.prod_p, 0)
 
     cdef int c_push(self, uint64_t v) noexcept nogil:
-        cdef uint64_t t = st_load_relaxed_u64(self.tail_p)      # producer's own word
-        cdef uint64_t h = st_load_acquire_u64(self.head_p)      # pairs with the consumer's release of head
+        cdef uint64_t t = st_load_relaxed_u64(self.prod_p)      # producer's own word
+        cdef uint64_t h = st_load_acquire_u64(self.cons_p)      # pairs with the consumer's release of head
         if t - h > self.mask:
             return ST_FULL
         st_store_relaxed_u64(self.cells + 8 * (t & self.mask), v)
-        st_store_release_u64(self.tail_p, t + 1)                # pairs with the consumer's acquire of tail
+        st_store_release_u64(self.prod_p, t + 1)                # pairs with the consumer's acquire of tail
         return ST_SUCCESS
 
     cdef int c_pop(self, uint64_t *out) noexcept nogil:
-        cdef uint64_t h = st_load_relaxed_u64(self.head_p)      # consumer's own word
-        cdef uint64_t t = st_load_acquire_u64(self.tail_p)      # pairs with the producer's release of tail
+        cdef uint64_t h = st_load_relaxed_u64(self.cons_p)      # consumer's own word
+        cdef uint64_t t = st_load_acquire_u64(self.prod_p)      # pairs with the producer's release of tail
         if h == t:
             return ST_EMPTY
         out[0] = st_load_relaxed_u64(self.cells + 8 * (h & self.mask))
-        st_store_release_u64(self.head_p, h + 1)                # pairs with the producer's acquire of head
+        st_store_release_u64(self.cons_p, h + 1)                # pairs with the producer's acquire of head
         return ST_SUCCESS
-
-    def push(self, uint64_t v):
-        """Producer only. False when full."""
-        return self.c_push(v) == ST_SUCCESS
-
-    def pop(self):
-        """Consumer only. A value, or EMPTY."""
-        cdef uint64_t v = 0
-        if self.c_pop(&v) == ST_SUCCESS:
-            return v
-        return ST_EMPTY
-
-    def pop_many(self, Py_ssize_t n):
-        cdef uint64_t v = 0
-        out = []
-        while n > 0 and self.c_pop(&v) == ST_SUCCESS:
-            out.append(v)
-            n -= 1
-        return out
-
-    def __len__(self):
-        cdef uint64_t h = st_load_acquire_u64(self.head_p)
-        cdef uint64_t t = st_load_acquire_u64(self.tail_p)
-        return <Py_ssize_t>(t - h) if t > h else 0
 
 
 # Record layout constants (R_*, S_*, K_*, INLINE...) are in _cqueues.pxd.

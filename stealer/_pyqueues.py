@@ -323,7 +323,39 @@ class Deque(_Ring):
             return max(0, b - t)
 
 
-class MPMCRing(_Ring):
+class _QueueRing(_Ring):
+    """What the two rings share: pop, pop_many and length (positions at _prod/_cons)."""
+
+    _prod_first = True
+
+    def __init__(self, region: Region, offset: int, capacity: int) -> None:
+        super().__init__(region, offset, capacity)
+        self._prod, self._cons = (self._a, self._b) if self._prod_first else (self._b, self._a)
+
+    def _pop_locked(self) -> int:
+        raise NotImplementedError
+
+    def pop(self) -> int:
+        with self.region.lock:
+            return self._pop_locked()
+
+    def pop_many(self, n: int) -> list[int]:
+        out: list[int] = []
+        with self.region.lock:
+            while len(out) < n:
+                v = self._pop_locked()
+                if v < 0:
+                    break
+                out.append(v)
+        return out
+
+    def __len__(self) -> int:
+        r = self.region
+        with r.lock:
+            return max(0, r._r64(self._prod) - r._r64(self._cons))
+
+
+class MPMCRing(_QueueRing):
     """Vyukov ring layout: [enqueue pos][dequeue pos][{seq, value} cells]."""
 
     _cell = 16
@@ -359,28 +391,12 @@ class MPMCRing(_Ring):
         r._w64(self._b, pos + 1)
         return v
 
-    def pop(self) -> int:
-        with self.region.lock:
-            return self._pop_locked()
-
-    def pop_many(self, n: int) -> list[int]:
-        out: list[int] = []
-        with self.region.lock:
-            while len(out) < n:
-                v = self._pop_locked()
-                if v < 0:
-                    break
-                out.append(v)
-        return out
-
-    def __len__(self) -> int:
-        r = self.region
-        with r.lock:
-            return max(0, r._r64(self._a) - r._r64(self._b))
 
 
-class SPSCRing(_Ring):
+class SPSCRing(_QueueRing):
     """Single-producer single-consumer ring layout: [head][tail][cells]."""
+
+    _prod_first = False
 
     def init(self) -> None:
         r = self.region
@@ -407,21 +423,3 @@ class SPSCRing(_Ring):
         r._w64(self._a, h + 1)
         return v
 
-    def pop(self) -> int:
-        with self.region.lock:
-            return self._pop_locked()
-
-    def pop_many(self, n: int) -> list[int]:
-        out: list[int] = []
-        with self.region.lock:
-            while len(out) < n:
-                v = self._pop_locked()
-                if v < 0:
-                    break
-                out.append(v)
-        return out
-
-    def __len__(self) -> int:
-        r = self.region
-        with r.lock:
-            return max(0, r._r64(self._b) - r._r64(self._a))

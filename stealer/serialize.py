@@ -96,8 +96,19 @@ def loads_frame(src: Any, has_buffers: bool) -> Any:
 
 
 def cacheable(fn: Any) -> bool:
-    """Functions whose pickle does not change between calls (no bound state)."""
-    return type(fn) in (types.FunctionType, types.BuiltinFunctionType)
+    """Functions whose pickle does not change between calls (no bound state).
+
+    Plain Python functions, and builtins of a module (``math.sqrt``); not
+    builtin methods bound to an object (``some_list.append``), whose
+    ``__self__`` would be frozen at the first submit.
+    """
+    t = type(fn)
+    if t is types.FunctionType:
+        return True
+    if t is types.BuiltinFunctionType:
+        owner = getattr(fn, "__self__", None)
+        return owner is None or isinstance(owner, types.ModuleType)
+    return False
 
 
 class FunctionTable:

@@ -195,3 +195,7 @@ def nbytes_of(b):
 
 def make_bytes(n):
     return bytes(range(256)) * (n // 256)
+
+
+def getenv(name):
+    return os.environ.get(name)

@@ -373,6 +373,18 @@ def test_wait_ready_and_pinning():
         assert affinities == [{0}, {1}]
 
 
+def test_blas_threads_limited_per_worker_by_default(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    with stealer.Executor(1) as e:
+        assert e.submit(tasks.getenv, "OMP_NUM_THREADS").result(timeout=30) == "1"
+        assert e.submit(tasks.getenv, "OPENBLAS_NUM_THREADS").result(timeout=30) == "1"
+    with stealer.Executor(1, thread_limit=None) as e:
+        assert e.submit(tasks.getenv, "OMP_NUM_THREADS").result(timeout=30) is None
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's own setting wins
+    with stealer.Executor(1) as e:
+        assert e.submit(tasks.getenv, "OMP_NUM_THREADS").result(timeout=30) == "3"
+
+
 def test_no_segment_left_after_shutdown():
     e = stealer.Executor(1)
     path = os.path.join("/dev/shm", e.segment_name)

@@ -1,0 +1,72 @@
+"""Serialization: pickle/cloudpickle fallback, out-of-band frames, the function table."""
+
+from __future__ import annotations
+
+import mmap
+import pickle
+import threading
+
+import numpy as np
+import pytest
+import tasks
+
+from stealer import _queues, serialize
+from stealer.errors import SerializationError
+
+
+def test_plain_objects_use_stdlib_pickle():
+    data, bufs = serialize.dumps((1, "a", [2.5]))
+    assert not bufs and pickle.loads(data) == (1, "a", [2.5])
+
+
+def test_lambdas_fall_back_to_cloudpickle():
+    k = 3
+    data, _ = serialize.dumps(lambda x: x + k)
+    assert pickle.loads(data)(1) == 4
+
+
+def test_unpicklable_raises_serialization_error_naming_what():
+    with pytest.raises(SerializationError, match="could not pickle the task result") as info:
+        serialize.dumps(threading.Lock(), "task result")
+    assert isinstance(info.value, pickle.PicklingError)
+
+
+def test_numpy_arrays_travel_out_of_band():
+    a = np.arange(10_000, dtype=np.float64)
+    data, bufs = serialize.dumps({"x": a, "y": 1})
+    assert len(bufs) == 1 and bufs[0].raw().nbytes == a.nbytes
+    assert len(data) < 1000  # the array's bytes are not in the pickle stream
+    n = serialize.frame_size(data, bufs)
+    mm = mmap.mmap(-1, n + 64)
+    serialize.write_frame(mm, 64, data, bufs)
+    out = serialize.loads_frame(mm[64 : 64 + n], True)
+    np.testing.assert_array_equal(out["x"], a)
+    assert out["x"].flags.writeable and out["y"] == 1
+    mm.close()
+
+
+def test_function_table_sends_a_function_once():
+    Q = _queues.impl
+    mm = mmap.mmap(-1, 1 << 16)
+    region = Q.Region(mm)
+    client = serialize.FunctionTable(mm, region, 0, 16, 4096, 8192)
+    worker = serialize.FunctionTable(mm, region, 0, 16, 4096, 8192)
+    fid = client.id_of(tasks.square)
+    assert fid == 0 and client.id_of(tasks.square) == 0
+    assert client.id_of(tasks.add) == 1
+    assert worker.get(0)(7) == 49
+    assert worker.id_known(tasks.square) == 0 and worker.id_known(tasks.add) == -1
+    # bound methods and partials carry state: never cached
+    assert client.id_of([].append) == -1
+    import math
+
+    assert serialize.cacheable(math.sqrt) and serialize.cacheable(len)
+    import functools
+
+    assert client.id_of(functools.partial(tasks.add, 1)) == -1
+    with pytest.raises(SerializationError):
+        worker.get(5)
+    # a full table degrades to sending the function with each task
+    for i in range(2, 16):
+        client.id_of(eval(f"lambda x: x + {i}"))  # distinct function objects
+    assert client.id_of(lambda x: x) == -1

@@ -136,6 +136,7 @@ class Worker:
         Q = _queues.load(force_python=not a.native)
         if a.native != Q.NATIVE:
             raise RuntimeError("this worker could not load the native queues its client uses")
+        self.RETRY = Q.RETRY
         self.k = a.index
         self.incarnation = a.incarnation
         self.ppid = a.ppid
@@ -242,7 +243,7 @@ class Worker:
                     if len(mine):
                         self.idle.notify_one()
                     return h
-                if h != -2:  # EMPTY: next victim; RETRY: once more
+                if h != self.RETRY:  # EMPTY: next victim; RETRY (lost a race): once more
                     break
         return -1
 

@@ -4,12 +4,14 @@ Every (workload, system) pair is one benchmark, run once at the ``--quick`` size
 ``benchmark.pedantic(rounds=1, iterations=1)``; the timing pytest-benchmark records is the
 whole workload, and the metrics that matter (µs per task, latency percentiles, efficiency,
 speedup, and the ideal of the same trace) are stored in ``benchmark.extra_info`` so they land
-in ``--benchmark-json`` output.  A system that is not available (``stealer`` before its
-executor lands, ``loky`` when not installed) is skipped with the reason.
+in ``--benchmark-json`` output (the latency samples kept for the CDF plots are left out).  A
+system that is not available (``stealer`` when it does not import; loky, mpire, dask and ray
+when not installed) is skipped with the reason.
 
     pytest benchmarks/ --benchmark-enable [--benchmark-json out.json]
 
-For the full-size table use ``python benchmarks/run.py`` instead.
+For the full-size table and the plots use ``stealer bench`` (or ``python benchmarks/run.py``)
+instead.
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ from typing import Any
 
 import pytest
 
-from stealer.bench.runner import WORKLOADS, load_systems
+from stealer.bench.runner import WORKLOADS, _strip_samples, load_systems
 
 WORKERS = 2
-SYSTEMS = ("stealer", "process")
+SYSTEMS = ("stealer", "process", "loky", "mpire", "dask", "ray")
 
 
 def _system(name: str) -> Any:
@@ -49,7 +51,7 @@ def test_workload(benchmark: Any, workload: str, system_name: str) -> None:
         WORKLOADS[workload], args=(system, WORKERS, True), rounds=1, iterations=1
     )
     flat: dict[str, Any] = {}
-    _flatten("", result, flat)
+    _flatten("", _strip_samples(result), flat)
     benchmark.extra_info.update(flat)
     benchmark.extra_info["system"] = system.name
     benchmark.extra_info["workers"] = WORKERS

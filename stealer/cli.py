@@ -3,8 +3,11 @@
 Subcommands:
   demo    a short fork-join and submit demo on all cores, with timings
   topo    the machine's CPU topology and where each pinning policy puts workers
-  bench   the yardstick workloads beside ProcessPoolExecutor and the ideal
-          (``stealer bench --quick``; see ``stealer bench --help``)
+  bench   the yardstick workloads beside ProcessPoolExecutor, the installed peers and the
+          ideal; a table, JSON and PNG plots (``stealer bench --quick``; your own function
+          with ``--workload MODULE:FUNCTION``; see ``stealer bench --help``)
+  tune    sweep pinning policies x worker counts on a workload and report the best p99 and
+          throughput (``stealer tune --quick``; see ``stealer tune --help``)
 """
 
 from __future__ import annotations
@@ -51,12 +54,26 @@ def _topo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(argv: Sequence[str]) -> int:
+    """``stealer bench ARGS``: :func:`stealer.bench.runner.main` (it parses its own options)."""
+    from stealer.bench.runner import main as bench_main
+
+    return bench_main(argv)
+
+
+def _tune(argv: Sequence[str]) -> int:
+    """``stealer tune ARGS``: :func:`stealer.tune.main` (it parses its own options)."""
+    from stealer.tune import main as tune_main
+
+    return tune_main(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
-        from stealer.bench.runner import main as bench_main
-
-        return bench_main(argv[1:])
+        return _bench(argv[1:])
+    if argv and argv[0] == "tune":
+        return _tune(argv[1:])
     p = argparse.ArgumentParser(prog="stealer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -65,6 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t = sub.add_parser("topo", help="CPU topology and pinning policies")
     t.add_argument("--workers", type=int, default=None)
     sub.add_parser("bench", help="yardstick benchmarks (see stealer bench --help)")
+    sub.add_parser("tune", help="best pinning policy and worker count (see stealer tune --help)")
     args = p.parse_args(argv)
     return {"demo": _demo, "topo": _topo}[args.cmd](args)
 

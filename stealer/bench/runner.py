@@ -5,7 +5,8 @@ executor from ``system`` (a :class:`System`: a name and a factory ``workers -> E
 measures, shuts it down, and returns plain JSON-able numbers, with the zero-overhead ideal of
 the same trace on the same number of workers under ``"ideal"`` (see
 :mod:`stealer.bench.ideal`).  Every result also carries ``ready_s``: constructor plus the first
-no-op result.
+no-op result.  ``quick`` is ``False`` (full size), ``True`` (the ``--quick`` size) or one of
+:data:`SIZES` (``"tiny"``: a few hundred tasks, for tests).
 
 Workloads (``--quick`` sizes in brackets; all together finish in seconds on 2 cores):
 
@@ -21,7 +22,8 @@ Workloads (``--quick`` sizes in brackets; all together finish in seconds on 2 co
   arrival, so a client that falls behind counts against the executor, as in an open system.
   p50/p90/p99/p99.9/max in ms; ``start_p99_ms`` is scheduled arrival to the task starting in
   its worker (one monotonic clock on Linux) and ``client_lag_max_ms`` how late the client
-  submitted.
+  submitted.  ``samples_ms`` keeps the latency distribution for the CDF plot (sorted,
+  downsampled to at most :data:`MAX_SAMPLES` quantiles; not shown in the table).
 - ``skew``: 2,000 [400] tasks of capped Pareto durations (shape 1.5, mean 2 ms, cap 200 ms,
   seeded), all submitted at once; makespan and efficiency ``(sum of work / W) / makespan``.
   The ideal is the greedy FIFO makespan of the same durations in the same order; the lower
@@ -34,15 +36,21 @@ Workloads (``--quick`` sizes in brackets; all together finish in seconds on 2 co
   decomposition client-driven: fib's leaf sub-problems through ``map``, and UTS as a loop that
   submits :func:`~stealer.bench.workloads.uts_expand` on each bag and resubmits the frontier
   it returns.  Results are checked against the sequential answer.
+- ``user`` (``--workload MODULE:FUNCTION``): the user's function called ``--tasks`` times with
+  ``--args`` (a JSON list) through each system, see :func:`run_user`.
 
 Systems: ``stealer`` (:class:`stealer.Executor`; skipped with a message while it does not
-import), ``process`` (:class:`concurrent.futures.ProcessPoolExecutor`), and ``loky`` when
-installed.  :func:`register_system` adds more.
+import), ``process`` (:class:`concurrent.futures.ProcessPoolExecutor`), and the peers of
+:mod:`stealer.bench.peers` (loky, mpire, dask, ray) when installed.  The default ``auto`` is
+stealer, process and every installed peer.  :func:`register_system` adds more.  A system that
+fails during a workload is reported (table cell ``—``, a note, ``meta.errors`` in the JSON)
+and the run goes on.
 
 ``main(argv)`` prints an aligned table (workload, metric, one column per system, ideal, ratio
-= first system / second system, i.e. stealer / process by default) and writes JSON with
-``--json``.  With ``--repeat N`` each (workload, system) runs N times, systems interleaved,
-and the table shows medians.
+= first system / second system, i.e. stealer / process by default), writes JSON (``--json``,
+default ``bench-out/bench.json``) and PNG plots (``--plots DIR``, see
+:mod:`stealer.bench.plots`).  With ``--repeat N`` each (workload, system) runs N times,
+systems interleaved, and the table shows medians.
 """
 
 from __future__ import annotations
@@ -50,21 +58,27 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import gc
+import heapq
+import importlib
 import json
 import math
 import os
 import platform
 import queue
+import re
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
 from stealer.bench import ideal as _ideal
+from stealer.bench import peers as _peers
 from stealer.bench import workloads as _wl
+from stealer.bench.progress import Progress
 
 __all__ = [
     "System",
@@ -77,12 +91,33 @@ __all__ = [
     "run_latency",
     "run_skew",
     "run_forkjoin",
+    "run_user",
+    "UserWorkload",
+    "resolve_function",
+    "downsample",
+    "SIZES",
     "WORKLOADS",
     "format_table",
     "main",
 ]
 
 WAIT_TIMEOUT_S = 600.0  # upper bound on any single wait, so a broken executor cannot hang us
+
+#: Problem sizes: ``"full"`` (the default), ``"quick"`` (``--quick``) and ``"tiny"`` (tests).
+SIZES = ("full", "quick", "tiny")
+
+#: Latency samples kept per result for the CDF plot (quantiles of the sorted latencies).
+MAX_SAMPLES = 2_000
+
+
+def _size(quick: bool | str) -> str:
+    """Normalise a workload's ``quick`` argument (bool or one of :data:`SIZES`) to a size."""
+    if isinstance(quick, str):
+        if quick not in SIZES:
+            raise ValueError(f"unknown size {quick!r}; expected one of {', '.join(SIZES)}")
+        return quick
+    return "quick" if quick else "full"
+
 
 # --------------------------------------------------------------------------- systems
 
@@ -128,25 +163,32 @@ def _load_process() -> System:
     return System("process", make, forkjoin="flat")
 
 
-def _load_loky() -> System:
-    try:
-        from loky import ProcessPoolExecutor as LokyExecutor
-    except ImportError as exc:
-        raise SystemUnavailable("loky is not installed") from exc
+def _peer_loader(name: str) -> Callable[[], System]:
+    def load() -> System:
+        try:
+            make = _peers.load(name)
+        except _peers.PeerUnavailable as exc:
+            raise SystemUnavailable(str(exc)) from exc
+        return System(name, make, forkjoin="flat")
 
-    def make(workers: int) -> cf.Executor:
-        return LokyExecutor(max_workers=workers)
-
-    return System("loky", make, forkjoin="flat")
+    return load
 
 
 _LOADERS: dict[str, Callable[[], System]] = {
     "stealer": _load_stealer,
     "process": _load_process,
-    "loky": _load_loky,
+    **{name: _peer_loader(name) for name in _peers.PEERS},
 }
 
+#: What ``--systems auto`` (the default) means: these plus every installed peer.
 DEFAULT_SYSTEMS = ("stealer", "process")
+
+
+def auto_systems() -> tuple[list[str], list[str]]:
+    """``(systems to run, peers not installed)`` for ``--systems auto``."""
+    present = _peers.installed()
+    missing = [name for name in _peers.PEERS if name not in present]
+    return [*DEFAULT_SYSTEMS, *present], missing
 
 
 def register_system(name: str, loader: Callable[[], System]) -> None:
@@ -213,6 +255,39 @@ def _wait_all(futures: Sequence[cf.Future[Any]]) -> None:
         f.result()  # re-raise a task's exception
 
 
+def downsample(values: Sequence[float], k: int = MAX_SAMPLES, digits: int = 4) -> list[float]:
+    """The sorted ``values`` reduced to at most ``k`` evenly spaced quantiles (min and max
+    kept), each rounded to ``digits`` decimals: a compact stand-in for a CDF."""
+    xs = sorted(values)
+    n = len(xs)
+    if n > k >= 2:
+        xs = [xs[round(i * (n - 1) / (k - 1))] for i in range(k)]
+    elif n > k:
+        xs = xs[-1:]
+    return [round(x, digits) for x in xs]
+
+
+# The runner's progress bar, while one is shown: workloads report how far they are (0..1).
+_progress_hook: Callable[[float], None] | None = None
+
+
+def _report(fraction: float) -> None:
+    hook = _progress_hook
+    if hook is not None:
+        hook(fraction)
+
+
+@contextmanager
+def _progress_to(hook: Callable[[float], None] | None) -> Iterator[None]:
+    """Send workload progress to ``hook`` inside the ``with`` block."""
+    global _progress_hook
+    saved, _progress_hook = _progress_hook, hook
+    try:
+        yield
+    finally:
+        _progress_hook = saved
+
+
 def _median_dicts(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Key-wise median of numeric leaves across runs (nested dicts too); others from run 0."""
     out: dict[str, Any] = {}
@@ -231,11 +306,18 @@ def _median_dicts(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- workloads
 
 
-def run_start(system: System, workers: int, quick: bool) -> dict[str, Any]:
+START_TRIALS = {"full": 5, "quick": 3, "tiny": 1}
+OVERHEAD_TASKS = {"full": 20_000, "quick": 2_000, "tiny": 300}
+LATENCY_TASKS = {"full": 10_000, "quick": 2_000, "tiny": 300}
+SKEW_TASKS = {"full": 2_000, "quick": 400, "tiny": 80}
+
+
+def run_start(system: System, workers: int, quick: bool | str) -> dict[str, Any]:
     """Ready time (constructor + first no-op result) and shutdown time, median of fresh starts."""
-    trials = 3 if quick else 5
+    trials = START_TRIALS[_size(quick)]
     ready, stop = [], []
-    for _ in range(trials):
+    for i in range(trials):
+        _report(i / trials)
         ex, r = _open(system, workers)
         t0 = time.perf_counter()
         ex.shutdown(wait=True)
@@ -249,9 +331,9 @@ def run_start(system: System, workers: int, quick: bool) -> dict[str, Any]:
     }
 
 
-def run_overhead(system: System, workers: int, quick: bool) -> dict[str, Any]:
+def run_overhead(system: System, workers: int, quick: bool | str) -> dict[str, Any]:
     """No-op tasks through submit, map (chunksize 1) and map (chunksize 64)."""
-    n = 2_000 if quick else 20_000
+    n = OVERHEAD_TASKS[_size(quick)]
     chunk = 64
     ex, ready = _open(system, workers)
     try:
@@ -263,12 +345,14 @@ def run_overhead(system: System, workers: int, quick: bool) -> dict[str, Any]:
         if any(f.result() != i for i, f in enumerate(futures)):
             raise RuntimeError(f"{system.name}: wrong no-op results via submit")
         del futures
+        _report(0.4)
 
         t2 = time.perf_counter()
         out = list(ex.map(_wl.noop, range(n), timeout=WAIT_TIMEOUT_S))
         t3 = time.perf_counter()
         if out != list(range(n)):
             raise RuntimeError(f"{system.name}: wrong no-op results via map")
+        _report(0.8)
 
         t4 = time.perf_counter()
         out = list(ex.map(_wl.noop, range(n), timeout=WAIT_TIMEOUT_S, chunksize=chunk))
@@ -297,14 +381,14 @@ LATENCY_LOAD = 0.7
 LATENCY_SEED = 7
 
 
-def latency_trace(workers: int, quick: bool) -> tuple[list[float], float]:
+def latency_trace(workers: int, quick: bool | str) -> tuple[list[float], float]:
     """``(arrival offsets in s, task duration in s)`` of the latency workload."""
-    n = 2_000 if quick else 10_000
+    n = LATENCY_TASKS[_size(quick)]
     rate = LATENCY_LOAD * workers / LATENCY_TASK_S
     return _ideal.poisson_arrivals(n, rate, seed=LATENCY_SEED), LATENCY_TASK_S
 
 
-def run_latency(system: System, workers: int, quick: bool) -> dict[str, Any]:
+def run_latency(system: System, workers: int, quick: bool | str) -> dict[str, Any]:
     """Open-loop Poisson arrivals of 1 ms tasks at 70% load; arrival-to-result latency."""
     arrivals, dur = latency_trace(workers, quick)
     n = len(arrivals)
@@ -322,6 +406,8 @@ def run_latency(system: System, workers: int, quick: bool) -> dict[str, Any]:
         futures: list[cf.Future[tuple[int, int]]] = []
         t0 = time.perf_counter() + 0.02
         for i, a in enumerate(arrivals):
+            if not i & 127:
+                _report(i / n)
             precise_sleep_until(t0 + a)
             submitted_at[i] = time.perf_counter()
             f = ex.submit(_wl.timed_busy, dur)
@@ -344,19 +430,28 @@ def run_latency(system: System, workers: int, quick: bool) -> dict[str, Any]:
     result["client_lag_max_ms"] = max(lag) * 1e3
     result["duration_s"] = max(done_at) - t0
     result["ready_s"] = ready
+    result["samples_ms"] = downsample([x * 1e3 for x in lat])
     result["ideal"] = ideal_latency(workers, quick)
     return result
 
 
+def ideal_latency(workers: int, quick: bool | str) -> dict[str, Any]:
+    """The ideal (zero-overhead greedy FIFO) latency summary of the latency trace, with its
+    ``samples_ms`` (a fresh dict each call; the simulation is cached)."""
+    out = dict(_ideal_latency(workers, _size(quick)))
+    out["samples_ms"] = list(out["samples_ms"])
+    return out
+
+
 @cache
-def ideal_latency(workers: int, quick: bool) -> dict[str, float]:
-    """The ideal (zero-overhead greedy FIFO) latency summary of the latency trace."""
-    arrivals, dur = latency_trace(workers, quick)
+def _ideal_latency(workers: int, size: str) -> dict[str, Any]:
+    arrivals, dur = latency_trace(workers, size)
     lat = _ideal.fifo_latencies(arrivals, [dur] * len(arrivals), workers)
-    out = {f"{k}_ms": v for k, v in _ideal.latency_summary(lat).items()}
+    out: dict[str, Any] = {f"{k}_ms": v for k, v in _ideal.latency_summary(lat).items()}
     waits = [x - dur for x in lat]
     out["start_p50_ms"] = _ideal.percentile(waits, 50) * 1e3
     out["start_p99_ms"] = _ideal.percentile(waits, 99) * 1e3
+    out["samples_ms"] = tuple(downsample([x * 1e3 for x in lat]))
     return out
 
 
@@ -366,13 +461,13 @@ SKEW_CAP_S = 0.2
 SKEW_SEED = 11
 
 
-def skew_trace(quick: bool) -> list[float]:
+def skew_trace(quick: bool | str) -> list[float]:
     """Durations (s) of the skew workload."""
-    n = 400 if quick else 2_000
+    n = SKEW_TASKS[_size(quick)]
     return _ideal.pareto_durations(n, SKEW_SHAPE, SKEW_MEAN_S, SKEW_CAP_S, seed=SKEW_SEED)
 
 
-def run_skew(system: System, workers: int, quick: bool) -> dict[str, Any]:
+def run_skew(system: System, workers: int, quick: bool | str) -> dict[str, Any]:
     """A batch of capped-Pareto busy tasks submitted at once; makespan and efficiency."""
     durations = skew_trace(quick)
     work = math.fsum(durations)
@@ -423,6 +518,8 @@ class ForkJoinSizes:
 
 FORKJOIN_QUICK = ForkJoinSizes(fib_n=32, fib_cutoff=20, uts=_wl.UTS_QUICK)
 FORKJOIN_DEFAULT = ForkJoinSizes(fib_n=34, fib_cutoff=21, uts=_wl.UTS_DEFAULT)
+FORKJOIN_TINY = ForkJoinSizes(fib_n=25, fib_cutoff=18, uts=_wl.UTSParams(b0=100))
+FORKJOIN_SIZES = {"full": FORKJOIN_DEFAULT, "quick": FORKJOIN_QUICK, "tiny": FORKJOIN_TINY}
 
 
 def _fib_exact(n: int) -> int:
@@ -440,8 +537,7 @@ def _inline_runner() -> Callable[..., Any] | None:
     return getattr(stealer, "run_inline", None)
 
 
-@cache
-def forkjoin_baseline(quick: bool) -> dict[str, Any]:
+def forkjoin_baseline(quick: bool | str) -> dict[str, Any]:
     """One-process times of the forkjoin problems (measured once per process, then cached).
 
     ``fib_s``/``uts_s`` are the baseline speedups divide by: ``stealer.run_inline`` of the
@@ -449,7 +545,12 @@ def forkjoin_baseline(quick: bool) -> dict[str, Any]:
     function (``baseline == "sequential"``).  ``fib_seq_s``/``uts_seq_s`` are always the plain
     sequential functions.
     """
-    sz = FORKJOIN_QUICK if quick else FORKJOIN_DEFAULT
+    return _forkjoin_baseline(_size(quick))
+
+
+@cache
+def _forkjoin_baseline(size: str) -> dict[str, Any]:
+    sz = FORKJOIN_SIZES[size]
     out: dict[str, Any] = {}
     gc.collect()
     t0 = time.perf_counter()
@@ -511,9 +612,9 @@ def _uts_client_driven(ex: cf.Executor, seed: int, params: _wl.UTSParams) -> tup
     return total, tasks
 
 
-def run_forkjoin(system: System, workers: int, quick: bool) -> dict[str, Any]:
+def run_forkjoin(system: System, workers: int, quick: bool | str) -> dict[str, Any]:
     """fib and UTS on the executor; speedup over the one-process baseline."""
-    sz = FORKJOIN_QUICK if quick else FORKJOIN_DEFAULT
+    sz = FORKJOIN_SIZES[_size(quick)]
     base = forkjoin_baseline(quick)
     ex, ready = _open(system, workers)
     try:
@@ -521,6 +622,7 @@ def run_forkjoin(system: System, workers: int, quick: bool) -> dict[str, Any]:
             t0 = time.perf_counter()
             fib_value = ex.submit(_wl.fib, sz.fib_n, sz.fib_cutoff).result(WAIT_TIMEOUT_S)
             fib_s = time.perf_counter() - t0
+            _report(0.5)
             t0 = time.perf_counter()
             nodes = ex.submit(_wl.uts, sz.uts_seed, 0, sz.uts).result(WAIT_TIMEOUT_S)
             uts_s = time.perf_counter() - t0
@@ -530,6 +632,7 @@ def run_forkjoin(system: System, workers: int, quick: bool) -> dict[str, Any]:
             leaves = _wl.fib_leaves(sz.fib_n, sz.fib_cutoff)
             fib_value = sum(ex.map(_wl.fib_seq, leaves, timeout=WAIT_TIMEOUT_S))
             fib_s = time.perf_counter() - t0
+            _report(0.5)
             t0 = time.perf_counter()
             nodes, uts_tasks = _uts_client_driven(ex, sz.uts_seed, sz.uts)
             uts_s = time.perf_counter() - t0
@@ -568,7 +671,169 @@ def run_forkjoin(system: System, workers: int, quick: bool) -> dict[str, Any]:
     }
 
 
-WORKLOADS: dict[str, Callable[[System, int, bool], dict[str, Any]]] = {
+# --------------------------------------------------------------------------- user workload
+
+USER_TASKS = {"full": 2_000, "quick": 500, "tiny": 50}
+
+
+def resolve_function(target: str) -> Callable[..., Any]:
+    """The callable named ``"package.module:function"`` (``function`` may be dotted, e.g.
+    ``Class.method``).  The current directory is tried as an import root if the module is not
+    found otherwise, like ``python -m``.  Raises :class:`ValueError` with the reason."""
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(
+            f"{target!r} is not MODULE:FUNCTION (e.g. stealer.bench.workloads:busy)"
+        )
+    try:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError:
+            cwd = os.getcwd()
+            if cwd in sys.path:
+                raise
+            sys.path.insert(0, cwd)
+            module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ValueError(f"cannot import {module_name!r}: {exc}") from exc
+    obj: Any = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"{module_name!r} has no attribute {attr!r}") from None
+    if not callable(obj):
+        raise ValueError(f"{target!r} is not callable")
+    return obj
+
+
+@dataclass(frozen=True)
+class UserWorkload:
+    """The user's task for ``--workload``: ``fn(*args, **kwargs)`` called ``tasks`` times,
+    with at most ``inflight`` tasks outstanding (0: all submitted at once).  ``task_s`` is the
+    function's duration when called in the client (measured by :func:`calibrate` when None);
+    the ideal assumes every task takes that long."""
+
+    target: str
+    fn: Callable[..., Any]
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    tasks: int = USER_TASKS["quick"]
+    inflight: int = 0
+    task_s: float | None = None
+
+    def describe(self, limit: int = 120) -> str:
+        """``module:function(args)``, shortened to ``limit`` characters."""
+        parts = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
+        text = f"{self.target}({', '.join(parts)})"
+        return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def calibrate(spec: UserWorkload, budget_s: float = 0.2, max_calls: int = 20) -> float:
+    """Median duration (s) of ``spec.fn(*args, **kwargs)`` called in this process: up to
+    ``max_calls`` calls within ``budget_s`` (at least one)."""
+    times: list[float] = []
+    end = time.perf_counter() + budget_s
+    while len(times) < max_calls and (not times or time.perf_counter() < end):
+        t0 = time.perf_counter()
+        spec.fn(*spec.args, **spec.kwargs)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def closed_loop_ideal(
+    tasks: int, inflight: int, duration: float, workers: int
+) -> tuple[list[float], float]:
+    """``(latencies, makespan)`` of ``tasks`` equal tasks on ``workers`` zero-overhead workers
+    when the client keeps ``inflight`` submitted (0 or >= tasks: all submitted at time 0) and
+    submits the next the moment one completes; greedy FIFO as in :mod:`stealer.bench.ideal`."""
+    if tasks <= 0:
+        return [], 0.0
+    k = tasks if inflight <= 0 else min(inflight, tasks)
+    free = [0.0] * min(workers, tasks)
+    done: list[float] = []
+    lat: list[float] = []
+    for i in range(tasks):
+        # Equal durations and FIFO: completions come in submission order.
+        arrive = 0.0 if i < k else done[i - k]
+        start = max(arrive, heapq.heappop(free))
+        finish = start + duration
+        heapq.heappush(free, finish)
+        done.append(finish)
+        lat.append(finish - arrive)
+    return lat, max(done)
+
+
+def run_user(system: System, workers: int, spec: UserWorkload) -> dict[str, Any]:
+    """The user's function through ``system``: per-task latency (submit to done, read in a
+    done callback) percentiles, and throughput ``tasks / (last done - first submit)``."""
+    n = spec.tasks
+    if n < 1:
+        raise ValueError("tasks must be >= 1")
+    k = n if spec.inflight <= 0 else min(spec.inflight, n)
+    task_s = spec.task_s if spec.task_s is not None else calibrate(spec)
+    submitted = [0.0] * n
+    done_at = [math.nan] * n
+    done_q: queue.SimpleQueue[int] = queue.SimpleQueue()
+    futures: list[cf.Future[Any] | None] = [None] * n
+
+    def on_done(i: int) -> Callable[[cf.Future[Any]], None]:
+        def record(_f: cf.Future[Any]) -> None:
+            done_at[i] = time.perf_counter()
+            done_q.put(i)
+
+        return record
+
+    ex, ready = _open(system, workers)
+    try:
+
+        def submit(i: int) -> None:
+            submitted[i] = time.perf_counter()
+            f = ex.submit(spec.fn, *spec.args, **spec.kwargs)
+            futures[i] = f
+            f.add_done_callback(on_done(i))
+
+        t0 = time.perf_counter()
+        for i in range(k):
+            submit(i)
+        next_i = k
+        for finished in range(1, n + 1):
+            try:
+                i = done_q.get(timeout=WAIT_TIMEOUT_S)
+            except queue.Empty:
+                raise TimeoutError(f"no task finished in {WAIT_TIMEOUT_S:.0f} s") from None
+            f = futures[i]
+            if f is not None and f.exception() is not None:
+                raise RuntimeError(f"task {i} raised {f.exception()!r}") from f.exception()
+            if next_i < n:
+                submit(next_i)
+                next_i += 1
+            if not finished & 63:
+                _report(finished / n)
+        wall = max(done_at) - t0
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)
+    lat = [d - s for d, s in zip(done_at, submitted)]
+    ideal_lat, ideal_makespan = closed_loop_ideal(n, k, task_s, workers)
+    result: dict[str, Any] = {"tasks": n, "inflight": k, "task_ms": task_s * 1e3}
+    result["tasks_per_s"] = n / wall if wall > 0 else math.inf
+    result["wall_s"] = wall
+    result.update({f"{key}_ms": v for key, v in _ideal.latency_summary(lat).items()})
+    result["samples_ms"] = downsample([x * 1e3 for x in lat])
+    result["ready_s"] = ready
+    result["info"] = {"call": spec.describe()}
+    ideal: dict[str, Any] = {
+        "tasks_per_s": n / ideal_makespan if ideal_makespan > 0 else math.inf,
+        "wall_s": ideal_makespan,
+        "task_ms": task_s * 1e3,
+    }
+    ideal.update({f"{key}_ms": v for key, v in _ideal.latency_summary(ideal_lat).items()})
+    ideal["samples_ms"] = downsample([x * 1e3 for x in ideal_lat])
+    result["ideal"] = ideal
+    return result
+
+
+WORKLOADS: dict[str, Callable[[System, int, bool | str], dict[str, Any]]] = {
     "start": run_start,
     "overhead": run_overhead,
     "latency": run_latency,
@@ -604,6 +869,15 @@ _ROWS: dict[str, list[tuple[str, str, str]]] = {
         ("fib_s", "fib s", ".3f"),
         ("uts_speedup", "uts speedup", ".2f"),
         ("uts_s", "uts s", ".3f"),
+    ],
+    "user": [
+        ("tasks_per_s", "tasks/s", ",.0f"),
+        ("p50_ms", "p50 ms", ".2f"),
+        ("p90_ms", "p90 ms", ".2f"),
+        ("p99_ms", "p99 ms", ".2f"),
+        ("p99_9_ms", "p99.9 ms", ".2f"),
+        ("max_ms", "max ms", ".2f"),
+        ("wall_s", "wall s", ".3f"),
     ],
 }
 
@@ -649,53 +923,193 @@ def format_table(results: dict[str, dict[str, Any]], system_names: Sequence[str]
     return "\n".join(out)
 
 
-def _meta(args: argparse.Namespace, skipped: dict[str, str]) -> dict[str, Any]:
-    return {
+def _strip_samples(value: Any) -> Any:
+    """``value`` without its ``samples_ms`` entries (for the per-run copies in the JSON)."""
+    if isinstance(value, dict):
+        return {k: _strip_samples(v) for k, v in value.items() if k != "samples_ms"}
+    if isinstance(value, list):
+        return [_strip_samples(v) for v in value]
+    return value
+
+
+def _for_json(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Results as written to JSON: samples only in the medians and the ideal, not per run."""
+    out: dict[str, dict[str, Any]] = {}
+    for workload, res in results.items():
+        entry = dict(res)
+        entry["runs"] = _strip_samples(res.get("runs", {}))
+        out[workload] = entry
+    return out
+
+
+_NUMBER_LIST = re.compile(r"\[\s*([-+0-9.eE,\s]*?)\s*\]")
+
+
+def dumps_compact(doc: Any) -> str:
+    """``json.dumps(doc, indent=1)`` with every list of plain numbers on one line."""
+    text = json.dumps(doc, indent=1)
+    return _NUMBER_LIST.sub(lambda m: "[" + "".join(m.group(1).split()) + "]", text)
+
+
+def _meta(
+    args: argparse.Namespace,
+    skipped: dict[str, str],
+    errors: dict[str, dict[str, str]],
+    not_installed: Sequence[str],
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
         "workers": args.workers,
-        "quick": args.quick,
+        "size": args.size,
+        "quick": args.size == "quick",
         "repeat": args.repeat,
+        "workloads": args.workloads,
         "systems": args.systems,
         "skipped": skipped,
+        "errors": errors,
+        "not_installed": list(not_installed),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+    if args.user is not None:
+        meta["user_workload"] = {
+            "call": args.user.describe(limit=1000),
+            "tasks": args.user.tasks,
+            "inflight": args.user.inflight,
+        }
+    return meta
+
+
+_EPILOG = """\
+your own workload:
+  --workload MODULE:FUNCTION runs FUNCTION(*ARGS, **KWARGS) --tasks times through every
+  system (the built-in workloads are then left out unless --workloads names them), e.g.
+
+      stealer bench --workload stealer.bench.workloads:busy --args '[0.001]' --tasks 2000
+
+  The function must be importable by the worker processes (a module on sys.path; the current
+  directory is tried too).  --args is a JSON list, --kwargs a JSON object.  All tasks are
+  submitted at once, or at most --inflight at a time (the next submitted as one completes).
+  Reported: throughput (tasks / (last done - first submit)) and the latency percentiles of
+  each task from submit to done.  The ideal assumes every task takes as long as one call of
+  the function in this process (timed a few times before the runs).
+
+output:
+  The table goes to stdout; --json PATH (default bench-out/bench.json) gets every number and
+  run, with latency distributions downsampled to <= 2,000 points; PNG plots (latency
+  percentiles and CDF per system, efficiency and speedup bars, overhead) go to --plots DIR
+  (default: the directory of --json, or bench-out/).  A progress bar is drawn on stderr when
+  it is a terminal (--progress forces it).
+
+peers:
+  --systems auto (default) runs stealer, ProcessPoolExecutor ('process') and each installed
+  peer of loky, mpire, dask (distributed.LocalCluster, 1 thread per worker process) and ray.
+  A system that fails is reported and the run goes on.
+"""
+
+
+def _json_value(text: str, what: str, kind: type) -> Any:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} is not valid JSON: {exc}") from exc
+    if kind is list and not isinstance(value, list):
+        value = [value]  # a single argument
+    if not isinstance(value, kind):
+        raise ValueError(f"{what} must be a JSON {kind.__name__}, got {text!r}")
+    return value
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="stealer-bench",
+        prog="stealer bench",
         description="Yardstick workloads (DESIGN.md §7) side by side with peers and the ideal.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--workloads",
-        default=",".join(WORKLOADS),
-        help=f"comma-separated subset of {','.join(WORKLOADS)} (default: all)",
+        default=None,
+        help=f"comma-separated subset of {','.join(WORKLOADS)} (default: all, or none when "
+        "--workload is given)",
     )
     p.add_argument(
         "--systems",
-        default=",".join(DEFAULT_SYSTEMS),
-        help=f"comma-separated executors to compare, of {','.join(_LOADERS)}; "
-        "the ratio column is first/second (default: stealer,process)",
+        default="auto",
+        help=f"comma-separated executors to compare, of {','.join(_LOADERS)}, or 'auto' "
+        "(stealer, process and the installed peers); the ratio column is first/second "
+        "(default: auto)",
     )
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
-    p.add_argument("--quick", action="store_true", help="small sizes (seconds in all)")
+    p.add_argument("--quick", action="store_true", help="small sizes (seconds per system)")
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests
     p.add_argument("--repeat", type=int, default=1, help="runs per workload; medians shown")
     p.add_argument("--json", metavar="PATH", help="write all results and runs as JSON here")
+    p.add_argument("--plots", metavar="DIR", help="write PNG plots here")
+    p.add_argument("--no-plots", action="store_true", help="do not draw plots")
+    p.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=None,
+        help="progress bar on stderr (default: when stderr is a terminal)",
+    )
+    g = p.add_argument_group("your own workload (see below)")
+    g.add_argument("--workload", metavar="MODULE:FUNCTION", help="a function to benchmark")
+    g.add_argument("--args", default="[]", metavar="JSON", help="its arguments (a JSON list)")
+    g.add_argument("--kwargs", default="{}", metavar="JSON", help="its keyword arguments")
+    g.add_argument(
+        "--tasks", type=int, default=None,
+        help=f"calls per system (default {USER_TASKS['full']}, --quick {USER_TASKS['quick']})",
+    )
+    g.add_argument(
+        "--inflight", type=int, default=0, metavar="K",
+        help="keep at most K tasks outstanding (default 0: submit all at once)",
+    )
     args = p.parse_args(argv)
-    args.workloads = [w for w in args.workloads.split(",") if w]
-    args.systems = [s for s in args.systems.split(",") if s]
+    args.size = "tiny" if args.tiny else "quick" if args.quick else "full"
+    if args.workloads is None:
+        args.workloads = [] if args.workload else list(WORKLOADS)
+    else:
+        args.workloads = [w for w in args.workloads.split(",") if w]
     unknown = [w for w in args.workloads if w not in WORKLOADS]
     if unknown:
         p.error(f"unknown workload(s): {', '.join(unknown)}")
+    args.systems = [s for s in args.systems.split(",") if s]
+    args.not_installed = []
+    if args.systems == ["auto"]:
+        args.systems, args.not_installed = auto_systems()
     if args.workers < 1 or args.repeat < 1:
         p.error("--workers and --repeat must be >= 1")
+    args.user = None
+    if args.workload:
+        tasks = USER_TASKS[args.size] if args.tasks is None else args.tasks
+        if tasks < 1 or args.inflight < 0:
+            p.error("--tasks must be >= 1 and --inflight >= 0")
+        try:
+            fn = resolve_function(args.workload)
+            fargs = _json_value(args.args, "--args", list)
+            fkwargs = _json_value(args.kwargs, "--kwargs", dict)
+        except ValueError as exc:
+            p.error(str(exc))
+        args.user = UserWorkload(
+            args.workload, fn, tuple(fargs), fkwargs, tasks=tasks, inflight=args.inflight
+        )
+        args.workloads.append("user")
+    if not args.workloads:
+        p.error("nothing to run")
     return args
 
 
+def _output_paths(args: argparse.Namespace) -> tuple[str, str]:
+    """``(json path, plots directory)`` from ``--json`` and ``--plots``."""
+    if args.json:
+        return args.json, args.plots or os.path.dirname(os.path.abspath(args.json))
+    plots_dir = args.plots or "bench-out"
+    return os.path.join(plots_dir, "bench.json"), plots_dir
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry: run, print the table, optionally write JSON. Returns an exit code."""
+    """Command-line entry: run, print the table, write JSON and plots. Returns an exit code:
+    0, or 1 when the first system failed a workload (or nothing ran), 2 for bad usage."""
     args = _parse(argv)
     systems, skipped = load_systems(args.systems)
     for name, reason in skipped.items():
@@ -703,36 +1117,108 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not systems:
         print("error: no system to run", file=sys.stderr)
         return 2
+    user: UserWorkload | None = args.user
+    if user is not None:
+        try:
+            user = args.user = UserWorkload(
+                user.target, user.fn, user.args, user.kwargs, user.tasks, user.inflight,
+                task_s=calibrate(user),
+            )
+        except Exception as exc:
+            print(f"error: {user.describe()} raised {exc!r} when called here", file=sys.stderr)
+            return 2
+
+    def workload_fn(name: str) -> Callable[[System, int, bool | str], dict[str, Any]]:
+        if name == "user":
+            assert user is not None
+            return lambda system, workers, _size: run_user(system, workers, user)
+        return WORKLOADS[name]
+
     results: dict[str, dict[str, Any]] = {}
-    for workload in args.workloads:
-        fn = WORKLOADS[workload]
-        runs: dict[str, list[dict[str, Any]]] = {s.name: [] for s in systems}
-        for r in range(args.repeat):
-            order = systems[r % len(systems) :] + systems[: r % len(systems)]
-            for system in order:
-                t0 = time.perf_counter()
-                res = fn(system, args.workers, args.quick)
-                print(
-                    f"  {workload:<9} {system.name:<8} run {r + 1}/{args.repeat}"
-                    f" {time.perf_counter() - t0:6.2f} s",
-                    file=sys.stderr,
-                )
-                runs[system.name].append(res)
-        medians = {name: _median_dicts(rs) for name, rs in runs.items()}
-        ideal = next(iter(medians.values())).get("ideal", {})
-        results[workload] = {"systems": medians, "ideal": ideal, "runs": runs}
-    names = list(args.systems)  # keep skipped systems as columns of "—"
+    errors: dict[str, dict[str, str]] = {}
+    steps = len(args.workloads) * len(systems) * args.repeat
+    bar = Progress(steps, label="bench", enabled=args.progress)
+    with bar:
+        for workload in args.workloads:
+            fn = workload_fn(workload)
+            runs: dict[str, list[dict[str, Any]]] = {s.name: [] for s in systems}
+            for r in range(args.repeat):
+                order = systems[r % len(systems) :] + systems[: r % len(systems)]
+                for system in order:
+                    step = f"{workload}/{system.name}"
+                    if args.repeat > 1:
+                        step += f" run {r + 1}/{args.repeat}"
+                    if workload in errors.get(system.name, {}):
+                        bar.update()
+                        continue
+                    bar.set_detail(step)
+
+                    def hook(frac: float, step: str = step) -> None:
+                        bar.set_detail(f"{step} {frac:.0%}")
+
+                    t0 = time.perf_counter()
+                    try:
+                        with _progress_to(hook):
+                            res = fn(system, args.workers, args.size)
+                    except Exception as exc:
+                        msg = f"{type(exc).__name__}: {exc}"
+                        errors.setdefault(system.name, {})[workload] = msg
+                        bar.set_detail(step)
+                        bar.update()
+                        bar.write(f"  {workload:<9} {system.name:<8} FAILED: {msg}")
+                        continue
+                    bar.set_detail(step)
+                    bar.update()
+                    bar.write(
+                        f"  {workload:<9} {system.name:<8} run {r + 1}/{args.repeat}"
+                        f" {time.perf_counter() - t0:6.2f} s"
+                    )
+                    runs[system.name].append(res)
+            medians = {name: _median_dicts(rs) for name, rs in runs.items() if rs}
+            ideal = next(iter(medians.values()), {}).get("ideal", {})
+            results[workload] = {"systems": medians, "ideal": ideal, "runs": runs}
+        bar.set_detail("done")
+    names = [s.name for s in systems] + list(skipped)  # skipped systems: columns of "—"
     print(
-        f"workers={args.workers} quick={args.quick} repeat={args.repeat} "
+        f"workers={args.workers} size={args.size} repeat={args.repeat} "
         f"python={sys.version.split()[0]} cpus={os.cpu_count()}"
     )
+    if user is not None:
+        print(f"user workload: {user.describe()} x {user.tasks:,}, inflight="
+              f"{user.inflight or 'all'}, {user.task_s * 1e3:.3f} ms per call here")
     print(format_table(results, names))
     for name, reason in skipped.items():
         print(f"({name}: skipped — {reason})")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump({"meta": _meta(args, skipped), "results": results}, fh, indent=2)
-            fh.write("\n")
+    for name, failed in errors.items():
+        by_msg: dict[str, list[str]] = {}
+        for workload, msg in failed.items():
+            by_msg.setdefault(msg, []).append(workload)
+        for msg, workloads in by_msg.items():
+            print(f"({name}: {', '.join(workloads)} skipped — failed: {msg})")
+    if args.not_installed:
+        print(f"(not installed: {', '.join(args.not_installed)})")
+
+    json_path, plots_dir = _output_paths(args)
+    written: list[str] = []
+    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+    doc = {"meta": _meta(args, skipped, errors, args.not_installed), "results": _for_json(results)}
+    with open(json_path, "w", encoding="utf-8") as fh:
+        fh.write(dumps_compact(doc))
+        fh.write("\n")
+    written.append(json_path)
+    if not args.no_plots:
+        try:
+            from stealer.bench import plots as _plots
+
+            written += _plots.write_plots(results, names, plots_dir, workers=args.workers)
+        except ImportError as exc:
+            print(f"(no plots: {exc})", file=sys.stderr)
+        except Exception as exc:  # a plot must not lose the run's numbers
+            print(f"(plots failed: {type(exc).__name__}: {exc})", file=sys.stderr)
+    print("wrote " + ", ".join(written))
+    first = systems[0].name
+    if errors.get(first) or not any(r["systems"] for r in results.values()):
+        return 1
     return 0
 
 

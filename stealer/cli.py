@@ -8,6 +8,8 @@ Subcommands:
           with ``--workload MODULE:FUNCTION``; see ``stealer bench --help``)
   tune    sweep pinning policies x worker counts on a workload and report the best p99 and
           throughput (``stealer tune --quick``; see ``stealer tune --help``)
+  top     live view of a running executor attached by its id (``Executor.id``): queue
+          depths, steps/steals/parks per second, per-tier latency, busiest workers
 """
 
 from __future__ import annotations
@@ -74,6 +76,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _bench(argv[1:])
     if argv and argv[0] == "tune":
         return _tune(argv[1:])
+    if argv and argv[0] == "top":
+        from stealer.top import main as top_main
+
+        return top_main(argv[1:])
     p = argparse.ArgumentParser(prog="stealer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -83,6 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t.add_argument("--workers", type=int, default=None)
     sub.add_parser("bench", help="yardstick benchmarks (see stealer bench --help)")
     sub.add_parser("tune", help="best pinning policy and worker count (see stealer tune --help)")
+    sub.add_parser("top", help="live view of a running executor (see stealer top --help)")
     args = p.parse_args(argv)
     return {"demo": _demo, "topo": _topo}[args.cmd](args)
 

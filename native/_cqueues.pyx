@@ -99,6 +99,18 @@ cdef class Region:
     def fence(self):
         st_fence_seqcst()
 
+    def idle_check(self, Py_ssize_t searching_off, Py_ssize_t parked_off):
+        """After publishing work: True if nobody searches and somebody is parked.
+
+        The seq_cst fence orders the publication before both loads (the
+        notifier's half of the park handshake in stealer/idle.py).
+        """
+        self._check(searching_off, 4)
+        self._check(parked_off, 4)
+        st_fence_seqcst()
+        return (st_load_relaxed_u32(self.at(searching_off)) == 0
+                and st_load_relaxed_u32(self.at(parked_off)) != 0)
+
     def futex_wait(self, Py_ssize_t off, uint32_t expected, timeout=None):
         """Sleep while the 32-bit word at ``off`` equals ``expected``.
 

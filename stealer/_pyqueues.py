@@ -159,6 +159,13 @@ class Region:
         with self.lock:
             pass
 
+    def idle_check(self, searching_off: int, parked_off: int) -> bool:
+        """After publishing work: True if nobody searches and somebody is parked."""
+        self._check(searching_off, 4)
+        self._check(parked_off, 4)
+        with self.lock:
+            return self._r32(searching_off) == 0 and self._r32(parked_off) != 0
+
     def _address(self, off: int) -> int:
         if self._addr is None:
             self._addr = ctypes.addressof(ctypes.c_char.from_buffer(self.obj))

@@ -104,6 +104,10 @@ def _python_exit() -> None:
 atexit.register(_python_exit)
 
 
+_SETTLED = frozenset((_fbase.CANCELLED, _fbase.CANCELLED_AND_NOTIFIED, _fbase.FINISHED))
+_SETTLED_COND = threading.Condition()  # RLock-based: one thread may hold it for many futures
+
+
 class _Future(Future):
     """A Future that withdraws its queued task on cancel() and is cheap to create.
 
@@ -122,10 +126,13 @@ class _Future(Future):
 
     Under the GIL these steps are sequentially consistent, so either the
     reader sees FINISHED or the resolver sees the condition (a Dekker
-    handshake): nothing is missed.  Every other method is the stdlib's.
+    handshake): nothing is missed.  A future that is already settled when
+    someone first asks for its condition gets a shared one (``wait`` and
+    ``as_completed`` over many finished futures then create nothing).
+    Every other method is the stdlib's.
     """
 
-    def __init__(self, pool: _Pool, fid: int, name: str) -> None:
+    def __init__(self, pool: _Pool, fid: int, fn: Any) -> None:
         # Future.__init__ without the Condition (created lazily, see _condition).
         self._state = _fbase.PENDING
         self._result = None
@@ -135,13 +142,23 @@ class _Future(Future):
         self._st_pool = pool
         self._st_fid = fid
         self._st_handle: int | None = None
-        self._st_name = name
+        self._st_fn = fn  # for messages only (see _st_name)
+
+    @property
+    def _st_name(self) -> str:
+        fn = self._st_fn
+        return getattr(fn, "__qualname__", None) or repr(fn)
 
     @property
     def _condition(self) -> threading.Condition:  # type: ignore[override]
         d = self.__dict__
         cond = d.get("_st_cond")
         if cond is None:
+            if self._state in _SETTLED:
+                # A settled future never changes again and is never notified: every
+                # settled future can share one (reentrant) condition. Waiters check
+                # the state under it before they would wait, and find it settled.
+                return _SETTLED_COND
             cond = d.setdefault("_st_cond", threading.Condition())  # atomic under the GIL
         return cond
 
@@ -428,7 +445,13 @@ class _Pool:
                 f"{exc})"), "")
         f = self.futures.pop(fid, None)
         if f is not None:
-            self.resolve(f, status, value)
+            if status == ST_OK:
+                try:
+                    f._st_resolve(value, None)
+                except _fbase.InvalidStateError:
+                    pass  # cancelled meanwhile
+            else:
+                self.resolve(f, status, value)
 
     def drain_backlog(self) -> None:
         a = self.arena
@@ -590,7 +613,7 @@ class Executor(_fbase.Executor):
                 raise ExecutorShutdownError(
                     "cannot schedule new futures after interpreter shutdown")
             fid = next(pool.ids)
-            f = _Future(pool, fid, getattr(fn, "__qualname__", None) or repr(fn))
+            f = _Future(pool, fid, fn)
             fref = pool.fns.id_of(fn)
             try:
                 data, bufs = serialize.dumps((fref if fref >= 0 else fn, args, kwargs or None),

@@ -65,8 +65,8 @@ class Idle:
     def notify_one(self) -> bool:
         """Wake one parked worker if nobody searches; call after publishing work."""
         r = self.r
-        r.fence()  # seq_cst: orders the work just published before the reads below
-        if r.load32(H_SEARCHING) or not r.load32(H_PARKED):
+        # seq_cst fence, then: nobody searching and somebody parked? (one native call)
+        if not r.idle_check(H_SEARCHING, H_PARKED):
             return False
         n = self.n
         start = self._next

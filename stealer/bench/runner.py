@@ -22,7 +22,9 @@ Workloads (``--quick`` sizes in brackets; all together finish in seconds on 2 co
   arrival, so a client that falls behind counts against the executor, as in an open system.
   p50/p90/p99/p99.9/max in ms; ``start_p99_ms`` is scheduled arrival to the task starting in
   its worker (one monotonic clock on Linux) and ``client_lag_max_ms`` how late the client
-  submitted.  ``samples_ms`` keeps the latency distribution for the CDF plot (sorted,
+  submitted.  Before the timed loop the harness runs ``gc.collect(); gc.freeze()`` (for every
+  system alike), so the client's cyclic-GC pauses scan only objects made during the run, not
+  the harness's own heap (numpy, matplotlib): those pauses were the largest client stalls.  ``samples_ms`` keeps the latency distribution for the CDF plot (sorted,
   downsampled to at most :data:`MAX_SAMPLES` quantiles; not shown in the table).
 - ``skew``: 2,000 [400] tasks of capped Pareto durations (shape 1.5, mean 2 ms, cap 200 ms,
   seeded), all submitted at once; makespan and efficiency ``(sum of work / W) / makespan``.
@@ -402,6 +404,11 @@ def run_latency(system: System, workers: int, quick: bool | str) -> dict[str, An
         return record
 
     ex, ready = _open(system, workers)
+    # Freeze what exists before the timed loop (this harness, numpy, matplotlib...): the
+    # client's collections then scan only objects made during the run (the executor's
+    # own garbage included), not the whole heap. Same for every system.
+    gc.collect()
+    gc.freeze()
     try:
         futures: list[cf.Future[tuple[int, int]]] = []
         t0 = time.perf_counter() + 0.02
@@ -416,6 +423,7 @@ def run_latency(system: System, workers: int, quick: bool | str) -> dict[str, An
         _wait_all(futures)
         starts_ns = [f.result()[0] for f in futures]
     finally:
+        gc.unfreeze()
         ex.shutdown(wait=True)
     if any(math.isnan(d) for d in done_at):  # callbacks run before wait() returns
         raise RuntimeError(f"{system.name}: a done callback did not run")

@@ -89,5 +89,13 @@ cdef class HotPath:
     cdef MPMCRing injector   # client submissions
     cdef uint64_t nrecords
     cdef Py_ssize_t client_park_off
+    # Idle accounting (stealer/idle.py), for the native notify after a submit.
+    cdef Py_ssize_t searching_off   # u32 searching workers: add32 by workers
+    cdef Py_ssize_t parked_off      # u32 parked workers: add32 by workers
+    cdef Py_ssize_t park_base       # worker 0's park word; worker k's is park_base + k * park_stride
+    cdef Py_ssize_t park_stride
+    cdef int nworkers
+    cdef int next_rr                # where the next notify starts scanning (this process only)
     cdef char *rec(self, uint64_t h) noexcept nogil
+    cdef int c_notify_one(self) noexcept nogil
     cdef void c_free(self, uint64_t h) noexcept nogil

@@ -436,6 +436,7 @@ cdef class SPSCRing(_Ring):
 # Record layout constants (R_*, S_*, K_*, INLINE...) are in _cqueues.pxd.
 
 from libc.string cimport memcpy, memset
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 from cpython.bytes cimport PyBytes_FromStringAndSize
 
 
@@ -449,9 +450,22 @@ cdef class HotPath:
     """
 
     def __cinit__(self, Region region, Py_ssize_t rec_base, uint64_t nrecords,
-                  MPMCRing free_ring, MPMCRing injector, Py_ssize_t client_park_off):
+                  MPMCRing free_ring, MPMCRing injector, Py_ssize_t client_park_off,
+                  Py_ssize_t searching_off=-1, Py_ssize_t parked_off=-1,
+                  Py_ssize_t park_base=-1, Py_ssize_t park_stride=0, int nworkers=0):
         if rec_base < 0 or rec_base % 64 or rec_base + <Py_ssize_t>(nrecords * RECORD_BYTES) > region.size:
             raise ValueError("records do not fit the region")
+        if nworkers > 0:
+            region._check(searching_off, 4)
+            region._check(parked_off, 4)
+            region._check(park_base, 4)
+            region._check(park_base + park_stride * (nworkers - 1), 4)
+        self.searching_off = searching_off
+        self.parked_off = parked_off
+        self.park_base = park_base
+        self.park_stride = park_stride
+        self.nworkers = nworkers
+        self.next_rr = 0
         self.region = region
         self.rec_base = region.base + rec_base
         self.nrecords = nrecords
@@ -475,11 +489,40 @@ cdef class HotPath:
             raise IndexError("bad handle")
         self.c_free(h)
 
-    def submit_inline(self, uint32_t kind, uint64_t link, uint64_t t_submit, const unsigned char[::1] data):
-        """Client: take a record, fill it with an inline payload, push it on the injector.
+    cdef int c_notify_one(self) noexcept nogil:
+        # The notifier's half of the park handshake (stealer/idle.py, Idle.notify_one).
+        if self.nworkers <= 0:
+            return -1
+        cdef char *base = self.region.base
+        st_fence_seqcst()          # seq_cst: the work just published before the loads below
+        if (st_load_relaxed_u32(base + self.searching_off) != 0
+                or st_load_relaxed_u32(base + self.parked_off) == 0):
+            return -1              # a searcher will find it, or nobody sleeps
+        cdef int i, k
+        cdef char *w
+        for i in range(self.nworkers):
+            k = (self.next_rr + i) % self.nworkers
+            w = base + self.park_base + self.park_stride * k
+            if st_cas_seqcst_u32(w, PARKED, NOTIFIED):   # pairs with the worker's store of PARKED
+                self.next_rr = k + 1
+                st_futex_wake(w, 1)
+                return k
+        return -1
 
-        Returns the handle, or -1 when no record is free.  ``len(data)`` must be <= INLINE.
+    def notify_one(self):
+        """Wake one parked worker if nobody searches; the worker index woken, or -1."""
+        return self.c_notify_one()
+
+    def submit_inline(self, uint32_t kind, uint64_t link, const unsigned char[::1] data):
+        """Client: take a record, fill it with an inline payload, push it on the injector,
+        and wake a parked worker if nobody searches.
+
+        The submit time is CLOCK_MONOTONIC (time.monotonic_ns()).  Returns the
+        handle, or -1 when no record is free.  ``len(data)`` must be <= INLINE.
         """
+        cdef timespec ts
+        clock_gettime(CLOCK_MONOTONIC, &ts)
+        cdef uint64_t t_submit = <uint64_t>ts.tv_sec * 1000000000ULL + <uint64_t>ts.tv_nsec
         cdef Py_ssize_t n = data.shape[0]
         if n > INLINE:
             raise ValueError("payload too large for the inline path")
@@ -498,6 +541,7 @@ cdef class HotPath:
         st_store_relaxed_u64(r, gen | (<uint64_t>S_QUEUED << 32))  # published by the push below
         cdef uint64_t h = (gen << 32) | idx
         self.injector.c_push(h)     # release (cell seq): the worker's pop acquires the record
+        self.c_notify_one()
         return h
 
     def start(self, uint64_t h, Py_ssize_t current_off, uint64_t t_start,

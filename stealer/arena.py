@@ -28,10 +28,22 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
+import time
 from typing import Any
 
 from stealer import serialize
-from stealer.shm import H_CLIENT_PARK, H_OVERFLOW_SEQ, RECORD_BYTES, SHM_DIR, Segment, _pow2
+from stealer.shm import (
+    H_CLIENT_PARK,
+    H_OVERFLOW_SEQ,
+    H_PARKED,
+    H_SEARCHING,
+    RECORD_BYTES,
+    SHM_DIR,
+    W_PARK,
+    WORKER_BYTES,
+    Segment,
+    _pow2,
+)
 
 __all__ = ["Arena"]
 
@@ -91,10 +103,13 @@ class Arena:
         self._counts = [count for _, count in L.block_classes]
         self._ov_prefix = os.path.join(SHM_DIR, seg.name + "-x")
         self.injector = injector or Q.MPMCRing(seg.region, L.offsets["injector"], L.records)
+        self._idle: Any = None
         if getattr(Q, "HotPath", None) is not None and os.environ.get("STEALER_PY_HOTPATH") != "1":
             hot = Q.HotPath(seg.region, self.rec_base, self.nrecords, self.rec_free,
-                            self.injector, H_CLIENT_PARK)
+                            self.injector, H_CLIENT_PARK, H_SEARCHING, H_PARKED,
+                            L.worker(0) + W_PARK, WORKER_BYTES, L.nworkers)
             self.submit_inline = hot.submit_inline
+            self.notify_one = hot.notify_one
             self.start = hot.start
             self.finish_inline = hot.finish_inline
             self.complete_take = hot.complete_take
@@ -156,18 +171,28 @@ class Arena:
     # Reference implementations; HotPath in native/_cqueues.pyx does the same
     # in one native call each and replaces these when the extension loads.
 
-    def submit_inline(self, kind: int, link: int, t_submit: int, data: bytes) -> int:
-        """Client: a fresh record with an inline payload, pushed on the injector; -1 if none."""
+    def submit_inline(self, kind: int, link: int, data: bytes) -> int:
+        """Client: a fresh record with an inline payload, pushed on the injector, and a
+        parked worker woken if nobody searches; -1 if no record is free."""
         if len(data) > INLINE:
             raise ValueError("payload too large for the inline path")
         h = self.alloc()
         if h < 0:
             return -1
-        off = self.setup(h, kind, link, t_submit)
+        off = self.setup(h, kind, link, time.monotonic_ns())
         self.mm[off + R_INLINE : off + R_INLINE + len(data)] = data
         _PAYLOAD.pack_into(self.mm, off + R_PCLASS, 0, 0, len(data))
         self.injector.push(h)
+        self.notify_one()
         return h
+
+    def notify_one(self) -> int:
+        """Wake one parked worker if nobody searches (see stealer/idle.py); index or -1."""
+        from stealer.idle import Idle
+
+        if self._idle is None:
+            self._idle = Idle(self.region, self.seg.layout)
+        return self._idle.notify_one()
 
     def start(self, h: int, current_off: int, t_start: int, wait_hist_off: int = -1) -> tuple | None:
         """Worker: claim a queued record; None if the client cancelled it (caller frees it)."""

@@ -132,16 +132,18 @@ class _Future(Future):
     Every other method is the stdlib's.
     """
 
+    _result: Any = None
+    _exception: BaseException | None = None
+    _st_handle: int | None = None
+
     def __init__(self, pool: _Pool, fid: int, fn: Any) -> None:
-        # Future.__init__ without the Condition (created lazily, see _condition).
+        # Future.__init__ without the Condition (created lazily, see _condition);
+        # _result, _exception and _st_handle start as the class-level None.
         self._state = _fbase.PENDING
-        self._result = None
-        self._exception = None
         self._waiters: list[Any] = []
         self._done_callbacks: list[Any] = []
         self._st_pool = pool
         self._st_fid = fid
-        self._st_handle: int | None = None
         self._st_fn = fn  # for messages only (see _st_name)
 
     @property
@@ -624,10 +626,9 @@ class Executor(_fbase.Executor):
             pool.futures[fid] = f
             a = pool.arena
             if not bufs and len(data) <= INLINE:
-                h = a.submit_inline(K_ROOT, fid, time.monotonic_ns(), data)
+                h = a.submit_inline(K_ROOT, fid, data)  # also wakes a worker if needed
                 if h >= 0:
                     f._st_handle = h
-                    pool.idle.notify_one()
                     return f
             h = a.alloc()
             if h < 0:

@@ -63,7 +63,10 @@ class Idle:
 
     # -- waking --------------------------------------------------------------
     def notify_one(self) -> bool:
-        """Wake one parked worker if nobody searches; call after publishing work."""
+        """Wake one parked worker if nobody searches; call after publishing work.
+
+        (The native HotPath.notify_one in native/_cqueues.pyx does the same in one call.)
+        """
         r = self.r
         # seq_cst fence, then: nobody searching and somebody parked? (one native call)
         if not r.idle_check(H_SEARCHING, H_PARKED):

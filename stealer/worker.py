@@ -223,7 +223,7 @@ class Worker:
                 if not push(h):
                     while not inj.push(h):
                         time.sleep(0.0001)
-            self.idle.notify_one()
+            self.arena.notify_one()
         return items[0]
 
     def steal(self) -> int:
@@ -241,7 +241,7 @@ class Worker:
                 if h >= 0:
                     self.c[C_STEALS] += 1
                     if len(mine):
-                        self.idle.notify_one()
+                        self.arena.notify_one()
                     return h
                 if h != self.RETRY:  # EMPTY: next victim; RETRY (lost a race): once more
                     break
@@ -518,7 +518,7 @@ class Worker:
         if not self.deque.push(h):
             while not self.injector.push(h):
                 time.sleep(0.0001)
-        self.idle.notify_one()
+        self.arena.notify_one()
         return c
 
 

@@ -102,7 +102,8 @@ class Arena:
             self.classes.append((size, ring, L.offsets[f"blocks{i}"]))
         self._counts = [count for _, count in L.block_classes]
         self._ov_prefix = os.path.join(SHM_DIR, seg.name + "-x")
-        self.injector = injector or Q.MPMCRing(seg.region, L.offsets["injector"], L.records)
+        self.injector = (injector if injector is not None
+                         else Q.MPMCRing(seg.region, L.offsets["injector"], L.records))
         self._idle: Any = None
         if getattr(Q, "HotPath", None) is not None and os.environ.get("STEALER_PY_HOTPATH") != "1":
             hot = Q.HotPath(seg.region, self.rec_base, self.nrecords, self.rec_free,

@@ -61,8 +61,9 @@ from stealer.errors import (
     SerializationError,
     WorkerCrashedError,
 )
-from stealer.idle import Idle
+from stealer.idle import NOTIFIED, Idle
 from stealer.shm import (
+    H_CLIENT_PARK,
     H_SHUTDOWN,
     H_STARTED,
     W_CURRENT,
@@ -279,8 +280,26 @@ class _Pool:
         self.layout = layout
         self.seg = seg = Segment.create(layout, self.lock, Q)
         self.name = seg.name
+        self.procs: list[Any] = [None] * n
+        try:
+            self._setup(Q)
+        except BaseException:
+            for p in self.procs:  # nothing may outlive a failed constructor
+                if p is not None:
+                    p.kill()
+                    p.join(1.0)
+            seg.unlink()
+            raise
+        _live.add(self)
+
+    def _setup(self, Q: Any) -> None:
+        seg = self.seg
+        layout = self.layout
+        n = self.n
         self.region = r = seg.region
-        self.arena = Arena(seg)
+        self.injector = Q.MPMCRing(r, layout.offsets["injector"], layout.records)
+        self.injector.init()
+        self.arena = Arena(seg, self.injector)
         self.arena.init()
         for k in range(n):
             Q.Deque(r, layout.deque(k), layout.records).init()
@@ -289,8 +308,6 @@ class _Pool:
         self.completions = [Q.SPSCRing(r, layout.completion(k), layout.records) for k in range(n)]
         for ring in self.completions:
             ring.init()
-        self.injector = Q.MPMCRing(r, layout.offsets["injector"], layout.records)
-        self.injector.init()
         o = layout.offsets
         self.fns = serialize.FunctionTable(seg.mm, r, o["fn_table"], layout.fn_entries,
                                            o["fn_data"], layout.fn_data)
@@ -301,7 +318,6 @@ class _Pool:
         self.shutdown_lock = threading.Lock()
         self.shutdown = False
         self.broken: str | None = None
-        self.procs: list[Any] = [None] * n
         self.incarnations = [0] * n
         self.early_deaths = [0] * n
         self.crashes = 0
@@ -311,7 +327,6 @@ class _Pool:
         self.thread: threading.Thread | None = threading.Thread(
             target=self.run, name=f"stealer-results-{seg.name[-8:]}", daemon=True)
         self.thread.start()
-        _live.add(self)
 
     # -- workers -------------------------------------------------------------
     def start_worker(self, k: int) -> None:
@@ -513,9 +528,10 @@ class _Pool:
         self.wake()
 
     def wake(self) -> None:
+        """Wake the result thread (from the API side: shutdown, backlog)."""
         r = self.region
-        r.store32(0x100, 2)  # H_CLIENT_PARK: NOTIFIED
-        r.futex_wake(0x100, 1)
+        r.store32(H_CLIENT_PARK, NOTIFIED)  # seq_cst; its park re-checks after storing PARKED
+        r.futex_wake(H_CLIENT_PARK, 1)
 
     def close(self) -> None:
         """Stop the workers and remove the segment (result thread, at the end)."""

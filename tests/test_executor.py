@@ -457,3 +457,40 @@ def test_stale_segment_of_dead_client_cleaned_on_next_start():
     e.shutdown()
     assert not os.path.exists(path)
     assert not os.path.exists(path + "-x3")
+
+
+def test_failed_start_leaves_no_segment_or_process():
+    import multiprocessing as mp
+
+    class Boom(RuntimeError):
+        pass
+
+    real = mp.get_context("spawn")
+    started = []
+
+    class Ctx:
+        """A context whose second worker process fails to start."""
+
+        def get_start_method(self, allow_none=False):
+            return "spawn"
+
+        def Lock(self):
+            return real.Lock()
+
+        def Process(self, *args, **kwargs):
+            if started:
+                return Unstartable()
+            p = real.Process(*args, **kwargs)
+            started.append(p)
+            return p
+
+    class Unstartable:
+        def start(self):
+            raise Boom("cannot start a process")
+
+    before = {n for n in os.listdir("/dev/shm") if n.startswith(f"stealer-{os.getpid()}-")}
+    with pytest.raises(Boom):
+        stealer.Executor(2, mp_context=Ctx())
+    after = {n for n in os.listdir("/dev/shm") if n.startswith(f"stealer-{os.getpid()}-")}
+    assert after == before
+    assert started and not started[0].is_alive()

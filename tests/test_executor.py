@@ -295,13 +295,10 @@ def test_max_tasks_per_child_recycles_workers():
 
 # -- crashes ---------------------------------------------------------------------
 def _crash_and_recover(e, fn, *args, match):
-    t0 = time.monotonic()
     f = e.submit(fn, *args)
     with pytest.raises(cf.process.BrokenProcessPool, match=match) as info:
-        f.result(timeout=20)
+        f.result(timeout=20)  # no hang; how fast it fails is measured in benchmarks/
     assert isinstance(info.value, stealer.WorkerCrashedError)
-    # Fails promptly; the bound is generous for a loaded CI machine.
-    assert time.monotonic() - t0 < 10
     assert [x.result(timeout=30) for x in [e.submit(tasks.square, i) for i in range(20)]] == [
         i * i for i in range(20)
     ]

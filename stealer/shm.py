@@ -24,6 +24,7 @@ import re
 import secrets
 import struct
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -231,6 +232,32 @@ def unlink_all(name: str) -> None:
 _NAME_RE = re.compile(r"^stealer-(\d+)-[0-9a-f]{32}(-x\d+)?$")
 
 
+def client_pid(name: str) -> int | None:
+    """The client pid in a segment's name; None for anything else (overflow files too)."""
+    m = _NAME_RE.match(name)
+    return int(m.group(1)) if m and not m.group(2) else None
+
+
+def our_files() -> Iterator[tuple[str, int, str]]:
+    """(name, client pid, path) of every segment and overflow file this user owns."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    uid = os.getuid()
+    for name in names:
+        m = _NAME_RE.match(name)
+        if not m:
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if os.stat(path, follow_symlinks=False).st_uid != uid:
+                continue
+        except OSError:
+            continue
+        yield name, int(m.group(1)), path
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -244,19 +271,10 @@ def _alive(pid: int) -> bool:
 def cleanup_stale() -> list[str]:
     """Unlink segments (and overflow files) whose creating client no longer runs."""
     removed = []
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return removed
-    uid = os.getuid()
-    for name in names:
-        m = _NAME_RE.match(name)
-        if not m:
+    for name, pid, path in our_files():
+        if _alive(pid):
             continue
-        path = os.path.join(SHM_DIR, name)
         try:
-            if os.stat(path).st_uid != uid or _alive(int(m.group(1))):
-                continue
             os.unlink(path)
             removed.append(name)
         except OSError:

@@ -47,10 +47,11 @@ from stealer.shm import (
     H_NWORKERS,
     HEADER_BYTES,
     MAGIC,
-    PREFIX,
     SHM_DIR,
     Segment,
     _alive,
+    client_pid,
+    our_files,
 )
 from stealer.stats import Stats, WorkerStats, collect
 
@@ -64,18 +65,7 @@ _BUSIEST = 3
 # -- finding executors ---------------------------------------------------------
 
 
-def _client_pid(name: str) -> int | None:
-    """The client pid encoded in a segment name, or None if it is not one."""
-    if not name.startswith(PREFIX):
-        return None
-    parts = name.split("-")
-    if len(parts) != 3 or not parts[1].isdigit() or len(parts[2]) != 32:
-        return None  # also excludes overflow files (``<name>-x<n>``)
-    try:
-        int(parts[2], 16)
-    except ValueError:
-        return None
-    return int(parts[1])
+_client_pid = client_pid
 
 
 def list_executors() -> list[dict[str, Any]]:
@@ -86,24 +76,15 @@ def list_executors() -> list[dict[str, Any]]:
     skipped.  Reads only the segment headers.
     """
     out = []
-    uid = os.getuid()
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return out
     now = time.time()
-    for name in names:
-        pid = _client_pid(name)
-        if pid is None:
-            continue
-        path = os.path.join(SHM_DIR, name)
+    for name, pid, path in our_files():
+        if client_pid(name) is None or not _alive(pid):
+            continue  # an overflow file, or a dead client's leftovers
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
             continue
         try:
-            if os.fstat(fd).st_uid != uid or not _alive(pid):
-                continue
             with mmap.mmap(fd, HEADER_BYTES, mmap.MAP_SHARED, mmap.PROT_READ) as head:
                 if struct.unpack_from("=Q", head, H_MAGIC)[0] != MAGIC:
                     continue

@@ -65,9 +65,6 @@ _BUSIEST = 3
 # -- finding executors ---------------------------------------------------------
 
 
-_client_pid = client_pid
-
-
 def list_executors() -> list[dict[str, Any]]:
     """Running executors of this user: id, client pid, workers, uptime (oldest first).
 
@@ -107,7 +104,7 @@ def list_executors() -> list[dict[str, Any]]:
 
 def executor_gone(exec_id: str) -> str | None:
     """Why the executor ``exec_id`` is no longer running, or None if it still is."""
-    pid = _client_pid(exec_id)
+    pid = client_pid(exec_id)
     if not os.path.exists(os.path.join(SHM_DIR, exec_id)):
         return f"executor {exec_id} has exited (its shared segment was removed)"
     if pid is not None and not _alive(pid):
@@ -210,7 +207,7 @@ def render(prev: Stats | None, cur: Stats, width: int = 100) -> str:
 
     # header
     totals = cur.totals()
-    pid = _client_pid(cur.id)
+    pid = client_pid(cur.id)
     lines.append(f"stealer top - {cur.id}")
     running = sum(w.running for w in cur.workers)
     lines.append(f"up {_fmt_uptime(cur.uptime_s)}   workers {len(cur.workers)} "

@@ -172,9 +172,9 @@ def test_list_executors_finds_ours(ex):
 
 
 def test_client_pid_parsing():
-    assert top._client_pid(FAKE_ID) == 1
-    assert top._client_pid(FAKE_ID + "-x3") is None  # overflow file
-    assert top._client_pid("stealer-1-xyz") is None and top._client_pid("other") is None
+    assert top.client_pid(FAKE_ID) == 1
+    assert top.client_pid(FAKE_ID + "-x3") is None  # overflow file
+    assert top.client_pid("stealer-1-xyz") is None and top.client_pid("other") is None
 
 
 # -- command line -----------------------------------------------------------------

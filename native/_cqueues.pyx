@@ -68,16 +68,18 @@ cdef class Region:
 
     def cas32(self, Py_ssize_t off, uint32_t expected, uint32_t desired):
         self._check(off, 4)
+        # seq_cst: park-word handshakes (worker stores PARKED / notifier CASes it) and flags
         return bool(st_cas_seqcst_u32(self.at(off), expected, desired))
 
     def add32(self, Py_ssize_t off, int64_t delta):
         """Atomic add (seq_cst); returns the old value."""
         self._check(off, 4)
+        # seq_cst RMW: searching/parked counts, read by notifiers after their seq_cst fence
         return st_fetch_add_seqcst_u32(self.at(off), <uint32_t>delta)
 
     def exchange32(self, Py_ssize_t off, uint32_t v):
         self._check(off, 4)
-        return st_exchange_seqcst_u32(self.at(off), v)
+        return st_exchange_seqcst_u32(self.at(off), v)  # seq_cst: the client resetting a dead worker's flags
 
     def load64(self, Py_ssize_t off):
         self._check(off, 8)
@@ -89,11 +91,14 @@ cdef class Region:
 
     def cas64(self, Py_ssize_t off, uint64_t expected, uint64_t desired):
         self._check(off, 8)
+        # seq_cst: a record's gen|state word (client cancel vs worker start, both via this CAS)
         return bool(st_cas_seqcst_u64(self.at(off), expected, desired))
 
     def add64(self, Py_ssize_t off, int64_t delta):
         """Atomic add (acq_rel); returns the old value as a signed 64-bit integer."""
         self._check(off, 8)
+        # acq_rel: join counters (a child's release of its result pairs with the resumer's
+        # acquire on the final decrement) and the overflow-file counter
         return <int64_t>st_fetch_add_acqrel_u64(self.at(off), <uint64_t>delta)
 
     def fence(self):

@@ -38,6 +38,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import _base as _fbase
+from pickle import dumps as _pickle_dumps
 from typing import Any
 
 from stealer import affinity, serialize
@@ -622,46 +623,61 @@ class Executor(_fbase.Executor):
     # -- concurrent.futures API ----------------------------------------------
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
         pool = self._pool
-        with pool.shutdown_lock:
-            if pool.broken:
-                raise BrokenExecutor(pool.broken)
-            if pool.shutdown:
-                raise ExecutorShutdownError("cannot schedule new futures after shutdown")
-            if _exiting:
-                raise ExecutorShutdownError(
-                    "cannot schedule new futures after interpreter shutdown")
-            fid = next(pool.ids)
-            f = _Future(pool, fid, fn)
+        if pool.shutdown or pool.broken or _exiting:
+            self._refuse()
+        fid = next(pool.ids)
+        f = _Future(pool, fid, fn)
+        try:
+            fref = pool.fns._ids[fn]  # the fast path of FunctionTable.id_of
+        except (KeyError, TypeError):
             fref = pool.fns.id_of(fn)
+        payload = (fref if fref >= 0 else fn, args, kwargs or None)
+        bufs: list = []
+        try:
+            data = _pickle_dumps(payload, 5, buffer_callback=bufs.append)
+        except Exception:
             try:
-                data, bufs = serialize.dumps((fref if fref >= 0 else fn, args, kwargs or None),
-                                             "task (function and arguments)")
+                data, bufs = serialize.dumps(payload, "task (function and arguments)")
             except SerializationError as exc:
                 f.set_exception(exc)
                 return f
-            pool.futures[fid] = f
-            a = pool.arena
-            if not bufs and len(data) <= INLINE:
-                h = a.submit_inline(K_ROOT, fid, data)  # also wakes a worker if needed
-                if h >= 0:
-                    f._st_handle = h
-                    return f
-            h = a.alloc()
-            if h < 0:
-                pool.backlog.append((f, data, bufs))
-                pool.wake()
+        # Register first, then re-check: the result thread exits only once it sees
+        # shutdown set *and* no futures left, so (under the GIL) a future registered
+        # here is either seen by it or refused here; no lock needed per submit.
+        pool.futures[fid] = f
+        if pool.shutdown or pool.broken:
+            del pool.futures[fid]
+            self._refuse()
+        a = pool.arena
+        if not bufs and len(data) <= INLINE:
+            h = a.submit_inline(K_ROOT, fid, data)  # also wakes a worker if needed
+            if h >= 0:
+                f._st_handle = h
                 return f
-            off = a.setup(h, K_ROOT, fid, time.monotonic_ns())
-            try:
-                a.put(off, data, bufs)
-            except BaseException:
-                pool.futures.pop(fid, None)
-                a.free(h)
-                raise
-            f._st_handle = h
-            pool.injector.push(h)  # capacity == records: never full
-            pool.idle.notify_one()
+        h = a.alloc()
+        if h < 0:
+            pool.backlog.append((f, data, bufs))
+            pool.wake()
             return f
+        off = a.setup(h, K_ROOT, fid, time.monotonic_ns())
+        try:
+            a.put(off, data, bufs)
+        except BaseException:
+            pool.futures.pop(fid, None)
+            a.free(h)
+            raise
+        f._st_handle = h
+        pool.injector.push(h)  # capacity == records: never full
+        pool.idle.notify_one()
+        return f
+
+    def _refuse(self) -> None:
+        pool = self._pool
+        if pool.broken:
+            raise BrokenExecutor(pool.broken)
+        if _exiting:
+            raise ExecutorShutdownError("cannot schedule new futures after interpreter shutdown")
+        raise ExecutorShutdownError("cannot schedule new futures after shutdown")
 
     def map(self, fn: Callable[..., Any], *iterables: Iterable[Any], timeout: float | None = None,
             chunksize: int = 1, buffersize: int | None = None) -> Iterator[Any]:

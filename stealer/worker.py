@@ -271,8 +271,9 @@ class Worker:
                 return None
             rounds += 1
             if rounds < SPIN_ROUNDS:
-                if rounds & 7 == 0:
-                    os.sched_yield()
+                # Yield every round: on a machine with few cores the client (or another
+                # worker) may be waiting for this CPU; a pure spin would take half of it.
+                os.sched_yield()
                 continue
             if searching:
                 idle.stop_search(self.k, False)

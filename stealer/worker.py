@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import random
 import struct
 import sys
 import time
@@ -228,13 +227,10 @@ class Worker:
 
     def steal(self) -> int:
         mine = self.deque
-        victims = self.victims
-        nv = len(victims)
-        if not nv:
-            return -1
-        start = random.randrange(nv) if nv > 2 else 0
-        for i in range(nv):
-            v = victims[(start + i) % nv]
+        # Peers in steal order (affinity.steal_order): SMT siblings, then the same NUMA
+        # node, then the rest; ties were already rotated per worker, so no two workers
+        # start with the same victim and none is needed here.
+        for v in self.victims:
             for _attempt in range(2):
                 self.c[C_STEAL_ATTEMPTS] += 1
                 h = v.steal_half(mine, STEAL_CAP)

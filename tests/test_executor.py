@@ -491,3 +491,18 @@ def test_failed_start_leaves_no_segment_or_process():
     after = {n for n in os.listdir("/dev/shm") if n.startswith(f"stealer-{os.getpid()}-")}
     assert after == before
     assert started and not started[0].is_alive()
+
+
+def test_workers_steal_in_topology_order():
+    from stealer import affinity
+
+    with stealer.Executor(2) as e:
+        pool = e._pool
+        expected = affinity.steal_order(e.cpus, affinity.read_topology())
+        assert pool.steal == expected
+        seen = {}
+        for _ in range(50):
+            k, offsets = e.submit(tasks.my_steal_order).result(timeout=30)
+            seen[k] = offsets
+        for k, offsets in seen.items():
+            assert offsets == [pool.layout.deque(i) for i in expected[k]]

@@ -89,14 +89,15 @@ class WorkerArgs:
 
 
 def error_payload(exc: BaseException) -> tuple:
-    """(exception, formatted traceback), or a picklable stand-in for the exception."""
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    try:
-        serialize.dumps(exc, "exception")
-        return exc, tb
-    except SerializationError:
-        return RemoteError(f"{type(exc).__qualname__}: {exc} (the original exception could "
-                           "not be pickled)"), tb
+    """(exception, formatted traceback) of a task that raised."""
+    return exc, "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+
+
+def stand_in(payload: tuple) -> tuple:
+    """An error payload whose exception did not pickle: a RemoteError with its type and text."""
+    exc, tb = payload
+    return RemoteError(f"{type(exc).__qualname__}: {exc} (the original exception could not "
+                       "be pickled)"), tb
 
 
 def finish_child(arena: Arena, inboxes: list, idle: Idle, parent: int, me: int = -1) -> None:
@@ -468,8 +469,11 @@ class Worker:
         try:
             data, bufs = serialize.dumps(value, "task result")
         except SerializationError as exc:
-            status = ST_ERROR
-            data, bufs = serialize.dumps(error_payload(exc))
+            if status != ST_OK:  # the task's exception itself does not pickle
+                data, bufs = serialize.dumps(stand_in(value))
+            else:
+                status = ST_ERROR
+                data, bufs = serialize.dumps(error_payload(exc))
         if not bufs:
             done = a.finish_inline(h, status, data, self.completions)
             if done == 1:

@@ -178,7 +178,8 @@ class _Future(Future):
         if self._state != _fbase.PENDING:
             raise _fbase.InvalidStateError(f"{self._state}: {self!r}")
         self._result = result
-        self._exception = exc
+        if exc is not None:
+            self._exception = exc
         self._state = _fbase.FINISHED  # publish first ...
         cond = d.get("_st_cond")  # ... then look for a waiter that came meanwhile
         if cond is not None:
@@ -189,7 +190,8 @@ class _Future(Future):
                     else:
                         waiter.add_exception(self)
                 cond.notify_all()
-        self._invoke_callbacks()
+        if self._done_callbacks:
+            self._invoke_callbacks()
 
     def result(self, timeout: float | None = None) -> Any:
         if self._state == _fbase.FINISHED and self._exception is None:
@@ -443,9 +445,31 @@ class _Pool:
         except _fbase.InvalidStateError:
             pass  # cancelled meanwhile
 
-    def complete(self, h: int) -> None:
+    def complete_batch(self, hs: list[int]) -> None:
+        """complete() for a batch, with the common case (a small pickled result) inline."""
+        take = self.arena.complete_take  # frees the record if the result is inline
+        pop = self.futures.pop
+        loads = pickle.loads
+        for h in hs:
+            kind, status, fid, data = take(h)
+            if data is None or status != ST_OK or kind & F_BUFFERS:
+                self.complete_taken(h, kind, status, fid, data)
+                continue
+            try:
+                value = loads(data)
+            except BaseException:
+                self.complete_taken(h, kind, status, fid, data)
+                continue
+            f = pop(fid, None)
+            if f is not None:
+                try:
+                    f._st_resolve(value, None)
+                except _fbase.InvalidStateError:
+                    pass  # cancelled meanwhile
+
+    def complete_taken(self, h: int, kind: int, status: int, fid: int, data: Any) -> None:
+        """Finish a completion whose record header was read by complete_take."""
         a = self.arena
-        kind, status, fid, data = a.complete_take(h)  # frees the record if the result is inline
         try:
             if data is None:
                 try:
@@ -510,8 +534,7 @@ class _Pool:
                 hs = ring.pop_many(1024)
                 if hs:
                     got += len(hs)
-                    for h in hs:
-                        self.complete(h)
+                    self.complete_batch(hs)
             if self.backlog:
                 self.drain_backlog()
             now = time.monotonic()

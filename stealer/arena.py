@@ -127,11 +127,14 @@ class Arena:
 
         return free
 
-    def _wake_client(self) -> None:
-        r = self.region
-        r.fence()  # seq_cst: the completion push before reading the client's park word
-        if r.load32(H_CLIENT_PARK) == 1 and r.cas32(H_CLIENT_PARK, 1, 2):
-            r.futex_wake(H_CLIENT_PARK, 1)
+    @property
+    def idle(self) -> Any:
+        """The idle policy (stealer/idle.py) the reference composite operations use."""
+        if self._idle is None:
+            from stealer.idle import Idle
+
+            self._idle = Idle(self.region, self.seg.layout)
+        return self._idle
 
     def init(self) -> None:
         """Creator only: every record and block starts free."""
@@ -188,12 +191,8 @@ class Arena:
         return h
 
     def notify_one(self) -> int:
-        """Wake one parked worker if nobody searches (see stealer/idle.py); index or -1."""
-        from stealer.idle import Idle
-
-        if self._idle is None:
-            self._idle = Idle(self.region, self.seg.layout)
-        return self._idle.notify_one()
+        """Wake one parked worker if nobody searches (see stealer/idle.py)."""
+        return self.idle.notify_one()
 
     def start(self, h: int, current_off: int, t_start: int, wait_hist_off: int = -1) -> tuple | None:
         """Worker: claim a queued record; None if the client cancelled it (caller frees it)."""
@@ -228,7 +227,7 @@ class Arena:
             return 2
         while not completions.push(h):
             pass
-        self._wake_client()
+        self.idle.wake_client()
         return 1
 
     def complete_take(self, h: int) -> tuple:

@@ -31,9 +31,10 @@ is the same in every process and every run.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 __all__ = [
@@ -226,17 +227,9 @@ def uts_split(frontier: list[tuple[int, int]], parts: int = 2) -> list[list[tupl
 
 
 def uts_seq(node_seed: int = UTS_ROOT_SEED, depth: int = 0, params: UTSParams = UTS_QUICK) -> int:
-    """Count the nodes of the subtree at ``(node_seed, depth)`` in one process (with busy work)."""
-    stack = [(node_seed, depth)]
-    count = 0
-    node_s = params.node_seconds
-    while stack:
-        seed, d = stack.pop()
-        if node_s > 0.0:
-            busy(node_s)
-        count += 1
-        for i in range(uts_num_children(seed, d, params)):
-            stack.append((uts_child_seed(seed, i), d + 1))
+    """Count the nodes of the subtree at ``(node_seed, depth)`` in one process (with busy work):
+    :func:`uts_expand` with no budget."""
+    count, _frontier = uts_expand(((node_seed, depth),), replace(params, budget=sys.maxsize))
     return count
 
 

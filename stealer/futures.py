@@ -1,0 +1,136 @@
+"""Futures of stealer tasks: ``concurrent.futures.Future`` objects that are cheap to create.
+
+See :class:`_Future`.  The pool (stealer/pool.py) resolves them from its result
+thread; the facade (stealer/executor.py) creates them in ``submit``.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from concurrent.futures import _base as _fbase
+from typing import TYPE_CHECKING, Any
+
+from stealer.arena import S_CANCELLED, S_QUEUED, S_RUNNING
+
+if TYPE_CHECKING:
+    from stealer.pool import _Pool
+
+__all__ = ["_Future"]
+
+
+_SETTLED = frozenset((_fbase.CANCELLED, _fbase.CANCELLED_AND_NOTIFIED, _fbase.FINISHED))
+_SETTLED_COND = threading.Condition()  # RLock-based: one thread may hold it for many futures
+
+
+class _Future(Future):
+    """A Future that withdraws its queued task on cancel() and is cheap to create.
+
+    ``concurrent.futures.Future`` builds a ``threading.Condition`` per future
+    (most of the cost of creating one) and takes it on every transition.
+    Here the condition is created on first use (``_condition`` is a
+    property), and the result thread resolves a future that nobody waits on
+    yet without any lock:
+
+    * resolver: store the result, publish ``_state = FINISHED``, *then* look
+      for a condition; if one exists, take it, notify waiters and wake
+      sleepers, as the stdlib does;
+    * anyone who blocks (``result``, ``wait``, ``as_completed``,
+      ``add_done_callback``, ``cancel``) first creates the condition, then
+      reads ``_state`` under it.
+
+    Under the GIL these steps are sequentially consistent, so either the
+    reader sees FINISHED or the resolver sees the condition (a Dekker
+    handshake): nothing is missed.  A future that is already settled when
+    someone first asks for its condition gets a shared one (``wait`` and
+    ``as_completed`` over many finished futures then create nothing).
+    Every other method is the stdlib's.
+    """
+
+    _result: Any = None
+    _exception: BaseException | None = None
+    _st_handle: int | None = None
+
+    def __init__(self, pool: _Pool, fid: int, fn: Any) -> None:
+        # Future.__init__ without the Condition (created lazily, see _condition);
+        # _result, _exception and _st_handle start as the class-level None.
+        self._state = _fbase.PENDING
+        self._waiters: list[Any] = []
+        self._done_callbacks: list[Any] = []
+        self._st_pool = pool
+        self._st_fid = fid
+        self._st_fn = fn  # for messages only (see _st_name)
+
+    @property
+    def _st_name(self) -> str:
+        fn = self._st_fn
+        return getattr(fn, "__qualname__", None) or repr(fn)
+
+    @property
+    def _condition(self) -> threading.Condition:  # type: ignore[override]
+        d = self.__dict__
+        cond = d.get("_st_cond")
+        if cond is None:
+            if self._state in _SETTLED:
+                # A settled future never changes again and is never notified: every
+                # settled future can share one (reentrant) condition. Waiters check
+                # the state under it before they would wait, and find it settled.
+                return _SETTLED_COND
+            cond = d.setdefault("_st_cond", threading.Condition())  # atomic under the GIL
+        return cond
+
+    def _st_resolve(self, result: Any, exc: BaseException | None) -> None:
+        """Result thread: set the outcome (raises InvalidStateError if already set)."""
+        d = self.__dict__
+        if "_st_cond" in d:  # somebody is (or was) waiting: the stdlib's locked path
+            if exc is None:
+                Future.set_result(self, result)
+            else:
+                Future.set_exception(self, exc)
+            return
+        if self._state != _fbase.PENDING:
+            raise _fbase.InvalidStateError(f"{self._state}: {self!r}")
+        self._result = result
+        if exc is not None:
+            self._exception = exc
+        self._state = _fbase.FINISHED  # publish first ...
+        cond = d.get("_st_cond")  # ... then look for a waiter that came meanwhile
+        if cond is not None:
+            with cond:
+                for waiter in self._waiters:
+                    if exc is None:
+                        waiter.add_result(self)
+                    else:
+                        waiter.add_exception(self)
+                cond.notify_all()
+        if self._done_callbacks:
+            self._invoke_callbacks()
+
+    def result(self, timeout: float | None = None) -> Any:
+        if self._state == _fbase.FINISHED and self._exception is None:
+            return self._result  # fast path: no lock needed once finished
+        return super().result(timeout)
+
+    def done(self) -> bool:
+        return self._state in (_fbase.CANCELLED, _fbase.CANCELLED_AND_NOTIFIED, _fbase.FINISHED)
+
+    def cancel(self) -> bool:
+        with self._condition:
+            if self._state == _fbase.PENDING:
+                h = self._st_handle
+                if h is not None:
+                    pool = self._st_pool
+                    # generation-checked CAS, pairs with the worker's start CAS
+                    if not pool.arena.cas_state(h, S_QUEUED, S_CANCELLED):
+                        return False  # a worker started it, or it is already done
+                self._st_pool.futures.pop(self._st_fid, None)
+            return super().cancel()
+
+    def running(self) -> bool:
+        with self._condition:
+            if self._state == _fbase.PENDING and self._st_handle is not None:
+                pool = self._st_pool
+                h = self._st_handle
+                word = pool.region.load64(pool.arena.off(h))  # gen | state << 32
+                return word == (h >> 32) | (S_RUNNING << 32)
+            return super().running()

@@ -1,0 +1,417 @@
+"""The client side of an executor: its workers, its result thread, its supervision.
+
+:class:`_Pool` owns the shared segment, starts and replaces worker processes,
+and runs the *result thread*: it pops completions and resolves futures,
+moves backlog tasks in as records free up, and watches worker sentinels (a
+dead worker's running task fails with WorkerCrashedError naming the exit
+code or signal; a replacement starts; the rest goes on).  The facade
+(stealer/executor.py) is the public API over it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import itertools
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import threading
+import time
+import weakref
+from concurrent.futures import _base as _fbase
+from typing import Any
+
+from stealer import serialize
+from stealer._queues import impl as _default_queues
+from stealer.arena import F_BUFFERS, K_ROOT, R_PENDING, ST_ERROR, ST_OK, Arena
+from stealer.errors import BrokenExecutor, RemoteTraceback, SerializationError, WorkerCrashedError
+from stealer.futures import _Future
+from stealer.idle import NOTIFIED, Idle
+from stealer.shm import (
+    H_CLIENT_PARK,
+    H_SHUTDOWN,
+    W_CURRENT,
+    W_STATE,
+    Layout,
+    Segment,
+    cleanup_stale,
+)
+from stealer.worker import (
+    STATE_EXITING,
+    STATE_INIT_FAILED,
+    STATE_RETIRED,
+    STATE_STARTING,
+    WorkerArgs,
+    finish_child,
+)
+from stealer.worker import main as worker_main
+
+__all__ = ["_Pool", "describe_exit", "describe_start_failure"]
+
+MONITOR_INTERVAL = 0.05  # seconds between checks of worker liveness
+MAX_EARLY_DEATHS = 3  # a worker slot that dies this many times before starting breaks the pool
+
+_live: weakref.WeakSet[_Pool] = weakref.WeakSet()
+_exiting = False
+
+
+def _python_exit() -> None:
+    global _exiting
+    _exiting = True
+    for pool in list(_live):
+        pool.begin_shutdown()
+    for pool in list(_live):
+        if pool.thread is not None and pool.thread is not threading.current_thread():
+            pool.thread.join()
+
+
+atexit.register(_python_exit)
+
+
+def describe_exit(k: int, pid: int | None, code: int | None) -> str:
+    who = f"worker {k} (pid {pid})"
+    if code is None:
+        return f"{who} stopped"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = {
+            "SIGKILL": "killed from outside: the kernel's OOM killer (check `dmesg`), a "
+            "timeout, or kill -9",
+            "SIGSEGV": "a crash in native code (a C extension, ctypes, or a stack overflow)",
+            "SIGBUS": "a crash in native code, or /dev/shm ran out of space",
+            "SIGABRT": "the interpreter or a C library aborted (see the worker's stderr)",
+        }.get(name, "a signal from the task or from outside")
+        return f"{who} was killed by {name} ({hint})"
+    return (f"{who} exited with code {code} while running it (a task called os._exit() or "
+            "the interpreter aborted; see the worker's stderr)")
+
+
+def describe_start_failure(k: int, pid: int | None, code: int | None) -> str:
+    how = describe_exit(k, pid, code).split(" while running it")[0]
+    return (f"{how} before it was ready (see its traceback on stderr). With the 'spawn' and "
+            "'forkserver' start methods the main module is re-imported in each worker: run "
+            "from a file (not stdin) and guard the entry point with "
+            "`if __name__ == '__main__':`")
+
+
+class _Pool:
+    """Client-side state shared by the Executor facade and its result thread."""
+
+    def __init__(self, n: int, ctx: Any, cpus: list[int | None], steal: list[list[int]],
+                 initializer: bytes | None, initargs: tuple, max_tasks: int | None,
+                 thread_limit: int | None, records: int, metrics: bool = True) -> None:
+        self.n = n
+        self.ctx = ctx
+        self.cpus = cpus
+        self.steal = steal
+        self.initializer = initializer
+        self.initargs = initargs
+        self.max_tasks = max_tasks
+        self.thread_limit = thread_limit
+        self.metrics = metrics
+        cleanup_stale()
+        Q = _default_queues
+        self.native = Q.NATIVE
+        self.lock = None if Q.NATIVE else ctx.Lock()  # the reference queues need one shared lock
+        layout = Layout(n, records=records)
+        self.layout = layout
+        self.seg = seg = Segment.create(layout, self.lock, Q)
+        self.name = seg.name
+        self.procs: list[Any] = [None] * n
+        try:
+            self._setup(Q)
+        except BaseException:
+            for p in self.procs:  # nothing may outlive a failed constructor
+                if p is not None:
+                    p.kill()
+                    p.join(1.0)
+            seg.unlink()
+            raise
+        _live.add(self)
+
+    def _setup(self, Q: Any) -> None:
+        seg = self.seg
+        layout = self.layout
+        n = self.n
+        self.region = r = seg.region
+        self.injector = Q.MPMCRing(r, layout.offsets["injector"], layout.records)
+        self.injector.init()
+        self.arena = Arena(seg, self.injector)
+        self.arena.init()
+        for k in range(n):
+            Q.Deque(r, layout.deque(k), layout.records).init()
+            Q.MPMCRing(r, layout.inbox(k), layout.records).init()
+        self.inboxes = [Q.MPMCRing(r, layout.inbox(k), layout.records) for k in range(n)]
+        self.completions = [Q.SPSCRing(r, layout.completion(k), layout.records) for k in range(n)]
+        for ring in self.completions:
+            ring.init()
+        o = layout.offsets
+        self.fns = serialize.FunctionTable(seg.mm, r, o["fn_table"], layout.fn_entries,
+                                           o["fn_data"], layout.fn_data)
+        self.idle = Idle(r, layout)
+        self.futures: dict[int, _Future] = {}
+        self.ids = itertools.count()
+        self.backlog: collections.deque[tuple[_Future, bytes, list]] = collections.deque()
+        self.shutdown_lock = threading.Lock()
+        self.shutdown = False
+        self.broken: str | None = None
+        self.incarnations = [0] * n
+        self.early_deaths = [0] * n
+        self.crashes = 0
+        self.closed = False
+        for k in range(n):
+            self.start_worker(k)
+        self.thread: threading.Thread | None = threading.Thread(
+            target=self.run, name=f"stealer-results-{seg.name[-8:]}", daemon=True)
+        self.thread.start()
+
+    # -- workers -------------------------------------------------------------
+    def start_worker(self, k: int) -> None:
+        r = self.region
+        base = self.layout.worker(k)
+        self.incarnations[k] += 1
+        r.store64(base + W_CURRENT, 0)
+        r.store32(base + W_STATE, STATE_STARTING)
+        args = WorkerArgs(
+            index=k, incarnation=self.incarnations[k], name=self.name,
+            layout=self.layout.to_args(), lock=self.lock, native=self.native, cpu=self.cpus[k],
+            metrics=self.metrics,
+            steal_order=self.steal[k] if self.steal else None,
+            initializer=self.initializer, initargs=self.initargs,
+            max_tasks=self.max_tasks, ppid=os.getpid(), thread_limit=self.thread_limit,
+        )
+        p = self.ctx.Process(target=worker_main, args=(args,), name=f"stealer-worker-{k}")
+        p.start()
+        self.procs[k] = p
+
+    def check_workers(self) -> None:
+        procs = [p for p in self.procs if p is not None]
+        if not procs:
+            return
+        dead = mp.connection.wait([p.sentinel for p in procs], timeout=0)
+        for k, p in enumerate(self.procs):
+            if p is not None and p.sentinel in dead:
+                self.on_death(k, p)
+
+    def on_death(self, k: int, p: Any) -> None:
+        p.join(1.0)
+        code = p.exitcode
+        self.procs[k] = None
+        r = self.region
+        base = self.layout.worker(k)
+        state = r.load32(base + W_STATE)
+        cur = r.load64(base + W_CURRENT)
+        self.idle.forget(k)
+        if state == STATE_INIT_FAILED:  # the worker says so; its exit code alone proves nothing
+            self.set_broken("the initializer raised an exception in a worker process (its "
+                            "traceback is on stderr); the executor cannot start workers")
+            return
+        if state == STATE_EXITING and r.load32(H_SHUTDOWN):
+            return
+        if state == STATE_RETIRED and cur == 0 and code == 0:
+            self.start_worker(k)  # max_tasks_per_child reached: a planned replacement
+            return
+        if state == STATE_STARTING:
+            desc = describe_start_failure(k, p.pid, code)
+        else:
+            desc = describe_exit(k, p.pid, code)
+        self.crashes += 1
+        if cur:
+            self.fail_running(cur - 1, desc)
+        if state == STATE_STARTING:
+            self.early_deaths[k] += 1
+            if self.early_deaths[k] >= MAX_EARLY_DEATHS:
+                self.set_broken(f"{desc}, {MAX_EARLY_DEATHS} times in a row; the executor "
+                                "cannot start workers")
+                return
+        else:
+            self.early_deaths[k] = 0
+        if not r.load32(H_SHUTDOWN):
+            self.start_worker(k)
+
+    def fail_running(self, h: int, desc: str) -> None:
+        """The worker died while running record ``h``: fail that task, not the pool."""
+        a = self.arena
+        off = a.off(h)
+        kind, _status, link = a.kind_link(off)
+        root = (kind & 0xFF) == K_ROOT
+        f = self.futures.pop(link, None) if root else None
+        name = getattr(f, "_st_name", "a spawned child task")
+        exc = WorkerCrashedError(f"{desc}; the task was {name}. Other tasks go on; a "
+                                 "replacement worker is starting.")
+        if f is not None:
+            self.resolve(f, ST_ERROR, (exc, ""))
+        old = self.region.add64(off + R_PENDING, -1)  # take the dead task's token
+        if old != 1:
+            # Children are still out there; the last one will resume this task on the
+            # replacement worker, which reports it as orphaned (and the client drops it).
+            return
+        if root:
+            a.free(h)
+        else:
+            a.drop_payload(off)
+            a.put(off, *serialize.dumps((exc, "")))
+            a.set_status(off, ST_ERROR)
+            finish_child(a, self.inboxes, self.idle, link)
+
+    def set_broken(self, msg: str) -> None:
+        self.broken = msg
+        self.shutdown = True
+        exc = BrokenExecutor(msg)
+        for fid in list(self.futures):
+            f = self.futures.pop(fid, None)
+            if f is not None:
+                self.resolve(f, ST_ERROR, (exc, ""))
+        while self.backlog:
+            f = self.backlog.popleft()[0]
+            self.resolve(f, ST_ERROR, (exc, ""))
+
+    # -- results -------------------------------------------------------------
+    def resolve(self, f: _Future, status: int, value: Any) -> None:
+        try:
+            if status == ST_OK:
+                f._st_resolve(value, None)
+            else:
+                exc, tb = value
+                if tb:
+                    exc.__cause__ = RemoteTraceback(tb)
+                f._st_resolve(None, exc)
+        except _fbase.InvalidStateError:
+            pass  # cancelled meanwhile
+
+    def complete_batch(self, hs: list[int]) -> None:
+        """complete() for a batch, with the common case (a small pickled result) inline."""
+        take = self.arena.complete_take  # frees the record if the result is inline
+        pop = self.futures.pop
+        loads = pickle.loads
+        for h in hs:
+            kind, status, fid, data = take(h)
+            if data is None or status != ST_OK or kind & F_BUFFERS:
+                self.complete_taken(h, kind, status, fid, data)
+                continue
+            try:
+                value = loads(data)
+            except BaseException:
+                self.complete_taken(h, kind, status, fid, data)
+                continue
+            f = pop(fid, None)
+            if f is not None:
+                try:
+                    f._st_resolve(value, None)
+                except _fbase.InvalidStateError:
+                    pass  # cancelled meanwhile
+
+    def complete_taken(self, h: int, kind: int, status: int, fid: int, data: Any) -> None:
+        """Finish a completion whose record header was read by complete_take."""
+        a = self.arena
+        try:
+            if data is None:
+                try:
+                    value = a.take(a.off(h))
+                finally:
+                    a.free(h)
+            elif kind & F_BUFFERS:
+                value = serialize.loads_frame(data, True)
+            else:
+                value = pickle.loads(data)
+        except BaseException as exc:
+            status = ST_ERROR
+            value = (SerializationError(
+                f"could not unpickle the task result in the client ({type(exc).__name__}: "
+                f"{exc})"), "")
+        f = self.futures.pop(fid, None)
+        if f is not None:
+            if status == ST_OK:
+                try:
+                    f._st_resolve(value, None)
+                except _fbase.InvalidStateError:
+                    pass  # cancelled meanwhile
+            else:
+                self.resolve(f, status, value)
+
+    def drain_backlog(self) -> None:
+        a = self.arena
+        moved = 0
+        while self.backlog:
+            h = a.alloc()
+            if h < 0:
+                break
+            f, data, bufs = self.backlog.popleft()
+            with f._condition:
+                if f._state != _fbase.PENDING:
+                    a.free(h)
+                    continue
+                off = a.setup(h, K_ROOT, f._st_fid, time.monotonic_ns())
+                a.put(off, data, bufs)
+                f._st_handle = h
+                self.injector.push(h)
+                moved += 1
+        if moved:
+            self.idle.notify_one()
+
+    def has_completions(self) -> bool:
+        return any(len(c) for c in self.completions)
+
+    def run(self) -> None:
+        """The result thread."""
+        try:
+            self._run()
+        finally:
+            self.close()
+
+    def _run(self) -> None:
+        rings = self.completions
+        last_check = 0.0
+        while True:
+            got = 0
+            for ring in rings:
+                hs = ring.pop_many(1024)
+                if hs:
+                    got += len(hs)
+                    self.complete_batch(hs)
+            if self.backlog:
+                self.drain_backlog()
+            now = time.monotonic()
+            if not got or now - last_check > MONITOR_INTERVAL:
+                last_check = now
+                self.check_workers()
+            if self.shutdown and not self.futures and not self.backlog:
+                return
+            if not got:
+                self.idle.client_park(self.has_completions, MONITOR_INTERVAL)
+
+    def begin_shutdown(self) -> None:
+        with self.shutdown_lock:
+            self.shutdown = True
+        self.wake()
+
+    def wake(self) -> None:
+        """Wake the result thread (from the API side: shutdown, backlog)."""
+        r = self.region
+        r.store32(H_CLIENT_PARK, NOTIFIED)  # seq_cst; its park re-checks after storing PARKED
+        r.futex_wake(H_CLIENT_PARK, 1)
+
+    def close(self) -> None:
+        """Stop the workers and remove the segment (result thread, at the end)."""
+        if self.closed:
+            return
+        self.closed = True
+        r = self.region
+        r.store32(H_SHUTDOWN, 1)  # seq_cst: workers exit once they find no work
+        self.idle.notify_all()
+        deadline = time.monotonic() + 5.0
+        for p in self.procs:
+            if p is None:
+                continue
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.exitcode is None:
+                p.kill()
+                p.join(1.0)
+        self.seg.unlink()
+        _live.discard(self)

@@ -9,30 +9,8 @@ cdef enum:
     ST_FULL = -3
 
 
-# Record layout (keep in sync with stealer/arena.py; the reference implementation).
-cdef enum:
-    R_WORD0 = 0      # u64: generation (low 32 bits) | state (high 32 bits)
-    R_KIND = 8
-    R_STATUS = 12
-    R_LINK = 16
-    R_PENDING = 24
-    R_OWNER = 32
-    R_PCLASS = 44
-    R_PREF = 48
-    R_PLEN = 56
-    R_TSUBMIT = 64
-    R_TSTART = 72
-    R_INLINE = 80
-    RECORD_BYTES = 128
-    INLINE = 48
-    S_FREE = 0
-    S_QUEUED = 1
-    S_RUNNING = 2
-    K_MASK = 0xFF
-    K_ROOT = 1
-    F_BUFFERS = 0x100
-    PARKED = 1
-    NOTIFIED = 2
+# Record layout, states and kinds: generated from stealer/_layout.py by setup.py.
+include "_layout.pxi"
 
 
 cdef class Region:
@@ -50,6 +28,7 @@ cdef class Deque:
     cdef char *top_p         # int64 top: written by thieves (CAS) and owner (CAS on last item)
     cdef char *bottom_p      # int64 bottom: written by owner only, read by thieves
     cdef char *ring          # capacity x uint64 handles
+    cdef char *lease         # u64 handle+1 being taken (set_lease; NULL: off): this process writes, a recoverer reads after its death
     cdef int64_t mask
     cdef readonly Py_ssize_t capacity
     cdef readonly Py_ssize_t offset
@@ -65,6 +44,7 @@ cdef class _Ring:
     cdef char *prod_p        # uint64 producer position (MPMC: enqueue pos, claimed by CAS; SPSC: tail)
     cdef char *cons_p        # uint64 consumer position (MPMC: dequeue pos, claimed by CAS; SPSC: head)
     cdef char *cells
+    cdef char *lease         # MPMC pops: u64 value+1 being taken, as Deque.lease
     cdef uint64_t mask
     cdef readonly Py_ssize_t capacity
     cdef readonly Py_ssize_t offset
@@ -99,3 +79,4 @@ cdef class HotPath:
     cdef char *rec(self, uint64_t h) noexcept nogil
     cdef int c_notify_one(self) noexcept nogil
     cdef void c_free(self, uint64_t h) noexcept nogil
+    cdef int _check_handle(self, uint64_t h) except -1

@@ -175,6 +175,28 @@ cdef class Deque:
         self.top_p = region.base + offset
         self.bottom_p = region.base + offset + LINE
         self.ring = region.base + offset + 2 * LINE
+        self.lease = NULL
+
+    def set_lease(self, Py_ssize_t off):
+        """Record in the u64 word at ``off`` (handle + 1) every handle this process's pop or
+        steal is about to take, *before* the CAS that takes it: a recoverer finds it there
+        if the process dies holding it (stealer/records.py).  -1 turns it off."""
+        if off < 0:
+            self.lease = NULL
+            return
+        self.region._check(off, 8)
+        self.lease = self.region.base + off
+
+    def repair(self):
+        """Owner, before first use of a deque inherited from a dead owner: a pop killed
+        between its bottom reservation and its undo can leave bottom < top; the item
+        it was taking is in that owner's lease, so dropping it here loses nothing."""
+        cdef int64_t t = <int64_t>st_load_acquire_u64(self.top_p)
+        cdef int64_t b = <int64_t>st_load_relaxed_u64(self.bottom_p)
+        if b < t:
+            st_store_release_u64(self.bottom_p, <uint64_t>t)   # owner only; pairs with thieves' acquire
+            return True
+        return False
 
     def init(self):
         """Reset to empty; only before any other process uses it."""
@@ -193,6 +215,10 @@ cdef class Deque:
 
     cdef int c_pop(self, uint64_t *out) noexcept nogil:
         cdef int64_t b = <int64_t>st_load_relaxed_u64(self.bottom_p) - 1
+        if self.lease != NULL and b >= <int64_t>st_load_relaxed_u64(self.top_p):
+            # lease before the reservation: relaxed is enough, a recoverer reads it only
+            # after this process is dead (its stores are all visible by then)
+            st_store_relaxed_u64(self.lease, st_load_relaxed_u64(self.ring + 8 * (b & self.mask)) + 1)
         st_store_relaxed_u64(self.bottom_p, <uint64_t>b)   # reserve the bottom item (owner only)
         st_fence_seqcst()                                  # pairs with the thief's seq_cst fence between top and bottom loads
         cdef int64_t t = <int64_t>st_load_relaxed_u64(self.top_p)
@@ -215,6 +241,8 @@ cdef class Deque:
         if t >= b:
             return ST_EMPTY
         cdef uint64_t h = st_load_relaxed_u64(self.ring + 8 * (t & self.mask))
+        if self.lease != NULL:
+            st_store_relaxed_u64(self.lease, h + 1)  # lease before the CAS (read after our death)
         if not st_cas_seqcst_u64(self.top_p, <uint64_t>t, <uint64_t>(t + 1)):
             return ST_RETRY                                          # lost to the owner or another thief
         out[0] = h
@@ -227,11 +255,16 @@ cdef class Deque:
         # to ``out``; the rest are pushed into ``dest``, the thief's own
         # deque.  Only as many as ``dest`` has room for are taken: the
         # caller owns ``dest``, so its free space can only grow meanwhile,
-        # and no stolen item is ever left without a home.
+        # and no stolen item is ever left without a home.  Leases: the
+        # first item in the lease word, each further one in the next word
+        # until it is in ``dest``.
         cdef uint64_t h
         cdef int rc = self.c_steal(out)
         if rc != ST_SUCCESS:
             return rc
+        cdef char *lease0 = self.lease
+        if lease0 != NULL:
+            self.lease = lease0 + 8   # keep the first item's lease while moving the rest
         cdef int64_t t = <int64_t>st_load_acquire_u64(self.top_p)
         cdef int64_t b = <int64_t>st_load_acquire_u64(self.bottom_p)
         cdef int64_t want = (b - t) // 2
@@ -247,6 +280,7 @@ cdef class Deque:
                 break
             dest.c_push(h)          # cannot be FULL: room was checked above
             i += 1
+        self.lease = lease0
         return ST_SUCCESS
 
     def push(self, uint64_t h):
@@ -301,7 +335,17 @@ cdef class _Ring:
         self.prod_p = region.base + offset + (0 if producer_first else LINE)
         self.cons_p = region.base + offset + (LINE if producer_first else 0)
         self.cells = region.base + offset + 2 * LINE
+        self.lease = NULL
         return 0
+
+    def set_lease(self, Py_ssize_t off):
+        """MPMC: record in the u64 word at ``off`` (value + 1) every value this process's pop
+        is about to take, before the CAS that takes it (see Deque.set_lease).  -1: off."""
+        if off < 0:
+            self.lease = NULL
+            return
+        self.region._check(off, 8)
+        self.lease = self.region.base + off
 
     cdef int c_push(self, uint64_t v) noexcept nogil:
         return ST_FULL
@@ -320,13 +364,30 @@ cdef class _Ring:
             return v
         return ST_EMPTY
 
-    def pop_many(self, Py_ssize_t n):
-        """Pop up to ``n`` values; returns a list (empty when the ring is empty)."""
+    def pop_many(self, Py_ssize_t n, Py_ssize_t lease_off=-1):
+        """Pop up to ``n`` values; returns a list (empty when the ring is empty).
+
+        With ``lease_off`` (MPMC), the i-th value is leased in the u64 word at
+        ``lease_off + 8 * i`` before the CAS that takes it (see set_lease).
+        """
         cdef uint64_t v = 0
+        cdef char *saved = self.lease
+        cdef Py_ssize_t i = 0
+        if lease_off >= 0:
+            self.region._check(lease_off, 8)
+            self.region._check(lease_off + 8 * (n - 1 if n > 0 else 0), 8)
         out = []
-        while n > 0 and self.c_pop(&v) == ST_SUCCESS:
-            out.append(v)
-            n -= 1
+        try:
+            while n > 0:
+                if lease_off >= 0:
+                    self.lease = self.region.base + lease_off + 8 * i
+                if self.c_pop(&v) != ST_SUCCESS:
+                    break
+                out.append(v)
+                n -= 1
+                i += 1
+        finally:
+            self.lease = saved
         return out
 
     def __len__(self):
@@ -390,6 +451,8 @@ cdef class MPMCRing(_Ring):
             seq = st_load_acquire_u64(cell)          # pairs with the producer's release store of seq
             dif = <int64_t>(seq - (pos + 1))
             if dif == 0:
+                if self.lease != NULL:   # lease before the claim (read after our death)
+                    st_store_relaxed_u64(self.lease, st_load_relaxed_u64(cell + 8) + 1)
                 if st_cas_weak_relaxed_u64(self.cons_p, pos, pos + 1):   # claim position; ordering via seq
                     break
                 pos = st_load_relaxed_u64(self.cons_p)
@@ -451,7 +514,8 @@ cdef class HotPath:
     ``stealer.arena.Arena`` holds the pure-Python reference of every method
     here; it delegates to this class when the extension is loaded.  Only
     payloads that fit inline in the record take this path; larger ones and
-    out-of-band buffers go through the Python arena.
+    out-of-band buffers go through the Python arena.  The state word and its
+    transitions are stealer/records.py's (diagram there).
     """
 
     def __cinit__(self, Region region, Py_ssize_t rec_base, uint64_t nrecords,
@@ -481,17 +545,25 @@ cdef class HotPath:
     cdef char *rec(self, uint64_t h) noexcept nogil:
         return self.rec_base + RECORD_BYTES * (h & 0xFFFFFFFFU)
 
+    cdef int _check_handle(self, uint64_t h) except -1:
+        if (h & 0xFFFFFFFFU) >= self.nrecords:
+            raise IndexError(f"bad record handle {h:#x}: index out of range "
+                             f"({self.nrecords} records); shared memory is corrupt")
+        return 0
+
     cdef void c_free(self, uint64_t h) noexcept nogil:
+        # Release (exclusive holder; payload storage already dropped by the caller).
         cdef char *r = self.rec(h)
         cdef uint64_t gen = (st_load_relaxed_u64(r) + 1) & 0x7FFFFFFF
         (<uint32_t *>(r + R_PCLASS))[0] = 0
+        (<uint32_t *>(r + R_RCLASS))[0] = 0
         (<uint64_t *>(r + R_PLEN))[0] = 0
-        st_store_release_u64(r, gen | (<uint64_t>S_FREE << 32))  # stale handles now fail their CAS
-        self.free_ring.c_push(h & 0xFFFFFFFFU)                     # release: next owner sees the new gen
+        (<uint64_t *>(r + R_RLEN))[0] = 0
+        st_store_release_u64(r, gen | (<uint64_t>S_FREE << STATE_SHIFT))  # stale handles now fail their CAS
+        self.free_ring.c_push(h & 0xFFFFFFFFU)                             # release: next owner sees the new gen
 
     def free(self, uint64_t h):
-        if (h & 0xFFFFFFFFU) >= self.nrecords:
-            raise IndexError("bad handle")
+        self._check_handle(h)
         self.c_free(h)
 
     cdef int c_notify_one(self) noexcept nogil:
@@ -518,7 +590,8 @@ cdef class HotPath:
         """Wake one parked worker if nobody searches; the worker index woken, or -1."""
         return self.c_notify_one()
 
-    def submit_inline(self, uint32_t kind, uint64_t link, const unsigned char[::1] data):
+    def submit_inline(self, uint32_t kind, uint64_t link, const unsigned char[::1] data,
+                      uint32_t retries=0):
         """Client: take a record, fill it with an inline payload, push it on the injector,
         and wake a parked worker if nobody searches.
 
@@ -534,38 +607,44 @@ cdef class HotPath:
         cdef uint64_t idx
         if self.free_ring.c_pop(&idx) != ST_SUCCESS:
             return -1
+        if idx >= self.nrecords:
+            raise IndexError("corrupt free ring: record index out of range")
         cdef char *r = self.rec_base + RECORD_BYTES * idx
         cdef uint64_t gen = st_load_relaxed_u64(r) & 0xFFFFFFFFU
         memset(r + 8, 0, R_INLINE - 8)
         (<uint32_t *>(r + R_KIND))[0] = kind
         (<uint64_t *>(r + R_LINK))[0] = link
+        (<uint32_t *>(r + R_RETRIES))[0] = retries
         (<uint64_t *>(r + R_PLEN))[0] = <uint64_t>n
         (<uint64_t *>(r + R_TSUBMIT))[0] = t_submit
         if n:
             memcpy(r + R_INLINE, &data[0], n)
-        st_store_relaxed_u64(r, gen | (<uint64_t>S_QUEUED << 32))  # published by the push below
+        st_store_relaxed_u64(r, gen | (<uint64_t>S_QUEUED << STATE_SHIFT))  # alloc: published by the push below
         cdef uint64_t h = (gen << 32) | idx
         self.injector.c_push(h)     # release (cell seq): the worker's pop acquires the record
         self.c_notify_one()
         return h
 
     def start(self, uint64_t h, Py_ssize_t current_off, uint64_t t_start,
-              Py_ssize_t wait_hist_off=-1):
-        """Worker: claim a queued record. None if the client cancelled it (the caller frees it).
+              Py_ssize_t wait_hist_off=-1, uint64_t who=0):
+        """Worker ``who - 1``: the ``start`` transition QUEUED -> RUNNING|who.
 
-        Otherwise sets the worker's current-task word, the join token and the
-        start time, records the queue wait (start - submit) in the histogram
-        at ``wait_hist_off`` (if >= 0), and returns (kind, link, inline
-        payload bytes or None).
+        The worker's current-task word is set to ``h + 1`` *before* the CAS,
+        so a recoverer always finds a claimed record (records.py).  Returns
+        None if ``h`` was not QUEUED (cancelled, stale, or a copy another
+        worker started; the caller sorts that out).  Otherwise records the
+        start time and queue wait and returns (kind, link, inline call
+        payload bytes or None).  The call payload stays in the record.
         """
+        self._check_handle(h)
         self.region._check(current_off, 8)
         cdef char *r = self.rec(h)
         cdef uint64_t gen = h >> 32
-        # seq_cst CAS, pairs with the client's cancel CAS on the same word (gen-checked).
-        if not st_cas_seqcst_u64(r, gen | (<uint64_t>S_QUEUED << 32), gen | (<uint64_t>S_RUNNING << 32)):
+        st_store_seqcst_u64(self.region.base + current_off, h + 1)  # the lease, read by the recoverer
+        # seq_cst CAS, pairs with the client's cancel CAS and every other transition on the word.
+        if not st_cas_seqcst_u64(r, gen | (<uint64_t>S_QUEUED << STATE_SHIFT),
+                                 gen | (<uint64_t>S_RUNNING << STATE_SHIFT) | (who << WHO_SHIFT)):
             return None
-        st_store_release_u64(self.region.base + current_off, h + 1)  # read by the client after a death
-        (<int64_t *>(r + R_PENDING))[0] = 1
         (<uint64_t *>(r + R_TSTART))[0] = t_start
         cdef uint64_t t_submit = (<uint64_t *>(r + R_TSUBMIT))[0]
         if wait_hist_off >= 0 and wait_hist_off + 64 + 8 * ST_HIST_NBUCKETS <= self.region.size:
@@ -576,29 +655,42 @@ cdef class HotPath:
         cdef uint64_t n
         if (<uint32_t *>(r + R_PCLASS))[0] == 0:
             n = (<uint64_t *>(r + R_PLEN))[0]
-            (<uint64_t *>(r + R_PLEN))[0] = 0
+            if n > INLINE:
+                raise ValueError(f"corrupt record {h:#x}: inline payload of {n} bytes")
             return kind, link, PyBytes_FromStringAndSize(r + R_INLINE, <Py_ssize_t>n)
         return kind, link, None
 
     def finish_inline(self, uint64_t h, uint32_t status, const unsigned char[::1] data,
-                      SPSCRing completions):
-        """Worker: store a small result; for a root task also push the completion.
+                      SPSCRing completions, uint64_t who=0):
+        """Worker ``who - 1``: store a small result inline, then the ``finish`` transition
+        RUNNING|who -> DONE|who, then (a root task) push the completion.
 
-        Returns 0 if ``data`` is too large (use the Python path), 1 when a root
-        task was completed (client woken if parked), 2 for a child (the caller
-        counts it off its parent).
+        Returns 0 if ``data`` does not fit beside the call payload (use the
+        Python path), -1 if the record is no longer RUNNING|who (nothing
+        published), 1 when a root task was completed (client woken if
+        parked), 2 for a child (the caller pings its parent).
         """
+        self._check_handle(h)
         cdef Py_ssize_t n = data.shape[0]
-        if n > INLINE:
-            return 0
         cdef char *r = self.rec(h)
+        cdef uint64_t at = 0
+        if (<uint32_t *>(r + R_PCLASS))[0] == 0:
+            at = (<uint64_t *>(r + R_PLEN))[0]       # the call payload stays: a retry needs it
+        if at > INLINE or n > INLINE - <Py_ssize_t>at:
+            return 0
         if n:
-            memcpy(r + R_INLINE, &data[0], n)
-        (<uint32_t *>(r + R_PCLASS))[0] = 0
-        (<uint64_t *>(r + R_PLEN))[0] = <uint64_t>n
-        cdef uint32_t kind = (<uint32_t *>(r + R_KIND))[0] & ~(<uint32_t>F_BUFFERS)
+            memcpy(r + R_INLINE + at, &data[0], n)
+        (<uint32_t *>(r + R_RCLASS))[0] = 0
+        (<uint64_t *>(r + R_RLEN))[0] = <uint64_t>n
+        cdef uint32_t kind = (<uint32_t *>(r + R_KIND))[0] & ~(<uint32_t>F_RBUFFERS)
         (<uint32_t *>(r + R_KIND))[0] = kind
         (<uint32_t *>(r + R_STATUS))[0] = status
+        cdef uint64_t gen = h >> 32
+        # seq_cst CAS (release of the result above): pairs with the consumer's acquire of the
+        # word and with a recoverer's CAS after this worker's death
+        if not st_cas_seqcst_u64(r, gen | (<uint64_t>S_RUNNING << STATE_SHIFT) | (who << WHO_SHIFT),
+                                 gen | (<uint64_t>S_DONE << STATE_SHIFT) | (who << WHO_SHIFT)):
+            return -1
         if (kind & K_MASK) != K_ROOT:
             return 2
         while completions.c_push(h) != ST_SUCCESS:   # release: the client's pop acquires the result
@@ -610,17 +702,28 @@ cdef class HotPath:
         return 1
 
     def complete_take(self, uint64_t h):
-        """Client: (kind, status, link, inline payload or None) of a completed record.
+        """Client: (kind, status, link, inline result or None) of a completed record.
 
-        An inline payload is copied out and the record freed; otherwise the
-        record stays for the Python path to read and free.
+        When both the call and the result are inline, the result is copied
+        out and the record freed; otherwise (data None) the record stays for
+        the Python path to read and free.
         """
+        self._check_handle(h)
         cdef char *r = self.rec(h)
+        st_load_acquire_u64(r)                        # pairs with the finish CAS (DONE)
         cdef uint32_t kind = (<uint32_t *>(r + R_KIND))[0]
         cdef uint32_t status = (<uint32_t *>(r + R_STATUS))[0]
         cdef uint64_t link = (<uint64_t *>(r + R_LINK))[0]
         cdef object data = None
-        if (<uint32_t *>(r + R_PCLASS))[0] == 0:
-            data = PyBytes_FromStringAndSize(r + R_INLINE, <Py_ssize_t>(<uint64_t *>(r + R_PLEN))[0])
+        cdef uint64_t at, n
+        if (<uint32_t *>(r + R_PCLASS))[0] == 0 and (<uint32_t *>(r + R_RCLASS))[0] == 0:
+            at = (<uint64_t *>(r + R_PLEN))[0]
+            n = (<uint64_t *>(r + R_RLEN))[0]
+            if at > INLINE or n > INLINE - at:
+                raise ValueError(f"corrupt record {h:#x}: inline result out of bounds")
+            data = PyBytes_FromStringAndSize(r + R_INLINE + at, <Py_ssize_t>n)
             self.c_free(h)
         return kind, status, link, data
+
+
+include "_layout_py.pxi"

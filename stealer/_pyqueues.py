@@ -251,6 +251,19 @@ class _Ring:
         self._a = offset  # first control word
         self._b = offset + _LINE  # second control word
         self._cells = offset + 2 * _LINE
+        self._lease = -1  # offset of this process's lease word (see set_lease), -1: off
+
+    def set_lease(self, off: int) -> None:
+        """Record (value + 1 at ``off``) every value a pop or steal of this process takes,
+        in the same locked step (native: before its CAS); -1 turns it off."""
+        if off >= 0:
+            self.region._check(off, 8)
+        self._lease = off
+
+    def _leased(self, v: int) -> int:
+        if self._lease >= 0 and v >= 0:
+            self.region._w64(self._lease, v + 1)
+        return v
 
     @classmethod
     def nbytes(cls, capacity: int) -> int:
@@ -290,7 +303,17 @@ class Deque(_Ring):
                 return EMPTY
             b -= 1
             r._w64(self._b, b)
-            return r._r64(self._cells + 8 * (b & self.mask))
+            return self._leased(r._r64(self._cells + 8 * (b & self.mask)))
+
+    def repair(self) -> bool:
+        """Owner of an inherited deque: bottom < top (a killed pop) becomes empty."""
+        r = self.region
+        with r.lock:
+            t, b = self._top_bottom()
+            if b < t:
+                r._w64(self._b, t)
+                return True
+            return False
 
     def _steal_locked(self) -> int:
         r = self.region
@@ -299,7 +322,7 @@ class Deque(_Ring):
             return EMPTY
         h = r._r64(self._cells + 8 * (t & self.mask))
         r._w64(self._a, t + 1)
-        return h
+        return self._leased(h)
 
     def steal(self) -> int:
         with self.region.lock:
@@ -313,15 +336,21 @@ class Deque(_Ring):
             first = self._steal_locked()
             if first < 0:
                 return first
-            t, b = self._top_bottom()
-            dt, db = dest._top_bottom()
-            want = min((b - t) // 2, cap - 1, dest.capacity - (db - dt))
-            for _ in range(want):
-                h = self._steal_locked()
-                dr = dest.region
+            lease0 = self._lease
+            if lease0 >= 0:  # as the native one: the first keeps its lease, the rest use the next
+                self._lease = lease0 + 8
+            try:
+                t, b = self._top_bottom()
                 dt, db = dest._top_bottom()
-                dr._w64(dest._cells + 8 * (db & dest.mask), h)
-                dr._w64(dest._b, db + 1)
+                want = min((b - t) // 2, cap - 1, dest.capacity - (db - dt))
+                for _ in range(want):
+                    h = self._steal_locked()
+                    dr = dest.region
+                    dt, db = dest._top_bottom()
+                    dr._w64(dest._cells + 8 * (db & dest.mask), h)
+                    dr._w64(dest._b, db + 1)
+            finally:
+                self._lease = lease0
             return first
 
     def __len__(self) -> int:
@@ -346,14 +375,20 @@ class _QueueRing(_Ring):
         with self.region.lock:
             return self._pop_locked()
 
-    def pop_many(self, n: int) -> list[int]:
+    def pop_many(self, n: int, lease_off: int = -1) -> list[int]:
         out: list[int] = []
+        saved = self._lease
         with self.region.lock:
-            while len(out) < n:
-                v = self._pop_locked()
-                if v < 0:
-                    break
-                out.append(v)
+            try:
+                while len(out) < n:
+                    if lease_off >= 0:
+                        self._lease = lease_off + 8 * len(out)
+                    v = self._pop_locked()
+                    if v < 0:
+                        break
+                    out.append(v)
+            finally:
+                self._lease = saved
         return out
 
     def __len__(self) -> int:
@@ -396,7 +431,7 @@ class MPMCRing(_QueueRing):
         v = r._r64(cell + 8)
         r._w64(cell, pos + self.capacity)
         r._w64(self._b, pos + 1)
-        return v
+        return self._leased(v)
 
 
 

@@ -1,26 +1,29 @@
 """Task records and payload storage in the shared segment.
 
-A **record** (128 bytes) describes one task: who submitted it, its state,
-its join counter, and where its payload lives.  A **handle** names a record
-across processes: ``generation << 32 | index``; the generation is bumped
-when the record is freed, so a stale handle can be recognised.
+A **record** (192 bytes, layout in stealer/_layout.py) describes one task:
+who submitted it, its state word, and where its two payloads live: the
+pickled call and, once it ran, the pickled result.  A **handle** names a
+record across processes: ``generation << 32 | index``; the generation is
+bumped when the record is freed, so a stale handle is recognised.  The
+lifecycle and its transitions are stealer/records.py's.
 
-Payloads (the pickled call, later the pickled result) live in one of:
+Payloads live in one of:
 
-* the record itself, when at most ``INLINE`` bytes (most small calls);
+* the record itself, when they fit its ``INLINE`` bytes (the result right
+  after the call: most small calls and results);
 * a block of a size class (1 KiB, 16 KiB, 256 KiB by default), taken from
   that class's free ring;
 * an **overflow file** ``<segment>-x<n>`` in /dev/shm (0600) when larger
   than every class or when the classes are exhausted: slower, never fails
   for lack of arena space.
 
-Records come from a free ring too; when none is free the client keeps the
-task in a local backlog until one is (see executor.py).
+The call payload stays until the record is freed, so a task whose worker
+died can run again.  Records come from a free ring too; when none is free
+the client keeps the task in a local backlog until one is (see pool.py).
 
-Ownership: a record is written by one process at a time, and handed to
-the next through a queue push (release) and pop (acquire), so its plain
-fields need no atomics.  Only ``state`` (client cancel vs worker start,
-CAS) and ``pending`` (join counter, add64 acq_rel) are contended.
+Ownership: a record's plain fields are written by its holder only (the
+state word says who) and handed on through a queue push (release) and pop
+(acquire) or a CAS of the state word; only that word is contended.
 """
 
 from __future__ import annotations
@@ -32,12 +35,39 @@ import time
 from typing import Any
 
 from stealer import serialize
+from stealer._layout import (
+    F_BUFFERS,
+    F_RBUFFERS,
+    INLINE,
+    K_CHILD,
+    K_MASK,
+    K_ROOT,
+    OVERFLOW,
+    R_INLINE,
+    R_KIND,
+    R_PCLASS,
+    R_RCLASS,
+    R_RETRIES,
+    R_RREF,
+    R_STATUS,
+    R_TSTART,
+    R_TSUBMIT,
+    RECORD_BYTES,
+    S_CANCELLED,
+    S_FREE,
+    S_FREEING,
+    S_QUEUED,
+    S_RUNNING,
+    ST_ERROR,
+    ST_LOST,
+    ST_OK,
+)
+from stealer.records import Outcome, Transitions, word
 from stealer.shm import (
     H_CLIENT_PARK,
     H_OVERFLOW_SEQ,
     H_PARKED,
     H_SEARCHING,
-    RECORD_BYTES,
     SHM_DIR,
     W_PARK,
     WORKER_BYTES,
@@ -45,43 +75,18 @@ from stealer.shm import (
     _pow2,
 )
 
-__all__ = ["Arena"]
+__all__ = ["Arena", "F_BUFFERS", "F_RBUFFERS", "INLINE", "K_CHILD", "K_MASK", "K_ROOT",
+           "S_CANCELLED", "S_FREE", "S_QUEUED", "S_RUNNING", "ST_ERROR", "ST_LOST", "ST_OK"]
 
-# Record fields (byte offsets inside a record).
-R_WORD0 = 0  # u64 generation (low 32) | state S_* (high 32): cancel and start CAS the whole
-#              word with the handle's generation, so a stale handle can never hit a reused record
-R_GEN = 0  # u32 generation: bumped (store64 release) by whoever frees the record
-R_STATE = 4  # u32 S_*: client CAS (cancel) vs worker CAS (start), seq_cst both, via R_WORD0
-R_KIND = 8  # u32 K_* | F_* flags: written by the record's producer before the queue push
-R_STATUS = 12  # u32 ST_*: written by the worker that completes the task, before its completion push
-R_LINK = 16  # u64 future id (root) or parent handle (child): producer, before the push
-R_PENDING = 24  # i64 join counter: add64 (acq_rel) by the task and its children; the last one resumes it
-R_OWNER = 32  # u32 worker holding the suspended continuation: written before the first add64 on pending
-R_INCARNATION = 36  # u32 that worker's incarnation: same writer/ordering as R_OWNER
-R_CONT = 40  # u32 continuation id in that worker: same writer/ordering as R_OWNER
-R_PCLASS = 44  # u32 payload storage: 0 inline, i+1 block class i, OVERFLOW
-R_PREF = 48  # u64 block index or overflow number
-R_PLEN = 56  # u64 payload length in bytes
-R_TSUBMIT = 64  # u64 monotonic ns at submit (client) or spawn (worker)
-R_TSTART = 72  # u64 monotonic ns when a worker started it
-R_INLINE = 80
-INLINE = RECORD_BYTES - R_INLINE
+# The record layout, states and kinds: stealer/_layout.py (shared with native/ by setup.py).
+S_DETACHED = S_FREEING  # (old name)
 
-S_FREE, S_QUEUED, S_RUNNING, S_CANCELLED, S_DONE, S_DETACHED = range(6)
-K_ROOT, K_CHILD = 1, 2
-K_MASK = 0xFF
-F_BUFFERS = 0x100  # payload is a frame with out-of-band buffers
-ST_OK, ST_ERROR, ST_CRASHED = 0, 1, 2
-OVERFLOW = 0xFFFF
-
-_HEAD = struct.Struct("=IIIIQqIIIIQQQQ")  # the 80-byte header, all fields
+_PCALL = struct.Struct("=IIQQ")  # pclass, rclass, pref, plen
+_RES = struct.Struct("=QQ")  # rref, rlen
 _KIND_LINK = struct.Struct("=IIQ")  # kind, status, link
-_PAYLOAD = struct.Struct("=IQQ")  # pclass, pref, plen
 _KIND_STATUS = struct.Struct("=II")
-_I64 = struct.Struct("=q")
 _U32 = struct.Struct("=I")
 _U64 = struct.Struct("=Q")
-assert _HEAD.size == R_INLINE
 
 
 class Arena:
@@ -104,6 +109,7 @@ class Arena:
         self._ov_prefix = os.path.join(SHM_DIR, seg.name + "-x")
         self.injector = (injector if injector is not None
                          else Q.MPMCRing(seg.region, L.offsets["injector"], L.records))
+        self.tr = Transitions(seg.region, self.off)
         self._idle: Any = None
         if getattr(Q, "HotPath", None) is not None and os.environ.get("STEALER_PY_HOTPATH") != "1":
             hot = Q.HotPath(seg.region, self.rec_base, self.nrecords, self.rec_free,
@@ -148,7 +154,10 @@ class Arena:
 
     # -- records ---------------------------------------------------------
     def off(self, h: int) -> int:
-        return self.rec_base + RECORD_BYTES * (h & 0xFFFFFFFF)
+        idx = h & 0xFFFFFFFF
+        if idx >= self.nrecords:
+            raise IndexError(f"bad record handle {h:#x}: index out of range; shared memory is corrupt")
+        return self.rec_base + RECORD_BYTES * idx
 
     def alloc(self) -> int:
         """A free record's handle, or -1 when all are in use."""
@@ -159,23 +168,29 @@ class Arena:
         return (gen << 32) | idx
 
     def free(self, h: int) -> None:
-        """Release the record and its payload storage; the handle becomes stale."""
+        """Release the record (its exclusive holder only) and both payloads; ``h`` goes stale."""
         off = self.off(h)
         self.drop_payload(off)
         gen = (_U32.unpack_from(self.mm, off)[0] + 1) & 0x7FFFFFFF
-        self.region.store64(off + R_WORD0, gen | (S_FREE << 32))  # release: stale CASes fail now
+        self.region.store64(off, word(gen, S_FREE))  # release: stale CASes fail now
         self.rec_free.push(h & 0xFFFFFFFF)  # release: the next owner sees gen and the cleared fields
 
+    def release(self, h: int, state: int, who: int, me: int) -> Outcome:
+        """Claim ``h`` (in ``state`` held by ``who``) and free it; only one claimer wins."""
+        out = self.tr.claim(h, state, who, me)
+        if out is Outcome.OK:
+            self.free(h)
+        return out
+
     def cas_state(self, h: int, old: int, new: int) -> bool:
-        """CAS the record's state from ``old`` to ``new`` if ``h`` is still current."""
-        gen = h >> 32
-        return self.region.cas64(self.off(h) + R_WORD0, gen | (old << 32), gen | (new << 32))
+        """CAS the record's state from ``old`` to ``new`` (no holder) if ``h`` is still current."""
+        return self.tr.cas(h, old, 0, new, 0) is Outcome.OK
 
     # -- composite hot-path operations --------------------------------------
     # Reference implementations; HotPath in native/_cqueues.pyx does the same
     # in one native call each and replaces these when the extension loads.
 
-    def submit_inline(self, kind: int, link: int, data: bytes) -> int:
+    def submit_inline(self, kind: int, link: int, data: bytes, retries: int = 0) -> int:
         """Client: a fresh record with an inline payload, pushed on the injector, and a
         parked worker woken if nobody searches; -1 if no record is free."""
         if len(data) > INLINE:
@@ -183,9 +198,9 @@ class Arena:
         h = self.alloc()
         if h < 0:
             return -1
-        off = self.setup(h, kind, link, time.monotonic_ns())
+        off = self.setup(h, kind, link, time.monotonic_ns(), retries)
         self.mm[off + R_INLINE : off + R_INLINE + len(data)] = data
-        _PAYLOAD.pack_into(self.mm, off + R_PCLASS, 0, 0, len(data))
+        _PCALL.pack_into(self.mm, off + R_PCLASS, 0, 0, 0, len(data))
         self.injector.push(h)
         self.notify_one()
         return h
@@ -194,35 +209,51 @@ class Arena:
         """Wake one parked worker if nobody searches (see stealer/idle.py)."""
         return self.idle.notify_one()
 
-    def start(self, h: int, current_off: int, t_start: int, wait_hist_off: int = -1) -> tuple | None:
-        """Worker: claim a queued record; None if the client cancelled it (caller frees it)."""
-        if not self.cas_state(h, S_QUEUED, S_RUNNING):
-            return None
+    def start(self, h: int, current_off: int, t_start: int, wait_hist_off: int = -1,
+              who: int = 0) -> tuple | None:
+        """Worker who-1: QUEUED -> RUNNING|who, the current word set first (records.py).
+
+        None if ``h`` was not QUEUED; else (kind, link, inline call bytes or None).
+        """
         off = self.off(h)
-        self.region.store64(current_off, h + 1)
-        _I64.pack_into(self.mm, off + R_PENDING, 1)
+        self.region.store64(current_off, h + 1)  # the lease: read by the recoverer
+        if self.tr.cas(h, S_QUEUED, 0, S_RUNNING, who) is not Outcome.OK:
+            return None
         _U64.pack_into(self.mm, off + R_TSTART, t_start)
         if wait_hist_off >= 0:
             t_submit = _U64.unpack_from(self.mm, off + R_TSUBMIT)[0]
             self.region.hist_record(wait_hist_off, t_start - t_submit)
         kind, _status, link = self.kind_link(off)
-        pclass, _pref, n = _PAYLOAD.unpack_from(self.mm, off + R_PCLASS)
+        pclass, _rclass, _pref, n = _PCALL.unpack_from(self.mm, off + R_PCLASS)
         if pclass == 0:
-            data = self.mm[off + R_INLINE : off + R_INLINE + n]
-            _U64.pack_into(self.mm, off + R_PLEN, 0)
-            return kind, link, data
+            if n > INLINE:
+                raise ValueError(f"corrupt record {h:#x}: inline payload of {n} bytes")
+            return kind, link, self.mm[off + R_INLINE : off + R_INLINE + n]
         return kind, link, None
 
-    def finish_inline(self, h: int, status: int, data: bytes, completions: Any) -> int:
-        """Worker: store a small result; 0 too large, 1 root completed, 2 child."""
-        if len(data) > INLINE:
-            return 0
+    def _result_at(self, off: int) -> int:
+        """Where an inline result starts: after an inline call payload."""
+        pclass, _rclass, _pref, plen = _PCALL.unpack_from(self.mm, off + R_PCLASS)
+        return plen if pclass == 0 else 0
+
+    def finish_inline(self, h: int, status: int, data: bytes, completions: Any,
+                      who: int = 0) -> int:
+        """Worker who-1: store a small result, RUNNING|who -> DONE|who, publish a root.
+
+        0 too large, -1 not RUNNING|who any more, 1 root completed, 2 child.
+        """
         off = self.off(h)
+        at = self._result_at(off)
+        if at + len(data) > INLINE:
+            return 0
         mm = self.mm
-        mm[off + R_INLINE : off + R_INLINE + len(data)] = data
-        _PAYLOAD.pack_into(mm, off + R_PCLASS, 0, 0, len(data))
-        kind = _U32.unpack_from(mm, off + R_KIND)[0] & ~F_BUFFERS
+        mm[off + R_INLINE + at : off + R_INLINE + at + len(data)] = data
+        _U32.pack_into(mm, off + R_RCLASS, 0)
+        _RES.pack_into(mm, off + R_RREF, 0, len(data))
+        kind = _U32.unpack_from(mm, off + R_KIND)[0] & ~F_RBUFFERS
         _KIND_STATUS.pack_into(mm, off + R_KIND, kind, status)
+        if self.tr.finish(h, who) is not Outcome.OK:
+            return -1
         if kind & K_MASK != K_ROOT:
             return 2
         while not completions.push(h):
@@ -231,24 +262,31 @@ class Arena:
         return 1
 
     def complete_take(self, h: int) -> tuple:
-        """Client: (kind, status, link, inline payload or None); frees the record if inline."""
+        """Client: (kind, status, link, inline result or None); frees the record if all inline."""
         off = self.off(h)
         kind, status, link = self.kind_link(off)
-        pclass, _pref, n = _PAYLOAD.unpack_from(self.mm, off + R_PCLASS)
-        if pclass != 0:
+        pclass, rclass, _pref, plen = _PCALL.unpack_from(self.mm, off + R_PCLASS)
+        if pclass != 0 or rclass != 0:
             return kind, status, link, None
-        data = self.mm[off + R_INLINE : off + R_INLINE + n]
+        n = _RES.unpack_from(self.mm, off + R_RREF)[1]
+        if plen + n > INLINE:
+            raise ValueError(f"corrupt record {h:#x}: inline result out of bounds")
+        data = self.mm[off + R_INLINE + plen : off + R_INLINE + plen + n]
         self.free(h)
         return kind, status, link, data
 
     def valid(self, h: int) -> bool:
-        return _U32.unpack_from(self.mm, self.off(h))[0] == (h >> 32)
+        return self.tr.current(h)
 
-    def setup(self, h: int, kind: int, link: int, t_submit: int) -> int:
-        """Fill a fresh record's header (state QUEUED, no payload); returns its offset."""
+    def setup(self, h: int, kind: int, link: int, t_submit: int, retries: int = 0) -> int:
+        """Fill a fresh record's header (state QUEUED, no payloads); returns its offset."""
         off = self.off(h)
-        _HEAD.pack_into(self.mm, off, h >> 32, S_QUEUED, kind, ST_OK, link, 0, 0, 0, 0, 0, 0, 0,
-                        t_submit, 0)
+        mm = self.mm
+        mm[off + 8 : off + R_INLINE] = bytes(R_INLINE - 8)
+        _KIND_LINK.pack_into(mm, off + R_KIND, kind, ST_OK, link)
+        _U32.pack_into(mm, off + R_RETRIES, retries)
+        _U64.pack_into(mm, off + R_TSUBMIT, t_submit)
+        self.region.store64(off, word(h >> 32, S_QUEUED))  # alloc: published by the queue push
         return off
 
     def kind_link(self, off: int) -> tuple[int, int, int]:
@@ -258,29 +296,23 @@ class Arena:
         _U32.pack_into(self.mm, off + R_STATUS, status)
 
     # -- payloads --------------------------------------------------------
-    def put(self, off: int, data: bytes, bufs: list) -> None:
-        """Store a pickled payload for the record at ``off`` (replacing none)."""
+    # A record holds two payloads: the call (kept until the record is freed,
+    # so a task can be re-run after its worker died) and the result.  Each is
+    # inline (the result right after an inline call), in a size-class
+    # block, or in an overflow file.
+    def _store(self, data: bytes, bufs: list, inline_at: int, off: int) -> tuple[int, int, int]:
+        """Write a payload; (class, ref, length)."""
         mm = self.mm
-        if bufs:
-            n = serialize.frame_size(data, bufs)
-            kind = _U32.unpack_from(mm, off + R_KIND)[0]
-            _U32.pack_into(mm, off + R_KIND, kind | F_BUFFERS)
-        else:
-            n = len(data)
-            kind = _U32.unpack_from(mm, off + R_KIND)[0]
-            if kind & F_BUFFERS:
-                _U32.pack_into(mm, off + R_KIND, kind & ~F_BUFFERS)
-        if n <= INLINE:
-            serialize.write_frame(mm, off + R_INLINE, data, bufs)
-            _PAYLOAD.pack_into(mm, off + R_PCLASS, 0, 0, n)
-            return
+        n = serialize.frame_size(data, bufs) if bufs else len(data)
+        if inline_at + n <= INLINE:
+            serialize.write_frame(mm, off + R_INLINE + inline_at, data, bufs)
+            return 0, 0, n
         for ci, (size, ring, base) in enumerate(self.classes):
             if n <= size:
                 b = ring.pop()
                 if b >= 0:
                     serialize.write_frame(mm, base + size * b, data, bufs)
-                    _PAYLOAD.pack_into(mm, off + R_PCLASS, ci + 1, b, n)
-                    return
+                    return ci + 1, b, n
         seq = self.region.add64(H_OVERFLOW_SEQ, 1)
         path = f"{self._ov_prefix}{seq}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -288,46 +320,90 @@ class Arena:
             if bufs:
                 buf = bytearray(n)
                 serialize.write_frame(buf, 0, data, bufs)
-                os.write(fd, buf)
+                view = memoryview(buf)
             else:
                 view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
+            while view:
+                view = view[os.write(fd, view):]
         except BaseException:
             os.close(fd)
             os.unlink(path)
             raise
         os.close(fd)
-        _PAYLOAD.pack_into(mm, off + R_PCLASS, OVERFLOW, seq, n)
+        return OVERFLOW, seq, n
 
-    def take(self, off: int) -> Any:
-        """Unpickle the record's payload and release its storage."""
+    def _load(self, cls: int, ref: int, n: int, inline_at: int, off: int, has_bufs: bool) -> Any:
         mm = self.mm
-        pclass, pref, n = _PAYLOAD.unpack_from(mm, off + R_PCLASS)
-        has_bufs = bool(_U32.unpack_from(mm, off + R_KIND)[0] & F_BUFFERS)
-        if pclass == 0:
-            src = mm[off + R_INLINE : off + R_INLINE + n]
-        elif pclass == OVERFLOW:
-            path = f"{self._ov_prefix}{pref}"
-            with open(path, "rb") as f:
-                src = f.read()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-        else:
-            size, ring, base = self.classes[pclass - 1]
-            start = base + size * pref
+        if cls == 0:
+            if inline_at + n > INLINE:
+                raise ValueError("corrupt record: inline payload out of bounds")
+            start = off + R_INLINE + inline_at
             src = mm[start : start + n]
-            ring.push(pref)
-        _PAYLOAD.pack_into(mm, off + R_PCLASS, 0, 0, 0)
+        elif cls == OVERFLOW:
+            with open(f"{self._ov_prefix}{ref}", "rb") as f:
+                src = f.read()
+        else:
+            size, _ring, base = self.classes[cls - 1]
+            if n > size or ref >= self._counts[cls - 1]:
+                raise ValueError("corrupt record: block payload out of bounds")
+            start = base + size * ref
+            src = mm[start : start + n]
         return serialize.loads_frame(src, has_bufs)
 
-    def drop_payload(self, off: int) -> None:
-        """Release payload storage without reading it."""
-        mm = self.mm
-        pclass, pref, _n = _PAYLOAD.unpack_from(mm, off + R_PCLASS)
-        if pclass == OVERFLOW:
+    def _drop(self, cls: int, ref: int) -> None:
+        if cls == OVERFLOW:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"{self._ov_prefix}{pref}")
-        elif pclass:
-            self.classes[pclass - 1][1].push(pref)
-        _PAYLOAD.pack_into(mm, off + R_PCLASS, 0, 0, 0)
+                os.unlink(f"{self._ov_prefix}{ref}")
+        elif cls:
+            self.classes[cls - 1][1].push(ref)
+
+    def put(self, off: int, data: bytes, bufs: list) -> None:
+        """Store a fresh record's call payload."""
+        mm = self.mm
+        kind = _U32.unpack_from(mm, off + R_KIND)[0]
+        _U32.pack_into(mm, off + R_KIND, (kind | F_BUFFERS) if bufs else (kind & ~F_BUFFERS))
+        cls, ref, n = self._store(data, bufs, 0, off)
+        _PCALL.pack_into(mm, off + R_PCLASS, cls, 0, ref, n)
+
+    def put_result(self, off: int, data: bytes, bufs: list) -> None:
+        """Store the result beside the call payload (the record is RUNNING, ours)."""
+        mm = self.mm
+        self.drop_result(off)
+        cls, ref, n = self._store(data, bufs, self._result_at(off), off)
+        kind = _U32.unpack_from(mm, off + R_KIND)[0]
+        _U32.pack_into(mm, off + R_KIND, (kind | F_RBUFFERS) if bufs else (kind & ~F_RBUFFERS))
+        _RES.pack_into(mm, off + R_RREF, ref, n)
+        _U32.pack_into(mm, off + R_RCLASS, cls)
+
+    def read_call(self, off: int) -> Any:
+        """Unpickle the call payload; its storage stays (a retry reads it again)."""
+        pclass, _rclass, pref, n = _PCALL.unpack_from(self.mm, off + R_PCLASS)
+        has_bufs = bool(_U32.unpack_from(self.mm, off + R_KIND)[0] & F_BUFFERS)
+        return self._load(pclass, pref, n, 0, off, has_bufs)
+
+    def take(self, off: int) -> Any:
+        """Unpickle the result payload (its storage is released with the record)."""
+        mm = self.mm
+        rclass = _U32.unpack_from(mm, off + R_RCLASS)[0]
+        rref, n = _RES.unpack_from(mm, off + R_RREF)
+        has_bufs = bool(_U32.unpack_from(mm, off + R_KIND)[0] & F_RBUFFERS)
+        return self._load(rclass, rref, n, self._result_at(off), off, has_bufs)
+
+    def drop_result(self, off: int) -> None:
+        """Release the result's storage (before a re-run, or a new result)."""
+        mm = self.mm
+        rclass = _U32.unpack_from(mm, off + R_RCLASS)[0]
+        rref, _n = _RES.unpack_from(mm, off + R_RREF)
+        _U32.pack_into(mm, off + R_RCLASS, 0)
+        _RES.pack_into(mm, off + R_RREF, 0, 0)
+        self._drop(rclass, rref)
+
+    def drop_payload(self, off: int) -> None:
+        """Release both payloads' storage without reading them."""
+        mm = self.mm
+        pclass, rclass, pref, _n = _PCALL.unpack_from(mm, off + R_PCLASS)
+        rref, _rn = _RES.unpack_from(mm, off + R_RREF)
+        _PCALL.pack_into(mm, off + R_PCLASS, 0, 0, 0, 0)
+        _RES.pack_into(mm, off + R_RREF, 0, 0)
+        self._drop(pclass, pref)
+        self._drop(rclass, rref)

@@ -25,6 +25,7 @@ traceback chained as ``__cause__`` (as in CPython's ProcessPoolExecutor).
 from __future__ import annotations
 
 import collections
+import copy
 import itertools
 import multiprocessing as mp
 import threading
@@ -56,6 +57,11 @@ def _run_chunk(fref: Any, chunk: list[tuple]) -> list:
     return [fn(*args) for args in chunk]
 
 
+def _check_retries(retries: Any) -> None:
+    if not isinstance(retries, int) or isinstance(retries, bool) or not 0 <= retries <= 255:
+        raise ValueError(f"retries must be an int from 0 to 255, not {retries!r}")
+
+
 class Executor(_fbase.Executor):
     """A ``concurrent.futures.Executor`` of worker processes that steal work from each other.
 
@@ -72,6 +78,11 @@ class Executor(_fbase.Executor):
       wait in a client-side backlog).
     * ``metrics``: keep per-worker counters and latency histograms in shared
       memory (default on; see :meth:`stats` and ``stealer top``).
+    * ``retries``: how many times a task whose worker process died under it
+      (SIGKILL, the OOM killer, a segfault) is run again before its future
+      fails with :class:`~stealer.WorkerCrashedError` (default 3, as Ray and
+      Dask do; 0 fails at once).  A re-run starts the task from the beginning:
+      side effects are *at-least-once*.  Per call: ``ex.options(retries=0)``.
     * tasks may :func:`stealer.spawn` children and join them by ``yield``.
     """
 
@@ -87,6 +98,7 @@ class Executor(_fbase.Executor):
         thread_limit: int | None = 1,
         records: int = 16384,
         metrics: bool = True,
+        retries: int = 3,
     ) -> None:
         topo = affinity.read_topology()
         if max_workers is None:
@@ -105,6 +117,7 @@ class Executor(_fbase.Executor):
             raise TypeError("initializer must be a callable")
         if records < 2:
             raise ValueError("records must be >= 2")
+        _check_retries(retries)
         policy: Any = cpus
         if cpus == "auto":
             policy = "compact" if max_workers <= topo.usable_count else "none"
@@ -118,9 +131,25 @@ class Executor(_fbase.Executor):
             init_bytes = data
         self._max_workers = max_workers
         self._cpus = plan
+        self._retries = retries
+        self._parent: Executor | None = None
         self._pool = _Pool(max_workers, mp_context, plan, steal, init_bytes, tuple(initargs),
-                           max_tasks_per_child, thread_limit, records, metrics)
+                           max_tasks_per_child, thread_limit, records, metrics, retries)
         weakref.finalize(self, self._pool.begin_shutdown)
+
+    def options(self, *, retries: int | None = None) -> Executor:
+        """A view of this executor whose ``submit``/``map`` use other per-task options.
+
+        ``ex.options(retries=0).submit(fn, x)`` fails that task at once if its
+        worker dies, instead of running it again.  The view shares the workers
+        (shutting it down shuts down the executor).
+        """
+        view = copy.copy(self)
+        view._parent = self  # keeps the executor (and its finalizer) alive with the view
+        if retries is not None:
+            _check_retries(retries)
+            view._retries = retries
+        return view
 
     # -- concurrent.futures API ----------------------------------------------
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
@@ -152,16 +181,16 @@ class Executor(_fbase.Executor):
             self._refuse()
         a = pool.arena
         if not bufs and len(data) <= INLINE:
-            h = a.submit_inline(K_ROOT, fid, data)  # also wakes a worker if needed
+            h = a.submit_inline(K_ROOT, fid, data, self._retries)  # also wakes a worker
             if h >= 0:
                 f._st_handle = h
                 return f
         h = a.alloc()
         if h < 0:
-            pool.backlog.append((f, data, bufs))
+            pool.backlog.append((f, data, bufs, self._retries))
             pool.wake()
             return f
-        off = a.setup(h, K_ROOT, fid, time.monotonic_ns())
+        off = a.setup(h, K_ROOT, fid, time.monotonic_ns(), self._retries)
         try:
             a.put(off, data, bufs)
         except BaseException:

@@ -11,7 +11,8 @@ from concurrent.futures import Future
 from concurrent.futures import _base as _fbase
 from typing import TYPE_CHECKING, Any
 
-from stealer.arena import S_CANCELLED, S_QUEUED, S_RUNNING
+from stealer._layout import S_RUNNING
+from stealer.records import Outcome
 
 if TYPE_CHECKING:
     from stealer.pool import _Pool
@@ -121,7 +122,7 @@ class _Future(Future):
                 if h is not None:
                     pool = self._st_pool
                     # generation-checked CAS, pairs with the worker's start CAS
-                    if not pool.arena.cas_state(h, S_QUEUED, S_CANCELLED):
+                    if pool.arena.tr.cancel(h) is not Outcome.OK:
                         return False  # a worker started it, or it is already done
                 self._st_pool.futures.pop(self._st_fid, None)
             return super().cancel()
@@ -131,6 +132,6 @@ class _Future(Future):
             if self._state == _fbase.PENDING and self._st_handle is not None:
                 pool = self._st_pool
                 h = self._st_handle
-                word = pool.region.load64(pool.arena.off(h))  # gen | state << 32
-                return word == (h >> 32) | (S_RUNNING << 32)
+                st = pool.arena.tr.state(h)  # (state, holder) if h is still current
+                return st is not None and st[0] == S_RUNNING
             return super().running()

@@ -24,16 +24,30 @@ import weakref
 from concurrent.futures import _base as _fbase
 from typing import Any
 
+from stealer import failpoints as FP
 from stealer import serialize
+from stealer._layout import (
+    F_RBUFFERS,
+    K_MASK,
+    K_ROOT,
+    S_DONE,
+    S_FREEING,
+    S_RUNNING,
+    ST_ERROR,
+    ST_OK,
+)
 from stealer._queues import impl as _default_queues
-from stealer.arena import F_BUFFERS, K_ROOT, R_PENDING, ST_ERROR, ST_OK, Arena
+from stealer.arena import Arena
 from stealer.errors import BrokenExecutor, RemoteTraceback, SerializationError, WorkerCrashedError
 from stealer.futures import _Future
 from stealer.idle import NOTIFIED, Idle
+from stealer.recovery import Recovery, ping_parent
 from stealer.shm import (
     H_CLIENT_PARK,
     H_SHUTDOWN,
+    LEASE_SLOTS,
     W_CURRENT,
+    W_LEASE,
     W_STATE,
     Layout,
     Segment,
@@ -45,7 +59,7 @@ from stealer.worker import (
     STATE_RETIRED,
     STATE_STARTING,
     WorkerArgs,
-    finish_child,
+    result_value,
 )
 from stealer.worker import main as worker_main
 
@@ -92,6 +106,15 @@ def describe_exit(k: int, pid: int | None, code: int | None) -> str:
             "the interpreter aborted; see the worker's stderr)")
 
 
+_CRASH_SIGNALS = frozenset(s.value for s in (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS,
+                                             signal.SIGILL, signal.SIGFPE))
+
+
+def exited_by_itself(code: int | None) -> bool:
+    """An exit code, or a signal the process raised itself (a crash), not a kill from outside."""
+    return code is not None and (code >= 0 or -code in _CRASH_SIGNALS)
+
+
 def describe_start_failure(k: int, pid: int | None, code: int | None) -> str:
     how = describe_exit(k, pid, code).split(" while running it")[0]
     return (f"{how} before it was ready (see its traceback on stderr). With the 'spawn' and "
@@ -105,8 +128,10 @@ class _Pool:
 
     def __init__(self, n: int, ctx: Any, cpus: list[int | None], steal: list[list[int]],
                  initializer: bytes | None, initargs: tuple, max_tasks: int | None,
-                 thread_limit: int | None, records: int, metrics: bool = True) -> None:
+                 thread_limit: int | None, records: int, metrics: bool = True,
+                 retries: int = 3) -> None:
         self.n = n
+        self.retries = retries
         self.ctx = ctx
         self.cpus = cpus
         self.steal = steal
@@ -155,9 +180,10 @@ class _Pool:
         self.fns = serialize.FunctionTable(seg.mm, r, o["fn_table"], layout.fn_entries,
                                            o["fn_data"], layout.fn_data)
         self.idle = Idle(r, layout)
+        self.rec = Recovery(self.arena, self.inboxes, self.idle, 0)
         self.futures: dict[int, _Future] = {}
         self.ids = itertools.count()
-        self.backlog: collections.deque[tuple[_Future, bytes, list]] = collections.deque()
+        self.backlog: collections.deque[tuple[_Future, bytes, list, int]] = collections.deque()
         self.shutdown_lock = threading.Lock()
         self.shutdown = False
         self.broken: str | None = None
@@ -177,6 +203,8 @@ class _Pool:
         base = self.layout.worker(k)
         self.incarnations[k] += 1
         r.store64(base + W_CURRENT, 0)
+        for i in range(LEASE_SLOTS):
+            r.store64(base + W_LEASE + 8 * i, 0)
         r.store32(base + W_STATE, STATE_STARTING)
         args = WorkerArgs(
             index=k, incarnation=self.incarnations[k], name=self.name,
@@ -206,59 +234,96 @@ class _Pool:
         r = self.region
         base = self.layout.worker(k)
         state = r.load32(base + W_STATE)
-        cur = r.load64(base + W_CURRENT)
+        self.drain(k)  # every completion it published, before its words are read
+        if FP.ON:
+            FP.hit("client.after_drain")
         self.idle.forget(k)
         if state == STATE_INIT_FAILED:  # the worker says so; its exit code alone proves nothing
             self.set_broken("the initializer raised an exception in a worker process (its "
                             "traceback is on stderr); the executor cannot start workers")
             return
-        if state == STATE_EXITING and r.load32(H_SHUTDOWN):
-            return
-        if state == STATE_RETIRED and cur == 0 and code == 0:
-            self.start_worker(k)  # max_tasks_per_child reached: a planned replacement
-            return
         if state == STATE_STARTING:
             desc = describe_start_failure(k, p.pid, code)
         else:
             desc = describe_exit(k, p.pid, code)
+        self.recover(k, desc)
+        if state == STATE_EXITING and r.load32(H_SHUTDOWN):
+            return
+        if state == STATE_RETIRED and code == 0:
+            self.start_worker(k)  # max_tasks_per_child reached: a planned replacement
+            return
         self.crashes += 1
-        if cur:
-            self.fail_running(cur - 1, desc)
-        if state == STATE_STARTING:
+        if state == STATE_STARTING and exited_by_itself(code):
+            # Only a worker that failed to start by itself (an import error, a bad
+            # __main__) counts; one killed from outside while starting does not.
             self.early_deaths[k] += 1
             if self.early_deaths[k] >= MAX_EARLY_DEATHS:
                 self.set_broken(f"{desc}, {MAX_EARLY_DEATHS} times in a row; the executor "
                                 "cannot start workers")
                 return
-        else:
+        elif state != STATE_STARTING:
             self.early_deaths[k] = 0
         if not r.load32(H_SHUTDOWN):
             self.start_worker(k)
 
-    def fail_running(self, h: int, desc: str) -> None:
-        """The worker died while running record ``h``: fail that task, not the pool."""
+    def drain(self, k: int) -> None:
+        hs = self.completions[k].pop_many(1 << 30)
+        if hs:
+            self.complete_batch(hs)
+
+    def recover(self, k: int, desc: str) -> None:
+        """Worker ``k`` is dead and its ring drained: settle every record it held.
+
+        The rules are stealer/recovery.py's; this reads the dead worker's
+        current and lease words and scans for records held by it.
+        """
+        r = self.region
         a = self.arena
-        off = a.off(h)
-        kind, _status, link = a.kind_link(off)
-        root = (kind & 0xFF) == K_ROOT
-        f = self.futures.pop(link, None) if root else None
-        name = getattr(f, "_st_name", "a spawned child task")
-        exc = WorkerCrashedError(f"{desc}; the task was {name}. Other tasks go on; a "
-                                 "replacement worker is starting.")
+        rec = self.rec
+        who = k + 1
+        base = self.layout.worker(k)
+        words = [r.load64(base + W_CURRENT)]
+        words += [r.load64(base + W_LEASE + 8 * i) for i in range(LEASE_SLOTS)]
+        for h in dict.fromkeys(v - 1 for v in words if v):
+            if FP.ON:
+                FP.hit("client.recovery")
+            rec.leased(h, who)  # QUEUED: again on the injector; CANCELLED/FREEING: freed
+        # Results stored but maybe not published (the ring was drained: roots DONE|who
+        # are unpublished; children: ping their parents again, pings are idempotent).
+        parents = set()
+        for h in rec.held_by(who, (S_DONE,)):
+            kind, _status, link = a.kind_link(a.off(h))
+            if kind & K_MASK == K_ROOT:
+                self.complete_one(h)
+            else:
+                parents.add(link)
+        for parent in parents:
+            ping_parent(a, self.inboxes, self.idle, parent)
+        for h in rec.held_by(who, (S_FREEING,)):
+            a.free(h)  # a release it began (payload fields are zeroed before they are dropped)
+        # Tasks it was running, and fork-join frames it held.
+        for h in rec.held_by(who, (S_RUNNING,)):
+            if FP.ON:
+                FP.hit("client.recovery")
+            rec.orphan(h, who, desc, self.complete_failed_root)
+        r.store64(base + W_CURRENT, 0)
+        for i in range(LEASE_SLOTS):
+            r.store64(base + W_LEASE + 8 * i, 0)
+
+    def complete_one(self, h: int) -> None:
+        kind, status, fid, data = self.arena.complete_take(h)
+        self.complete_taken(h, kind, status, fid, data)
+
+    def complete_failed_root(self, h: int, status: int, value: Any) -> None:
+        """Recovery gave up on root task ``h`` (claimed by us): fail its future, free it."""
+        a = self.arena
+        fid = a.kind_link(a.off(h))[2]
+        a.free(h)
+        f = self.futures.pop(fid, None)
         if f is not None:
-            self.resolve(f, ST_ERROR, (exc, ""))
-        old = self.region.add64(off + R_PENDING, -1)  # take the dead task's token
-        if old != 1:
-            # Children are still out there; the last one will resume this task on the
-            # replacement worker, which reports it as orphaned (and the client drops it).
-            return
-        if root:
-            a.free(h)
-        else:
-            a.drop_payload(off)
-            a.put(off, *serialize.dumps((exc, "")))
-            a.set_status(off, ST_ERROR)
-            finish_child(a, self.inboxes, self.idle, link)
+            exc, _tb = value
+            exc = WorkerCrashedError(f"{exc} The task was {f._st_name}.")
+            self.resolve(f, status, (exc, ""))
 
     def set_broken(self, msg: str) -> None:
         self.broken = msg
@@ -292,7 +357,7 @@ class _Pool:
         loads = pickle.loads
         for h in hs:
             kind, status, fid, data = take(h)
-            if data is None or status != ST_OK or kind & F_BUFFERS:
+            if data is None or status != ST_OK or kind & F_RBUFFERS:
                 self.complete_taken(h, kind, status, fid, data)
                 continue
             try:
@@ -316,10 +381,11 @@ class _Pool:
                     value = a.take(a.off(h))
                 finally:
                     a.free(h)
-            elif kind & F_BUFFERS:
+            elif kind & F_RBUFFERS:
                 value = serialize.loads_frame(data, True)
             else:
                 value = pickle.loads(data)
+            status, value = result_value(status, value)
         except BaseException as exc:
             status = ST_ERROR
             value = (SerializationError(
@@ -342,12 +408,12 @@ class _Pool:
             h = a.alloc()
             if h < 0:
                 break
-            f, data, bufs = self.backlog.popleft()
+            f, data, bufs, retries = self.backlog.popleft()
             with f._condition:
                 if f._state != _fbase.PENDING:
                     a.free(h)
                     continue
-                off = a.setup(h, K_ROOT, f._st_fid, time.monotonic_ns())
+                off = a.setup(h, K_ROOT, f._st_fid, time.monotonic_ns(), retries)
                 a.put(off, data, bufs)
                 f._st_handle = h
                 self.injector.push(h)
@@ -359,16 +425,37 @@ class _Pool:
         return any(len(c) for c in self.completions)
 
     def run(self) -> None:
-        """The result thread."""
+        """The result thread, supervised: whatever goes wrong in it, no future hangs."""
         try:
             self._run()
+        except BaseException as exc:
+            self.internal_error(exc)
         finally:
             self.close()
+
+    def internal_error(self, exc: BaseException) -> None:
+        """A bug (or an injected fault) in the result thread: fail everything, clearly."""
+        import sys
+        import traceback
+
+        print("stealer: internal error in the result thread:", file=sys.stderr)
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+        msg = (f"internal error in stealer's result thread ({type(exc).__name__}: {exc}); "
+               "the executor cannot run more tasks (its traceback is on stderr; please "
+               "report it). Create a new Executor.")
+        for _attempt in range(3):  # resolving runs done-callbacks: keep going past them
+            try:
+                self.set_broken(msg)
+                return
+            except BaseException:
+                continue
 
     def _run(self) -> None:
         rings = self.completions
         last_check = 0.0
         while True:
+            if FP.ON:
+                FP.hit("client.result_thread")
             got = 0
             for ring in rings:
                 hs = ring.pop_many(1024)

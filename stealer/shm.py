@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from stealer._layout import RECORD_BYTES
 from stealer._queues import impl as Q
 
 __all__ = ["Layout", "Segment", "cleanup_stale", "SHM_DIR", "PREFIX"]
@@ -60,10 +61,13 @@ W_STATE = 76  # u32 0 starting, 1 ready, 2 exiting, 3 retired, 4 init failed: wo
 W_SEARCHING = 80  # u32 1 while counted in H_SEARCHING: worker store32; client corrects H_SEARCHING after a death
 W_PID = 84  # u32 pid of the current incarnation: worker store32 at start; read by stats/top
 W_CPU = 88  # u32 CPU the worker is pinned to + 1 (0: not pinned): worker store32 at start
+W_LEASE = 128  # 16 x u64 handle+1 a worker is taking off a queue (records.py): slot 0 for single
+#               takes, slot i for the i-th of an injector batch; the worker writes each before the
+#               CAS that takes the handle (relaxed), the client reads them after the worker's death
+LEASE_SLOTS = 16
 WORKER_BYTES = 256
 
-# Record (task) layout: RECORD_BYTES each, see arena.py for the fields.
-RECORD_BYTES = 128
+# Record (task) layout: RECORD_BYTES each (stealer/_layout.py has the fields).
 
 
 def _pow2(n: int) -> int:

@@ -3,30 +3,39 @@
 ::
 
     find_task (one worker)
-      inbox[k]   continuations of this worker's suspended tasks, resumed first
+      inbox[k]   pings for this worker's suspended fork-join frames, first
       deque[k]   own Chase-Lev deque, newest first (children, injector batches)
       injector   client submissions, a batch at a time (also first every 61 tasks, for fairness)
       steal      half of a peer's deque, oldest first, peers in steal order
       spin       a few rounds, then park on the futex word (idle.py)
 
-    run: CAS record QUEUED -> RUNNING (lost: the client cancelled it) ->
-         unpickle (fn id | fn, args, kwargs) -> call -> a generator is driven
-         as a fork-join continuation -> pickle the result into the record ->
-         root: push to completion ring k, wake the client if parked;
-         child: decrement the parent's join counter, the last child resumes it.
+    run (records.py has the state diagram):
+      lease the handle (W_LEASE, before the take's CAS) -> current word = h + 1 ->
+      start: QUEUED -> RUNNING|k -> unpickle the call (it stays in the record) ->
+      call (Ctrl-C is delivered only here) -> a generator is driven as a fork-join
+      frame -> store the result -> finish: RUNNING|k -> DONE|k -> publish it
+      (root: completion ring k, client woken if parked; child: ping the parent's
+      owner) -> clear the current word.
+
+A worker killed anywhere in there leaves words that say what it had done
+(stealer/recovery.py decides from them).  Nothing a task raises, and no
+failure to pickle or store its result, escapes the report: the future
+always resolves.
 
 A generator task is pinned to its worker (generators do not pickle): while
 it waits for children its frame lives in ``self.conts`` and the record says
-which worker and incarnation hold it.  Every resume goes through the
-worker's shared inbox, so a continuation is never lost silently: when a
-worker dies, its successor finds the orphaned resumes and fails those tasks
-with WorkerCrashedError instead of hanging them.
+which worker and incarnation hold it (R_OWNER, R_INCARNATION).  Every child
+that finishes pings that worker through its inbox; the worker resumes the
+frame once all its children are DONE (it re-checks their state words, so a
+ping sent twice or late is harmless).  A ping for a frame a dead
+predecessor held lets the replacement recover that task.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import signal
 import struct
 import sys
 import time
@@ -34,26 +43,34 @@ import traceback
 from types import GeneratorType
 from typing import Any
 
-from stealer import forkjoin, metrics, serialize
-from stealer.arena import (
+from stealer import failpoints, forkjoin, metrics, serialize
+from stealer._layout import (
     F_BUFFERS,
     K_CHILD,
     K_MASK,
     K_ROOT,
     R_OWNER,
-    R_PENDING,
+    R_RETRIES,
+    S_CANCELLED,
+    S_DONE,
+    S_RUNNING,
     ST_ERROR,
+    ST_LOST,
     ST_OK,
-    Arena,
 )
+from stealer.arena import Arena
 from stealer.errors import RemoteError, SerializationError, WorkerCrashedError
 from stealer.forkjoin import Child, children_of
 from stealer.idle import Idle
+from stealer.records import Outcome, word
+from stealer.recovery import Recovery, ping_parent
 from stealer.shm import (
     H_SHUTDOWN,
     H_STARTED,
+    LEASE_SLOTS,
     W_CPU,
     W_CURRENT,
+    W_LEASE,
     W_PID,
     W_STATE,
     Layout,
@@ -61,24 +78,25 @@ from stealer.shm import (
     unlink_all,
 )
 
-__all__ = ["WorkerArgs", "main", "error_payload", "finish_child", "STATE_READY"]
+__all__ = ["WorkerArgs", "main", "error_payload", "STATE_READY", "encode_result", "result_value"]
 
 STATE_STARTING, STATE_READY, STATE_EXITING, STATE_RETIRED, STATE_INIT_FAILED = range(5)
 EXIT_INIT_FAILED = 3
 
-_OWNER = struct.Struct("=III")  # owner, incarnation, cont id
-_I64 = struct.Struct("=q")
-_U64 = struct.Struct("=Q")
+_OWNER = struct.Struct("=II")  # R_OWNER, R_INCARNATION
+_U32 = struct.Struct("=I")
 
 SPIN_ROUNDS = 64  # search rounds before parking
 PARK_TIMEOUT = 0.5  # seconds; on timeout the worker checks that its client is alive
-INJECTOR_BATCH = 16
+INJECTOR_BATCH = LEASE_SLOTS  # one lease slot per handle of a batch
 STEAL_CAP = 32
 FAIR_TICK = 61
 FLUSH_MASK = 63  # publish counters every 64 steps (and before parking)
 _COUNTERS = struct.Struct(f"={metrics.NCOUNTERS}Q")
 (C_TASKS, C_STEALS, C_STEAL_ATTEMPTS, C_PARKS, C_WAKEUPS, C_INJECTOR_TAKES, C_SPAWNS, C_RESUMES,
  C_ERRORS, C_BUSY_NS) = range(len(metrics.COUNTERS))
+
+FP = failpoints  # `if FP.ON:` costs one attribute load when no failpoint is armed
 
 
 class WorkerArgs:
@@ -90,38 +108,85 @@ class WorkerArgs:
 
 def error_payload(exc: BaseException) -> tuple:
     """(exception, formatted traceback) of a task that raised."""
-    return exc, "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    except BaseException:
+        tb = f"{type(exc).__qualname__} (the traceback could not be formatted)\n"
+    return exc, tb
+
+
+def _describe(exc: BaseException) -> str:
+    try:
+        text = str(exc)
+    except BaseException:
+        text = "<str() of the exception failed>"
+    return f"{type(exc).__qualname__}: {text}" if text else type(exc).__qualname__
 
 
 def stand_in(payload: tuple) -> tuple:
     """An error payload whose exception did not pickle: a RemoteError with its type and text."""
     exc, tb = payload
-    return RemoteError(f"{type(exc).__qualname__}: {exc} (the original exception could not "
-                       "be pickled)"), tb
+    return RemoteError(f"{_describe(exc)} (the original exception could not be pickled)"), tb
 
 
-def finish_child(arena: Arena, inboxes: list, idle: Idle, parent: int, me: int = -1) -> None:
-    """A child's result is in its record: count it off its parent; the last one resumes it."""
-    poff = arena.off(parent)
-    old = arena.region.add64(poff + R_PENDING, -1)  # acq_rel: our result writes -> the resumer
-    if old == 1:
-        owner = _OWNER.unpack_from(arena.mm, poff + R_OWNER)[0]  # written before the parent's add64
-        while not inboxes[owner].push(parent):
-            time.sleep(0.0001)
-        if owner != me:
-            idle.notify_worker(owner)
+def encode_result(status: int, value: Any) -> tuple[int, bytes, list]:
+    """(status, pickle, buffers) of a task's outcome; never raises.
+
+    A result that does not pickle becomes a SerializationError; an exception
+    that does not pickle becomes a RemoteError with its text; anything raised
+    meanwhile (even SystemExit from a ``__reduce__``) is caught the same way.
+    """
+    try:
+        if status != ST_OK:
+            value = error_payload(value)
+        data, bufs = serialize.dumps(value, "task result")
+        return status, data, bufs
+    except BaseException as exc:
+        try:
+            if status != ST_OK:
+                payload = stand_in(value)
+            else:
+                err = exc if isinstance(exc, SerializationError) else SerializationError(
+                    f"could not pickle the task result ({_describe(exc)})")
+                payload = error_payload(err)
+            data, bufs = serialize.dumps(payload)
+            return ST_ERROR, data, bufs
+        except BaseException:
+            data = pickle.dumps((RemoteError("the task's outcome could not be pickled"), ""))
+            return ST_ERROR, data, []
+
+
+def result_value(status: int, value: Any) -> tuple[int, Any]:
+    """Normalise a stored outcome: an ST_LOST reason becomes an error payload."""
+    if status == ST_LOST:
+        reason = bytes(value).decode("utf-8", "replace") if value else "unknown"
+        return ST_ERROR, (SerializationError(
+            f"the worker could not store the task's result ({reason}); free space in "
+            "/dev/shm or make the result smaller"), "")
+    return status, value
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    """Ctrl-C reaches every process of the terminal's group: a worker raises
+    KeyboardInterrupt only inside a task body (the task fails with it, as in
+    ProcessPoolExecutor); anywhere else (storing a result, idle) it is ignored,
+    so the interrupt can never lose or hang a task.  The client decides."""
+    w = forkjoin._current
+    if w is not None and getattr(w, "in_body", False):
+        raise KeyboardInterrupt
 
 
 class _Frame:
     """A running or suspended task on this worker (fork-join state)."""
 
-    __slots__ = ("final", "gen", "h", "kids", "kind", "link", "off", "waiting")
+    __slots__ = ("final", "gen", "h", "kids", "kind", "link", "off", "retries", "waiting")
 
-    def __init__(self, h: int, off: int, kind: int, link: int) -> None:
+    def __init__(self, h: int, off: int, kind: int, link: int, retries: int) -> None:
         self.h = h
         self.off = off
         self.kind = kind
         self.link = link
+        self.retries = retries
         self.gen: Any = None
         self.kids: dict[int, Child] = {}  # spawned children not yet joined-and-read
         self.waiting: tuple[list[Child], bool] | None = None
@@ -138,6 +203,7 @@ class Worker:
             raise RuntimeError("this worker could not load the native queues its client uses")
         self.RETRY = Q.RETRY
         self.k = a.index
+        self.who = a.index + 1  # our holder id in record state words
         self.incarnation = a.incarnation
         self.ppid = a.ppid
         self.max_tasks = a.max_tasks or 0
@@ -160,8 +226,15 @@ class Worker:
                                            o["fn_data"], layout.fn_data)
         self.wbase = layout.worker(self.k)
         self.cur_off = self.wbase + W_CURRENT
+        self.lease_off = self.wbase + W_LEASE
+        # Every take off a shared queue is leased (records.py): the handle is written to
+        # W_LEASE before the CAS that takes it.
+        for q in (*self.deques, self.injector):
+            q.set_lease(self.lease_off)
+        self.deque.repair()  # inherited from a predecessor killed inside a pop
         order = a.steal_order or [(self.k + i) % n for i in range(1, n)]
         self.victims = [self.deques[i] for i in order]
+        self.rec = Recovery(self.arena, self.inboxes, self.idle, self.who)
         # Metrics (metrics.py): local counters flushed to the shared block every
         # FLUSH_EVERY steps and before parking; histograms recorded per step.
         self.c = [0] * metrics.NCOUNTERS
@@ -170,10 +243,10 @@ class Worker:
         t = metrics.DEFAULT_TIER
         self.wait_off = self.mbase + metrics.hist_offset(t, 0) if a.metrics else -1
         self.run_off = self.mbase + metrics.hist_offset(t, 1)
-        self.conts: dict[int, _Frame] = {}
-        self.next_cid = 1
+        self.conts: dict[int, _Frame] = {}  # suspended frames by handle
         self.frame: _Frame | None = None
         self.cur: tuple[int, int, int] | None = None  # (handle, kind, link) of the running task
+        self.in_body = False  # True only while user code runs (see _on_sigint)
         self.tick = 0
 
     # -- main loop -----------------------------------------------------------
@@ -183,7 +256,7 @@ class Worker:
         while True:
             h = inbox_pop()
             if h >= 0:
-                self.resume(h)
+                self.on_ping(h)
                 continue
             self.tick += 1
             if self.tick % FAIR_TICK == 0:
@@ -213,7 +286,7 @@ class Worker:
         if n <= 0:
             return -1
         want = max(1, min(INJECTOR_BATCH, n // self.n))
-        items = inj.pop_many(want)
+        items = inj.pop_many(want, self.lease_off)  # item i leased in slot i until in our deque
         if not items:
             return -1
         self.c[C_INJECTOR_TAKES] += 1
@@ -298,11 +371,16 @@ class Worker:
     # -- running tasks -------------------------------------------------------
     def execute(self, h: int) -> None:
         a = self.arena
+        if FP.ON:
+            FP.hit("worker.after_take")
         t0 = time.monotonic_ns()
-        t = a.start(h, self.cur_off, t0, self.wait_off)  # CAS QUEUED->RUNNING, set current
+        # current word first, then QUEUED -> RUNNING|who (records.py)
+        t = a.start(h, self.cur_off, t0, self.wait_off, self.who)
         if t is None:
-            a.free(h)  # the client cancelled it before it started
+            self.not_started(h)
             return
+        if FP.ON:
+            FP.hit("worker.after_start")
         kind, link, data = t
         c = self.c
         c[C_TASKS] += 1
@@ -310,21 +388,27 @@ class Worker:
         status = ST_OK
         try:
             if data is None:
-                fref, args, kwargs = a.take(a.off(h))
+                fref, args, kwargs = a.read_call(a.off(h))
             elif kind & F_BUFFERS:
                 fref, args, kwargs = serialize.loads_frame(data, True)
             else:
                 fref, args, kwargs = pickle.loads(data)
             fn = self.fns.get(fref) if type(fref) is int else fref
-            res = fn(*args, **kwargs) if kwargs else fn(*args)
+            self.in_body = True
+            try:
+                res = fn(*args, **kwargs) if kwargs else fn(*args)
+            finally:
+                self.in_body = False
         except BaseException as exc:
             status, res = ST_ERROR, exc
             c[C_ERRORS] += 1
         try:
+            if FP.ON:
+                FP.hit("worker.after_body")
             frame = self.frame  # created by spawn() if the task forked
             if status == ST_OK and type(res) is GeneratorType:
                 if frame is None:
-                    frame = _Frame(h, a.off(h), kind, link)
+                    frame = self.new_frame(h, kind, link)
                 frame.gen = res
                 self.drive(frame, None, None)
             elif frame is not None:
@@ -342,18 +426,39 @@ class Worker:
                 if c[C_TASKS] & FLUSH_MASK == 0:
                     self.flush()
 
+    def not_started(self, h: int) -> None:
+        """``start`` found ``h`` not QUEUED: free it if cancelled; a stale copy is dropped."""
+        a = self.arena
+        st = a.tr.state(h)
+        if st is not None and st[0] == S_CANCELLED:
+            a.release(h, S_CANCELLED, 0, self.who)  # one claimer wins (copies may exist)
+        self.r.store64(self.cur_off, 0)
+
+    def new_frame(self, h: int, kind: int, link: int) -> _Frame:
+        off = self.arena.off(h)
+        retries = _U32.unpack_from(self.seg.mm, off + R_RETRIES)[0]
+        # Pings from children go to the worker named here (written before the first
+        # child is pushed: the push releases it to the child's worker).
+        _OWNER.pack_into(self.seg.mm, off + R_OWNER, self.k, self.incarnation)
+        return _Frame(h, off, kind, link, retries)
+
     def drive(self, frame: _Frame, send: Any, exc: BaseException | None) -> None:
         gen = frame.gen
         self.frame = frame
         while True:
+            self.in_body = True
             try:
                 y = gen.throw(exc) if exc is not None else gen.send(send)
             except StopIteration as stop:
+                self.in_body = False
                 self.finish(frame, ST_OK, stop.value)
                 return
             except BaseException as e:
+                self.in_body = False
                 self.finish(frame, ST_ERROR, e)
                 return
+            finally:
+                self.in_body = False
             exc = None
             try:
                 kids, single = children_of(y)
@@ -364,22 +469,24 @@ class Worker:
                 exc = e
                 continue
             frame.waiting = (kids, single)
-            if not all(c.done for c in kids) and not self.join(frame):
-                return  # suspended; resume() continues it
+            if not self.kids_done(frame):
+                self.suspend(frame)
+                return  # a ping from the last child resumes it
             send, exc = self.collect(frame)
 
-    def join(self, frame: _Frame) -> bool:
-        """Drop the task's token; True if every child is already done (go on now)."""
-        off = frame.off
-        cid = self.next_cid
-        self.next_cid = (cid + 1) & 0xFFFFFFFF or 1
-        _OWNER.pack_into(self.seg.mm, off + R_OWNER, self.k, self.incarnation, cid)
-        old = self.r.add64(off + R_PENDING, -1)  # acq_rel: publishes R_OWNER to the last child
-        if old == 1:
-            _I64.pack_into(self.seg.mm, off + R_PENDING, 1)  # take the token back
-            return True
-        self.conts[cid] = frame
-        return False
+    def suspend(self, frame: _Frame) -> None:
+        self.conts[frame.h] = frame
+        if FP.ON:
+            FP.hit("worker.in_join")
+
+    def kids_done(self, frame: _Frame) -> bool:
+        """Every child spawned so far is DONE (a join waits for all of them, as Cilk's sync)."""
+        state = self.arena.tr.state
+        for h in frame.kids:
+            st = state(h)
+            if st is not None and st[0] != S_DONE:
+                return False
+        return True
 
     def collect(self, frame: _Frame) -> tuple[Any, BaseException | None]:
         assert frame.waiting is not None
@@ -390,12 +497,18 @@ class Worker:
             if c.done:
                 continue
             coff = a.off(c.handle)
-            status = a.kind_link(coff)[1]
-            try:
-                value = a.take(coff)
-            except BaseException as e:
-                status, value = ST_ERROR, error_payload(e)
-            a.free(c.handle)
+            if a.tr.state(c.handle) is None:
+                status, value = ST_ERROR, (WorkerCrashedError("the child task's record was lost"),
+                                           "")
+            else:
+                status = a.kind_link(coff)[1]
+                try:
+                    status, value = result_value(status, a.take(coff))
+                except BaseException as e:
+                    status, value = ST_ERROR, error_payload(e)
+                if FP.ON:
+                    FP.hit("worker.in_collect")
+                a.free(c.handle)
             del frame.kids[c.handle]
             c.done = True
             if status == ST_OK:
@@ -407,17 +520,28 @@ class Worker:
                 return None, c.exc
         return (kids[0].value if single else [c.value for c in kids]), None
 
-    def resume(self, h: int) -> None:
+    def on_ping(self, h: int) -> None:
+        """A child of ``h`` finished (or a recoverer says one may have): resume it if ready."""
         a = self.arena
-        off = a.off(h)
-        _owner, inc, cid = _OWNER.unpack_from(self.seg.mm, off + R_OWNER)
-        frame = self.conts.pop(cid, None) if inc == self.incarnation else None
-        if frame is None or frame.h != h:
-            self.fail_orphan(h, off)
+        if (h & 0xFFFFFFFF) >= a.nrecords:
             return
-        _I64.pack_into(self.seg.mm, off + R_PENDING, 1)  # token back: no child is outstanding
+        frame = self.conts.get(h)
+        if frame is None:
+            st = a.tr.state(h)
+            owner, inc = self.rec.frame_owner(h) if st is not None else (0, 0)
+            if (st is not None and st == (S_RUNNING, self.who) and owner == self.k and inc
+                    and inc != self.incarnation):
+                # a frame our dead predecessor held: re-run or fail that task
+                self.rec.orphan(h, self.who, f"worker {self.k} (an earlier incarnation) died "
+                                "while this task waited for its children", self.complete_root)
+            return  # running now, finished, or a stale ping: nothing to do
+        if not self.kids_done(frame):
+            return
+        del self.conts[h]
         r = self.r
         r.store64(self.cur_off, h + 1)
+        if FP.ON:
+            FP.hit("worker.after_resume")
         c = self.c
         c[C_TASKS] += 1
         c[C_RESUMES] += 1
@@ -438,58 +562,73 @@ class Worker:
                 c[C_BUSY_NS] += dt
                 r.hist_record(self.run_off, dt)
 
-    def fail_orphan(self, h: int, off: int) -> None:
-        """A resume for a continuation a dead predecessor held: fail that task."""
-        kind, _status, link = self.arena.kind_link(off)
-        exc = WorkerCrashedError(
-            f"the worker process holding this task's continuation (worker {self.k}, an "
-            "earlier incarnation) died while the task waited for its children"
-        )
-        self.report(h, kind, link, ST_ERROR, exc)
-
     def finish(self, frame: _Frame, status: int, value: Any) -> None:
         """The task body is done; wait for outstanding children (implicit join), then report."""
         if frame.kids:
-            frame.waiting = None
-            frame.final = (status, value)
-            if not self.join(frame):
+            if not self.kids_done(frame):
+                frame.waiting = None
+                frame.final = (status, value)
+                self.suspend(frame)
                 return
-            frame.final = None
             a = self.arena
             for h in frame.kids:  # results never joined: drop them
-                a.free(h)
+                if a.tr.state(h) is not None:
+                    a.free(h)
             frame.kids.clear()
         self.report(frame.h, frame.kind, frame.link, status, value)
 
     def report(self, h: int, kind: int, link: int, status: int, value: Any) -> None:
-        """Store the result in the record; complete a root task, count a child off its parent."""
+        """Store the outcome, RUNNING -> DONE, publish it (root: completion; child: ping).
+
+        Never raises: a result that cannot be pickled or stored is reported as
+        an error of that task (records.py: the record is ours until DONE).
+        """
         a = self.arena
-        if status != ST_OK:
-            value = error_payload(value)
-        try:
-            data, bufs = serialize.dumps(value, "task result")
-        except SerializationError as exc:
-            if status != ST_OK:  # the task's exception itself does not pickle
-                data, bufs = serialize.dumps(stand_in(value))
-            else:
-                status = ST_ERROR
-                data, bufs = serialize.dumps(error_payload(exc))
-        if not bufs:
-            done = a.finish_inline(h, status, data, self.completions)
-            if done == 1:
+        status, data, bufs = encode_result(status, value)
+        if not bufs and not FP.ON:  # (failpoints: take the Python path, which has them)
+            done = a.finish_inline(h, status, data, self.completions, self.who)
+            if done == 1 or done == -1:
                 return
             if done == 2:
-                finish_child(a, self.inboxes, self.idle, link, self.k)
+                ping_parent(a, self.inboxes, self.idle, link, self.k)
                 return
         off = a.off(h)
-        a.put(off, data, bufs)
+        try:
+            a.put_result(off, data, bufs)
+        except BaseException as exc:  # no space for it (ENOSPC, exhausted classes), ...
+            status = ST_LOST
+            try:
+                a.put_result(off, _describe(exc).encode()[:40], [])
+            except BaseException:
+                a.drop_result(off)
         a.set_status(off, status)
+        if FP.ON:
+            FP.hit("worker.after_store")
+        if a.tr.finish(h, self.who) is not Outcome.OK:
+            return  # not ours any more (cannot happen while we live: only for dead holders)
+        if FP.ON:
+            FP.hit("worker.after_finish")
         if kind & K_MASK == K_ROOT:
-            while not self.completions.push(h):  # capacity == records: cannot stay full
-                time.sleep(0.0001)
-            self.idle.wake_client()
+            self.publish_root(h)
         else:
-            finish_child(a, self.inboxes, self.idle, link, self.k)
+            ping_parent(a, self.inboxes, self.idle, link, self.k)
+        if FP.ON:
+            FP.hit("worker.after_publish")
+
+    def publish_root(self, h: int) -> None:
+        while not self.completions.push(h):  # capacity == records: cannot stay full
+            time.sleep(0.0001)
+        self.idle.wake_client()
+
+    def complete_root(self, h: int, status: int, value: Any) -> None:
+        """Recovery: publish a failed root task we claimed (recovery.py)."""
+        a = self.arena
+        off = a.off(h)
+        _st, data, bufs = encode_result(ST_OK, value)  # value is already (exc, tb)
+        a.put_result(off, data, bufs)
+        a.set_status(off, ST_ERROR)
+        self.r.store64(off, word(h >> 32, S_DONE, self.who))  # ours (claimed); release
+        self.publish_root(h)
 
     # -- fork-join -----------------------------------------------------------
     def spawn(self, fn: Any, args: tuple, kwargs: dict) -> Child:
@@ -499,7 +638,7 @@ class Worker:
             if self.cur is None:
                 raise RuntimeError("spawn() outside a running task")
             h0, kind0, link0 = self.cur
-            frame = self.frame = _Frame(h0, a.off(h0), kind0, link0)
+            frame = self.frame = self.new_frame(h0, kind0, link0)
         h = a.alloc()
         if h < 0:
             return forkjoin.inline_child(fn, args, kwargs)  # arena exhausted: run it here
@@ -507,15 +646,17 @@ class Worker:
         try:
             data, bufs = serialize.dumps((fid if fid >= 0 else fn, args, kwargs or None),
                                          "spawned task")
+            off = a.setup(h, K_CHILD, frame.h, time.monotonic_ns(), frame.retries)
+            a.put(off, data, bufs)
         except BaseException:
             a.free(h)
             raise
-        off = a.setup(h, K_CHILD, frame.h, time.monotonic_ns())
-        a.put(off, data, bufs)
-        self.r.add64(frame.off + R_PENDING, 1)  # before the push: the child may finish at once
         self.c[C_SPAWNS] += 1
         c = Child(h)
         frame.kids[h] = c
+        self.r.store64(self.lease_off, h + 1)  # leased until it is in a queue
+        if FP.ON:
+            FP.hit("worker.after_spawn")
         if not self.deque.push(h):
             while not self.injector.push(h):
                 time.sleep(0.0001)
@@ -538,6 +679,7 @@ def main(a: WorkerArgs) -> None:
 
     if a.thread_limit is not None:
         affinity.apply_thread_limits(a.thread_limit)
+    signal.signal(signal.SIGINT, _on_sigint)
     try:
         w = Worker(a)
     except BaseException:

@@ -318,7 +318,7 @@ def test_sigkill_mid_task():
 
 
 def test_kill_9_from_outside_mid_task():
-    with stealer.Executor(2) as e:
+    with stealer.Executor(2, retries=0) as e:
         assert e.wait_ready(30)
         f = e.submit(tasks.busy, 30.0)
         time.sleep(0.3)

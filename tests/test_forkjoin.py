@@ -84,13 +84,36 @@ def test_records_exhausted_children_run_inline():
         assert e.submit(tasks.wide, 100).result(timeout=60) == sum(i * i for i in range(100))
 
 
-def test_worker_killed_inside_fork_join_tree(tmp_path):
-    """SIGKILL a worker mid-tree: the root fails with WorkerCrashedError, nothing hangs."""
+@pytest.mark.parametrize("retries", [0, 3])
+def _records_in_use(e, timeout=10.0):
+    """Records not FREE, once the executor is idle (waits for stragglers to be freed)."""
+    import time
+
+    from stealer.recovery import Recovery
+
+    rec = Recovery(e._pool.arena, [], None, 0)
+    deadline = time.monotonic() + timeout
+    while True:
+        n = sum(len(rec.held_by(w, (s,))) for w in range(e.max_workers + 1) for s in range(1, 6))
+        if n == 0 or time.monotonic() > deadline:
+            return n
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("retries", [0, 3])
+def test_worker_killed_inside_fork_join_tree(tmp_path, retries):
+    """SIGKILL a worker mid-tree: with retries the tree still gives the right value (the
+    lost part re-runs); without, the root fails with WorkerCrashedError. Nothing hangs."""
     marker = str(tmp_path / "killed")
-    with stealer.Executor(2) as e:
+    with stealer.Executor(2, retries=retries) as e:
         f = e.submit(tasks.killer_tree, 6, marker)
-        with pytest.raises(stealer.WorkerCrashedError):
-            f.result(timeout=60)
+        if retries:
+            assert f.result(timeout=60) == 2**6
+        else:
+            with pytest.raises(stealer.WorkerCrashedError):
+                f.result(timeout=60)
         assert os.path.exists(marker)
+        # no record leaked: every record is back on the free ring once idle
+        assert _records_in_use(e) == 0
         # the pool still works, including fork-join
         assert e.submit(tasks.fib, 18, 8).result(timeout=60) == tasks.fib_seq(18)

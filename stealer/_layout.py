@@ -1,0 +1,61 @@
+"""The one source of truth for the task-record layout and its state codes.
+
+Plain integer assignments only (``NAME = <int>``, comments allowed): setup.py
+reads this file without importing the package and writes
+``native/_layout.pxi`` from it, which ``native/_cqueues.pxd`` includes, so
+the Cython hot path and the Python side can never disagree.  A test checks
+that the compiled module's ``LAYOUT`` equals this file.
+
+A record (RECORD_BYTES) describes one task; see stealer/records.py for the
+lifecycle and stealer/arena.py for payload storage.
+"""
+
+# -- record fields (byte offsets) ---------------------------------------------
+R_WORD0 = 0  # u64 gen (bits 0-31) | state (32-39) | who (40-63): every transition is a CAS on it
+R_KIND = 8  # u32 K_* | F_* flags: the record's producer, before the queue push
+R_STATUS = 12  # u32 ST_* of the result: the worker (or recoverer) that stores it, before DONE
+R_LINK = 16  # u64 future id (root) or parent handle (child): the producer, before the push
+R_TRIES = 24  # u32 runs started so far minus one: bumped by whoever re-queues after a death
+R_RETRIES = 28  # u32 re-runs allowed after worker deaths: the producer, before the push
+R_OWNER = 32  # u32 worker holding this task's fork-join frame: that worker, at its first spawn
+R_INCARNATION = 36  # u32 that worker's incarnation: same writer/ordering as R_OWNER
+R_PCLASS = 40  # u32 call payload storage: 0 inline, i+1 block class i, OVERFLOW
+R_RCLASS = 44  # u32 result payload storage, same codes; written before the DONE CAS
+R_PREF = 48  # u64 call payload block index / overflow number
+R_PLEN = 56  # u64 call payload length
+R_RREF = 64  # u64 result payload block index / overflow number
+R_RLEN = 72  # u64 result payload length
+R_TSUBMIT = 80  # u64 monotonic ns at submit (client) or spawn (worker)
+R_TSTART = 88  # u64 monotonic ns when a worker last started it
+R_INLINE = 96  # inline area: the call payload at [0, plen), an inline result right after it
+RECORD_BYTES = 192
+INLINE = 96  # RECORD_BYTES - R_INLINE
+
+# -- the state word -----------------------------------------------------------
+GEN_MASK = 0xFFFFFFFF
+STATE_SHIFT = 32
+STATE_MASK = 0xFF
+WHO_SHIFT = 40  # who = worker index + 1 of the worker holding the record (0: nobody / the client)
+
+S_FREE = 0  # on the free ring
+S_QUEUED = 1  # published on a queue (injector, a deque); the call payload is intact
+S_RUNNING = 2  # claimed by worker who-1: running, or a suspended fork-join frame it holds
+S_CANCELLED = 3  # withdrawn by the client while queued; whoever takes it frees it
+S_DONE = 4  # result stored; published or being published by worker who-1
+S_FREEING = 5  # claimed by who-1 (or the client) for release; payloads being dropped
+
+# -- kinds, flags, statuses ------------------------------------------------------
+K_ROOT = 1  # submitted by the client; R_LINK is the future id
+K_CHILD = 2  # spawned inside a task; R_LINK is the parent's handle
+K_MASK = 0xFF
+F_BUFFERS = 0x100  # the call payload is a frame with out-of-band buffers
+F_RBUFFERS = 0x200  # the result payload is a frame with out-of-band buffers
+OVERFLOW = 0xFFFF  # payload class of an overflow file
+
+ST_OK = 0  # the result is the return value
+ST_ERROR = 1  # the result is (exception, traceback text)
+ST_LOST = 2  # the worker could not store the result; the inline result is a short reason
+
+# -- park words (stealer/idle.py) ---------------------------------------------------
+PARKED = 1
+NOTIFIED = 2

@@ -1,0 +1,103 @@
+"""Failpoints: named places in the worker and the client where a test can inject a fault.
+
+Off by default at the cost of one module-attribute check (``if failpoints.ON``).
+A test arms them through the environment, which worker processes inherit::
+
+    STEALER_FAILPOINTS="worker.after_finish=kill;client.result_thread=raise"
+    STEALER_FAILPOINTS_DIR=/tmp/some-dir   # optional: "once" across all processes
+
+Each entry is ``name=action`` with an optional ``@N`` (fire on the N-th hit in
+this process, default 1) and an optional ``!once`` (fire in only one process
+of the whole run: the first to create ``$STEALER_FAILPOINTS_DIR/<name>``).
+Actions: ``kill`` (SIGKILL this process), ``exit`` (``os._exit(7)``),
+``raise`` (raise :class:`FailpointError`), ``interrupt`` (raise
+KeyboardInterrupt), ``sleep<ms>`` (e.g. ``sleep50``).
+
+The names (a test arms each in turn, tests/test_failpoints.py):
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+__all__ = ["ON", "POINTS", "FailpointError", "hit", "configure"]
+
+POINTS = {
+    # worker side
+    "worker.after_take": "a handle was taken off a queue (leased), before start",
+    "worker.after_start": "QUEUED -> RUNNING done, before the task body",
+    "worker.after_body": "the task body returned or raised, before its result is stored",
+    "worker.after_store": "the result is stored, before RUNNING -> DONE",
+    "worker.after_finish": "RUNNING -> DONE done, before the completion/ping is published",
+    "worker.after_publish": "published, before the current word is cleared",
+    "worker.after_spawn": "a child record is set up and leased, before its push",
+    "worker.in_join": "a fork-join frame is suspended, before the worker moves on",
+    "worker.after_resume": "a frame was resumed from a ping, before it runs",
+    "worker.in_collect": "a frame is collecting (freeing) its children's records",
+    # client side
+    "client.result_thread": "the result thread, each loop",
+    "client.after_drain": "worker death handling, after draining its completion ring",
+    "client.recovery": "worker death handling, before a record is recovered",
+}
+
+
+class FailpointError(RuntimeError):
+    """Raised by a failpoint armed with ``raise``."""
+
+
+_spec: dict[str, tuple[str, int, bool]] = {}
+_hits: dict[str, int] = {}
+ON = False
+
+
+def configure(spec: str | None) -> None:
+    """Arm failpoints from a spec string (see the module docstring); None or "" disarms."""
+    global ON
+    _spec.clear()
+    _hits.clear()
+    for entry in filter(None, (spec or "").split(";")):
+        name, _, action = entry.partition("=")
+        once = action.endswith("!once")
+        action = action.removesuffix("!once")
+        action, _, nth = action.partition("@")
+        if name not in POINTS:
+            raise ValueError(f"unknown failpoint {name!r}; known: {', '.join(POINTS)}")
+        _spec[name] = (action, int(nth or 1), once)
+    ON = bool(_spec)
+
+
+def hit(name: str) -> None:
+    """Called at failpoint ``name`` (only when ON): fire its action if armed."""
+    armed = _spec.get(name)
+    if armed is None:
+        return
+    action, nth, once = armed
+    n = _hits[name] = _hits.get(name, 0) + 1
+    if n != nth:
+        return
+    if once:
+        d = os.environ.get("STEALER_FAILPOINTS_DIR")
+        if d:
+            try:
+                os.close(os.open(os.path.join(d, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(10)
+    elif action == "exit":
+        os._exit(7)
+    elif action == "raise":
+        raise FailpointError(f"failpoint {name}")
+    elif action == "interrupt":
+        raise KeyboardInterrupt(f"failpoint {name}")
+    elif action.startswith("sleep"):
+        time.sleep(int(action[5:] or 10) / 1000)
+    else:
+        raise ValueError(f"unknown failpoint action {action!r}")
+
+
+configure(os.environ.get("STEALER_FAILPOINTS"))
+__doc__ = (__doc__ or "") + "".join(f"\n* ``{k}``: {v}" for k, v in POINTS.items())

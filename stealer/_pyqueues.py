@@ -378,6 +378,9 @@ class _QueueRing(_Ring):
     def pop_many(self, n: int, lease_off: int = -1) -> list[int]:
         out: list[int] = []
         saved = self._lease
+        if lease_off >= 0 and n > 0:  # as the native one: check before taking anything
+            self.region._check(lease_off, 8)
+            self.region._check(lease_off + 8 * (n - 1), 8)
         with self.region.lock:
             try:
                 while len(out) < n:

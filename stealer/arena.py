@@ -355,6 +355,9 @@ class Arena:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(f"{self._ov_prefix}{ref}")
         elif cls:
+            if cls > len(self.classes) or ref >= self._counts[cls - 1]:
+                # never let a corrupt word put a foreign index on a free ring
+                raise ValueError(f"corrupt record: payload class {cls} block {ref}")
             self.classes[cls - 1][1].push(ref)
 
     def put(self, off: int, data: bytes, bufs: list) -> None:

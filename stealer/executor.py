@@ -311,6 +311,7 @@ class Executor(_fbase.Executor):
             "pending": len(pool.futures),
             "backlog": len(pool.backlog),
             "crashes": pool.crashes,
+            "stray_completions": pool.stray,
             "replacements": sum(pool.incarnations) - pool.n,
         }
         return s

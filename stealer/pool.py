@@ -190,6 +190,7 @@ class _Pool:
         self.incarnations = [0] * n
         self.early_deaths = [0] * n
         self.crashes = 0
+        self.stray = 0  # completions that found no pending future (must stay 0)
         self.closed = False
         for k in range(n):
             self.start_worker(k)
@@ -213,6 +214,9 @@ class _Pool:
             steal_order=self.steal[k] if self.steal else None,
             initializer=self.initializer, initargs=self.initargs,
             max_tasks=self.max_tasks, ppid=os.getpid(), thread_limit=self.thread_limit,
+            # failpoints travel explicitly: a forkserver's children inherit *its* environment
+            failpoints=(os.environ.get("STEALER_FAILPOINTS"),
+                        os.environ.get("STEALER_FAILPOINTS_DIR")),
         )
         p = self.ctx.Process(target=worker_main, args=(args,), name=f"stealer-worker-{k}")
         p.start()
@@ -371,6 +375,8 @@ class _Pool:
                     f._st_resolve(value, None)
                 except _fbase.InvalidStateError:
                     pass  # cancelled meanwhile
+            elif not self.broken:
+                self.stray += 1
 
     def complete_taken(self, h: int, kind: int, status: int, fid: int, data: Any) -> None:
         """Finish a completion whose record header was read by complete_take."""
@@ -392,14 +398,16 @@ class _Pool:
                 f"could not unpickle the task result in the client ({type(exc).__name__}: "
                 f"{exc})"), "")
         f = self.futures.pop(fid, None)
-        if f is not None:
-            if status == ST_OK:
-                try:
-                    f._st_resolve(value, None)
-                except _fbase.InvalidStateError:
-                    pass  # cancelled meanwhile
-            else:
-                self.resolve(f, status, value)
+        if f is None:
+            if not self.broken:
+                self.stray += 1  # a completion for no pending future: a delivery bug
+        elif status == ST_OK:
+            try:
+                f._st_resolve(value, None)
+            except _fbase.InvalidStateError:
+                pass  # cancelled meanwhile
+        else:
+            self.resolve(f, status, value)
 
     def drain_backlog(self) -> None:
         a = self.arena

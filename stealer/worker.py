@@ -680,6 +680,10 @@ def main(a: WorkerArgs) -> None:
     if a.thread_limit is not None:
         affinity.apply_thread_limits(a.thread_limit)
     signal.signal(signal.SIGINT, _on_sigint)
+    spec, fp_dir = getattr(a, "failpoints", (None, None))
+    if fp_dir:
+        os.environ["STEALER_FAILPOINTS_DIR"] = fp_dir
+    failpoints.configure(spec)
     try:
         w = Worker(a)
     except BaseException:

@@ -315,12 +315,8 @@ def test_start_stale_handle_on_reused_record(rig):
     assert a.start(new, rig.cur_off(0), 1, -1, 1) == (K_ROOT, 2, b"new")
 
 
-def _state_cases():
-    # (name, set the record up from RUNNING|1 (handle, arena, tr) -> handle to finish)
-    return ["queued", "running-other", "cancelled", "done", "stale", "stale-reused"]
-
-
-@pytest.mark.parametrize("case", _state_cases())
+@pytest.mark.parametrize("case", ["queued", "running-other", "cancelled", "done", "stale",
+                                  "stale-reused"])
 def test_finish_inline_minus_one_unless_running_who(rig, case):
     a, tr = rig.arena, rig.arena.tr
     comp = rig.completions[0]

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from stealer import metrics
-from stealer.stats import Stats, collect
+from stealer.stats import Stats, collect, executor_gone
 
 if TYPE_CHECKING:
     from stealer.executor import Executor
@@ -224,8 +224,6 @@ def text(stats: Stats | Executor | str) -> str:
 
 def _snapshotter(source: Executor | str) -> Callable[[], Stats | None]:
     """A function returning a fresh snapshot, or None once the executor is gone."""
-    from stealer.top import executor_gone
-
     if isinstance(source, str):
         from stealer.shm import Segment
 

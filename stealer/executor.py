@@ -316,17 +316,6 @@ class Executor(_fbase.Executor):
         }
         return s
 
-    def serve_metrics(self, port: int = 0, addr: str = "127.0.0.1") -> Any:
-        """Expose :meth:`stats` as a Prometheus endpoint (needs ``prometheus-client``).
-
-        Returns the server (``.port``, ``.url``, ``.shutdown()``); port 0 picks a
-        free one.  Binds to loopback unless ``addr`` says otherwise.
-        """
-        from stealer import prometheus
-
-        server, _port = prometheus.serve(self, port, addr)
-        return server
-
     @property
     def id(self) -> str:
         """The executor's id for ``stealer top <id>`` (its shared segment's name)."""

@@ -2,9 +2,14 @@
 
 ::
 
-    server, port = stealer.prometheus.serve(executor)        # or an executor id
-    ...                                                       # scrape 127.0.0.1:<port>/metrics
+    import stealer.prometheus
+
+    server = stealer.prometheus.serve_metrics(executor)      # or an executor id
+    ...                                                       # scrape server.url
     server.shutdown()
+
+(:func:`serve` does the same and returns ``(server, port)``.)  This is a tool
+on top of the executor, not part of it: the core never imports this module.
 
 Every scrape takes a fresh snapshot (:meth:`stealer.Executor.stats`, or
 :func:`stealer.stats.collect` on a segment attached by id) through a custom
@@ -48,12 +53,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from stealer import metrics
-from stealer.stats import Stats, collect
+from stealer.stats import Stats, collect, executor_gone
 
 if TYPE_CHECKING:
     from stealer.executor import Executor
 
-__all__ = ["serve", "text", "families", "Family", "MetricsServer", "StealerCollector"]
+__all__ = ["serve_metrics", "serve", "text", "families", "Family", "MetricsServer", "StealerCollector"]
 
 QUANTILES = (0.5, 0.9, 0.99, 0.999)
 MIN_VERSION_RETURNING_SERVER = (0, 17)  # start_http_server returns (server, thread) since 0.17
@@ -84,7 +89,7 @@ def _require() -> Any:
         import prometheus_client
     except ImportError as exc:
         raise ImportError(
-            "stealer.prometheus.serve needs the prometheus_client package: "
+            "stealer.prometheus needs the prometheus_client package to serve metrics: "
             "pip install prometheus-client (or pip install 'stealer[prometheus]')") from exc
     return prometheus_client
 
@@ -224,8 +229,6 @@ def text(stats: Stats | Executor | str) -> str:
 
 def _snapshotter(source: Executor | str) -> Callable[[], Stats | None]:
     """A function returning a fresh snapshot, or None once the executor is gone."""
-    from stealer.top import executor_gone
-
     if isinstance(source, str):
         from stealer.shm import Segment
 
@@ -367,3 +370,16 @@ def serve(executor_or_id: Executor | str, port: int = 0,
         httpd, thread = _start_own(registry, port, addr)
     server = MetricsServer(httpd, thread)
     return server, server.port
+
+
+def serve_metrics(executor: Executor | str, port: int = 0,
+                  addr: str = "127.0.0.1") -> MetricsServer:
+    """Expose ``executor.stats()`` as a Prometheus endpoint; returns the server.
+
+    The server has ``.port``, ``.url`` and ``.shutdown()`` and is a context
+    manager; ``port=0`` picks a free port.  Binds to loopback unless ``addr``
+    says otherwise.  ``executor`` may also be an executor id (attached
+    read-side, as ``stealer top`` does).  Errors as for :func:`serve`.
+    """
+    server, _port = serve(executor, port, addr)
+    return server

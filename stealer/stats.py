@@ -9,14 +9,25 @@ a snapshot may be a few events behind, never torn.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from stealer import metrics
-from stealer.shm import H_CREATED_NS, W_CPU, W_CURRENT, W_PID, W_STATE, Segment
+from stealer.shm import (
+    H_CREATED_NS,
+    SHM_DIR,
+    W_CPU,
+    W_CURRENT,
+    W_PID,
+    W_STATE,
+    Segment,
+    _alive,
+    client_pid,
+)
 
-__all__ = ["Stats", "WorkerStats", "collect"]
+__all__ = ["Stats", "WorkerStats", "collect", "executor_gone"]
 
 STATE_NAMES = ("starting", "ready", "exiting", "retired", "init-failed")
 
@@ -111,3 +122,18 @@ def collect(seg: Segment, queues: Any | None = None) -> Stats:
         injector_depth=len(Q.MPMCRing(r, L.offsets["injector"], L.records)),
         latency=latency,
     )
+
+
+def executor_gone(exec_id: str) -> str | None:
+    """Why the executor ``exec_id`` is no longer running, or None if it still is.
+
+    Its segment was removed (shut down), or its client process died.  A
+    reader attached by id (``stealer top``, the Prometheus endpoint) checks
+    this after each snapshot: a mapping outlives the unlinked segment.
+    """
+    pid = client_pid(exec_id)
+    if not os.path.exists(os.path.join(SHM_DIR, exec_id)):
+        return f"executor {exec_id} has exited (its shared segment was removed)"
+    if pid is not None and not _alive(pid):
+        return f"executor {exec_id} is gone: its client process {pid} no longer runs"
+    return None

@@ -53,7 +53,7 @@ from stealer.shm import (
     client_pid,
     our_files,
 )
-from stealer.stats import Stats, WorkerStats, collect
+from stealer.stats import Stats, WorkerStats, collect, executor_gone
 
 __all__ = ["list_executors", "render", "main", "executor_gone"]
 
@@ -100,16 +100,6 @@ def list_executors() -> list[dict[str, Any]]:
         })
     out.sort(key=lambda e: (e["created"], e["id"]))
     return out
-
-
-def executor_gone(exec_id: str) -> str | None:
-    """Why the executor ``exec_id`` is no longer running, or None if it still is."""
-    pid = client_pid(exec_id)
-    if not os.path.exists(os.path.join(SHM_DIR, exec_id)):
-        return f"executor {exec_id} has exited (its shared segment was removed)"
-    if pid is not None and not _alive(pid):
-        return f"executor {exec_id} is gone: its client process {pid} no longer runs"
-    return None
 
 
 def format_list(execs: list[dict[str, Any]]) -> str:

@@ -219,16 +219,12 @@ def test_missing_prometheus_client_says_how_to_install(ex, monkeypatch):
     assert "stealer_worker_tasks_total" in prometheus.text(ex.stats())  # text() needs none
 
 
-def test_executor_serve_metrics_convenience():
-    import urllib.request
-
-    import stealer
-
-    with stealer.Executor(1) as ex:
-        ex.submit(tasks.square, 2).result(timeout=30)
-        server = ex.serve_metrics(0)
-        try:
-            body = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10).read()
-            assert b"stealer_workers 1" in body
-        finally:
-            server.shutdown()
+def test_serve_metrics_returns_the_server(ex):
+    with prometheus.serve_metrics(ex) as server:
+        assert isinstance(server, prometheus.MetricsServer) and server.port > 0
+        assert server.url == f"http://127.0.0.1:{server.port}/metrics"
+        fams = parse(fetch(server.url))
+        assert value(fams["stealer_workers"], "stealer_workers") == 2
+        assert fams["stealer_info"][0].labels["id"] == ex.id
+    with pytest.raises(urllib.error.URLError):
+        fetch(server.url)  # the context manager shut it down

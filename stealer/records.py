@@ -140,6 +140,4 @@ class Transitions:
 
     def claim(self, h: int, state: int, who: int, me: int) -> Outcome:
         """Take ``h`` (in ``state`` held by ``who``) for release: only one claimer wins."""
-        if state == S_FREE:
-            raise ValueError("a FREE record cannot be claimed (it is on the free ring)")
         return self.cas(h, state, who, S_FREEING, me)

@@ -207,3 +207,44 @@ def my_steal_order():
 
     w = forkjoin._current
     return w.k, [d.offset for d in w.victims]
+
+
+class ExitOnPickle:
+    """A result whose pickling raises SystemExit (not an Exception)."""
+
+    def __reduce__(self):
+        raise SystemExit(3)
+
+
+def return_exit_on_pickle():
+    return ExitOnPickle()
+
+
+def raise_keyboard_interrupt():
+    raise KeyboardInterrupt
+
+
+def sleep_in_body(seconds):
+    """Sleeps in small steps (a signal handler runs between them)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(0.005)
+    return seconds
+
+
+def spawn_and_wait(n, seconds):
+    """A fork-join parent whose children take a while (its frame stays suspended)."""
+    kids = [stealer.spawn(sleep_then, seconds, i) for i in range(n)]
+    vals = yield kids
+    return sum(vals)
+
+
+def crash_tree(depth, kill=True):
+    """A fork-join tree whose left-most leaf kills its own worker (every time it runs)."""
+    if depth == 0:
+        if kill:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return 1
+    kids = [stealer.spawn(crash_tree, depth - 1, kill and i == 0) for i in range(2)]
+    vals = yield kids
+    return sum(vals)

@@ -1,0 +1,142 @@
+"""The task lifecycle around the queues: what happens after the body, on signals, on kills."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import tasks
+
+import stealer
+from stealer._layout import S_RUNNING
+from stealer.recovery import Recovery
+from stealer.shm import W_CURRENT
+
+
+def _records_in_use(e: stealer.Executor, timeout: float = 10.0) -> int:
+    """Records not FREE once the executor is idle (waits for stragglers)."""
+    rec = Recovery(e._pool.arena, [], None, 0)
+    deadline = time.monotonic() + timeout
+    while True:
+        n = sum(len(rec.held_by(w, (s,))) for w in range(e.max_workers + 1) for s in range(1, 6))
+        if n == 0 or time.monotonic() > deadline:
+            return n
+        time.sleep(0.05)
+
+
+def _running_worker(e: stealer.Executor, timeout: float = 10.0) -> int:
+    pool = e._pool
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for k, p in enumerate(pool.procs):
+            if p is not None and pool.region.load64(pool.layout.worker(k) + W_CURRENT):
+                return k
+        time.sleep(0.005)
+    raise AssertionError("no worker is running a task")
+
+
+def test_systemexit_while_pickling_the_result_fails_only_that_task():
+    with stealer.Executor(1) as e:
+        pids = e.worker_pids()
+        with pytest.raises(stealer.SerializationError, match="SystemExit"):
+            e.submit(tasks.return_exit_on_pickle).result(timeout=30)
+        assert e.submit(tasks.square, 9).result(timeout=30) == 81
+        assert e.worker_pids() == pids  # the worker survived it
+        assert e.stats().client["crashes"] == 0
+
+
+def test_keyboard_interrupt_in_the_body_is_the_tasks_error():
+    with stealer.Executor(1) as e:
+        with pytest.raises(KeyboardInterrupt):
+            e.submit(tasks.raise_keyboard_interrupt).result(timeout=30)
+        assert e.submit(tasks.square, 3).result(timeout=30) == 9
+
+
+def test_sigint_reaches_only_task_bodies():
+    """Ctrl-C hits every process of the terminal's group: an idle worker ignores it, a
+    running task fails with KeyboardInterrupt (as in ProcessPoolExecutor), no worker dies."""
+    with stealer.Executor(2) as e:
+        assert e.wait_ready(30)
+        pids = e.worker_pids()
+        for pid in pids:  # idle workers
+            os.kill(pid, signal.SIGINT)
+        time.sleep(0.2)
+        assert [f.result(timeout=30) for f in [e.submit(tasks.square, i) for i in range(50)]] \
+            == [i * i for i in range(50)]
+        f = e.submit(tasks.sleep_in_body, 20.0)
+        k = _running_worker(e)
+        os.kill(pids[k], signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            f.result(timeout=30)
+        assert e.worker_pids() == pids
+        assert e.stats().client["crashes"] == 0
+
+
+def test_kill_mid_task_reruns_it_with_the_right_value():
+    with stealer.Executor(2) as e:  # default retries=3
+        assert e.wait_ready(30)
+        f = e.submit(tasks.sleep_then, 1.0, "done")
+        k = _running_worker(e)
+        os.kill(e.worker_pids()[k], signal.SIGKILL)
+        assert f.result(timeout=30) == "done"
+        assert _records_in_use(e) == 0
+
+
+def test_poison_pill_fails_after_retries_and_names_the_cause():
+    with stealer.Executor(2, retries=2) as e:
+        with pytest.raises(stealer.WorkerCrashedError, match=r"SIGKILL.*ran 3 times.*retries=2"):
+            e.submit(tasks.kill_self, signal.SIGKILL).result(timeout=60)
+        assert e.submit(tasks.square, 2).result(timeout=30) == 4
+        assert _records_in_use(e) == 0
+
+
+def test_owner_of_a_suspended_frame_killed_reruns_the_task():
+    """The frame (a suspended generator) lives only in its worker: killing that worker
+    while the children run must re-run the parent (retries) and free every child record."""
+    with stealer.Executor(2) as e:
+        assert e.wait_ready(30)
+        f = e.submit(tasks.spawn_and_wait, 4, 0.3)
+        pool = e._pool
+        rec = Recovery(pool.arena, [], None, 0)
+        deadline = time.monotonic() + 10
+        owner = None
+        while owner is None and time.monotonic() < deadline:
+            for k in range(2):  # the parent is RUNNING|k (suspended) while its children run
+                for h in rec.held_by(k + 1, (S_RUNNING,)):
+                    if rec.children(h):
+                        owner = k
+            time.sleep(0.005)
+        assert owner is not None
+        os.kill(e.worker_pids()[owner], signal.SIGKILL)
+        assert f.result(timeout=60) == sum(range(4))
+        assert _records_in_use(e) == 0
+
+
+def test_owner_killed_without_retries_fails_with_a_clear_message():
+    with stealer.Executor(2, retries=0) as e:
+        assert e.wait_ready(30)
+        f = e.submit(tasks.spawn_and_wait, 2, 0.5)
+        time.sleep(0.2)
+        pool = e._pool
+        rec = Recovery(pool.arena, [], None, 0)
+        owners = [k for k in range(2) if any(rec.children(h) for h in
+                                              rec.held_by(k + 1, (S_RUNNING,)))]
+        assert owners
+        os.kill(e.worker_pids()[owners[0]], signal.SIGKILL)
+        with pytest.raises(stealer.WorkerCrashedError, match=f"worker {owners[0]}"):
+            f.result(timeout=60)
+        assert _records_in_use(e) == 0
+
+
+def test_many_crashes_in_fork_join_leak_no_records():
+    """Defect 9: a crashed fork-join task used to leak its children's records; with a
+    small table the executor then hung.  Here: many crashing trees on 16 records."""
+    with stealer.Executor(2, records=16, retries=0) as e:
+        for _ in range(6):
+            f = e.submit(tasks.crash_tree, 2)  # its left-most leaf kills its worker
+            with pytest.raises(stealer.WorkerCrashedError):
+                f.result(timeout=60)
+        assert e.submit(tasks.fib, 14, 8).result(timeout=60) == tasks.fib_seq(14)
+        assert _records_in_use(e) == 0

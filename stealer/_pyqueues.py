@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import os as _os
 import struct
 import threading
 import time
@@ -71,13 +72,39 @@ def _round_line(n: int) -> int:
     return (n + _LINE - 1) & ~(_LINE - 1)
 
 
+class _HeldLock:
+    """A lock that records its holder's pid in a shared word (see Region)."""
+
+    def __init__(self, lock: Any, mv: memoryview, off: int) -> None:
+        self._lock = lock
+        self._mv = mv
+        self._off = off
+
+    def __enter__(self) -> _HeldLock:
+        self._lock.acquire()
+        _U32.pack_into(self._mv, self._off, _os.getpid())  # under the lock: its holder
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _U32.pack_into(self._mv, self._off, 0)
+        self._lock.release()
+
+    def holder(self) -> int:
+        return _U32.unpack_from(self._mv, self._off)[0]
+
+
 class Region:
     """Word access at byte offsets of a shared writable buffer, under one lock."""
 
-    def __init__(self, obj: Any, lock: Any = None) -> None:
+    def __init__(self, obj: Any, lock: Any = None, holder_off: int = -1) -> None:
         self.obj = obj
         self.mv = memoryview(obj).cast("B")
-        self.lock = lock if lock is not None else threading.Lock()
+        lock = lock if lock is not None else threading.Lock()
+        # With ``holder_off``, the pid holding the lock is kept in that u32 word, so a
+        # client that sees a process die holding it can say so instead of hanging: this
+        # reference is not kill-safe (a process killed inside an operation leaves the
+        # lock held and the structure half-updated); the native queues are.
+        self.lock = _HeldLock(lock, self.mv, holder_off) if holder_off >= 0 else lock
         self.nbytes = len(self.mv)
         self._addr: int | None = None
 

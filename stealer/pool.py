@@ -133,6 +133,13 @@ class _Pool:
         self.n = n
         self.retries = retries
         self.ctx = ctx
+        # Replacements start from the result thread. Forking a process that runs other
+        # threads can copy a lock some thread holds (a deadlock in the child), so with
+        # the 'fork' start method replacements come from a forkserver instead (not with
+        # the pure-Python queues: their fork-context lock cannot travel to a forkserver).
+        self.replace_ctx = (mp.get_context("forkserver")
+                            if ctx.get_start_method() == "fork" and _default_queues.NATIVE
+                            else ctx)
         self.cpus = cpus
         self.steal = steal
         self.initializer = initializer
@@ -218,7 +225,9 @@ class _Pool:
             failpoints=(os.environ.get("STEALER_FAILPOINTS"),
                         os.environ.get("STEALER_FAILPOINTS_DIR")),
         )
-        p = self.ctx.Process(target=worker_main, args=(args,), name=f"stealer-worker-{k}")
+        in_thread = threading.current_thread() is getattr(self, "thread", None)
+        ctx = self.replace_ctx if in_thread else self.ctx
+        p = ctx.Process(target=worker_main, args=(args,), name=f"stealer-worker-{k}")
         p.start()
         self.procs[k] = p
 
@@ -238,6 +247,14 @@ class _Pool:
         r = self.region
         base = self.layout.worker(k)
         state = r.load32(base + W_STATE)
+        holder = getattr(r.lock, "holder", None) if not self.native else None
+        if holder is not None and p.pid and holder() == p.pid:
+            self.set_broken(
+                f"{describe_exit(k, p.pid, code).split(' while running it')[0]} while holding "
+                "the lock of stealer's pure-Python queues, which are not kill-safe; the "
+                "executor cannot go on. Install stealer with its native extension (a C "
+                "compiler and Cython at install time) for crash safety.")
+            return
         self.drain(k)  # every completion it published, before its words are read
         if FP.ON:
             FP.hit("client.after_drain")

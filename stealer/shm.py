@@ -50,6 +50,8 @@ H_FN_COUNT = 384  # u64 number of function-table entries: written by the client 
 H_FN_BYTES = 392  # u64 bytes used in the function data area: client only
 H_STARTED = 448  # u32 workers that finished starting: add32 by workers, futex-waited by wait_ready
 H_CREATED_NS = 512  # u64 time.time_ns() at creation: creator only, before any attach
+H_LOCK_HOLDER = 576  # u32 pid holding the pure-Python reference's lock (0: free): its holder,
+#                     under the lock; read by the client after a worker death
 H_LAYOUT = 1024  # u32 length + JSON of the layout and options: creator only, read by attach_any
 HEADER_BYTES = 4096
 
@@ -163,7 +165,8 @@ class Segment:
         self.path = os.path.join(SHM_DIR, name)
         self.mm = mm
         self.layout = layout
-        self.region = self.Q.Region(mm, lock)
+        self.region = (self.Q.Region(mm, lock) if self.Q.NATIVE or lock is None
+                       else self.Q.Region(mm, lock, H_LOCK_HOLDER))
 
     @classmethod
     def create(cls, layout: Layout, lock: object = None, queues: Any = None) -> Segment:

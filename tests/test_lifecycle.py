@@ -140,3 +140,46 @@ def test_many_crashes_in_fork_join_leak_no_records():
                 f.result(timeout=60)
         assert e.submit(tasks.fib, 14, 8).result(timeout=60) == tasks.fib_seq(14)
         assert _records_in_use(e) == 0
+
+
+def test_fork_start_method_replaces_from_a_forkserver():
+    """Forking from the (multi-threaded) result thread could copy a held lock into the
+    child: with mp_context 'fork', replacements come from a forkserver."""
+    import multiprocessing as mp
+
+    with stealer.Executor(1, mp_context=mp.get_context("fork"), retries=0) as e:
+        assert e.wait_ready(30)
+        first = e.worker_pids()[0]
+        assert tasks_ppid(e) == os.getpid()  # forked by us
+        with pytest.raises(stealer.WorkerCrashedError):
+            e.submit(tasks.kill_self, signal.SIGKILL).result(timeout=30)
+        assert e.submit(tasks.square, 5).result(timeout=30) == 25
+        assert e.worker_pids()[0] != first
+        assert tasks_ppid(e) != os.getpid()  # a forkserver's child
+
+
+def tasks_ppid(e: stealer.Executor) -> int:
+    return e.submit(os.getppid).result(timeout=30)
+
+
+def _die_holding(region) -> None:
+    with region.lock:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_reference_queues_lock_names_a_dead_holder():
+    """The pure-Python fallback is not kill-safe (one lock); it must at least know that a
+    dead process holds its lock, so the executor fails clearly instead of hanging."""
+    import mmap
+    import multiprocessing as mp
+
+    from stealer import _pyqueues
+
+    ctx = mp.get_context("fork")
+    mm = mmap.mmap(-1, 4096)
+    region = _pyqueues.Region(mm, ctx.Lock(), 64)
+    p = ctx.Process(target=_die_holding, args=(region,))
+    p.start()
+    p.join(30)
+    assert p.exitcode == -signal.SIGKILL
+    assert region.lock.holder() == p.pid

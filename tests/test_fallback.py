@@ -67,3 +67,16 @@ def test_missing_extension_falls_back_with_one_warning():
     assert p.returncode == 0, p.stderr
     assert "impl stealer._pyqueues" in p.stdout
     assert p.stderr.count("native extension could not be loaded") == 1, p.stderr
+
+
+def test_executor_suites_on_the_reference_queues():
+    """The executor, lifecycle and fork-join suites again, on the pure-Python queues."""
+    env = dict(os.environ, STEALER_NO_EXTENSIONS="1")
+    suites = [os.path.join(HERE, f) for f in
+              ("test_executor.py", "test_lifecycle.py", "test_forkjoin.py")]
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:randomly",
+         "-W", "ignore::RuntimeWarning", *suites],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and " failed" not in r.stdout

@@ -44,7 +44,12 @@ class _Future(Future):
     handshake): nothing is missed.  A future that is already settled when
     someone first asks for its condition gets a shared one (``wait`` and
     ``as_completed`` over many finished futures then create nothing).
-    Every other method is the stdlib's.
+
+    ``cancel()`` withdraws a queued task at once, so it also notifies at
+    once: the future goes straight to CANCELLED_AND_NOTIFIED (the stdlib's
+    executors get there later, when a worker would have run it), and
+    ``wait``/``as_completed`` count it as done.  Every other method is the
+    stdlib's.
     """
 
     _result: Any = None
@@ -115,16 +120,28 @@ class _Future(Future):
         return self._state in (_fbase.CANCELLED, _fbase.CANCELLED_AND_NOTIFIED, _fbase.FINISHED)
 
     def cancel(self) -> bool:
-        with self._condition:
-            if self._state == _fbase.PENDING:
-                h = self._st_handle
-                if h is not None:
-                    pool = self._st_pool
-                    # generation-checked CAS, pairs with the worker's start CAS
-                    if not pool.arena.cas_state(h, S_QUEUED, S_CANCELLED):
-                        return False  # a worker started it, or it is already done
-                self._st_pool.futures.pop(self._st_fid, None)
-            return super().cancel()
+        cond = self._condition
+        with cond:
+            state = self._state
+            if state in (_fbase.CANCELLED, _fbase.CANCELLED_AND_NOTIFIED):
+                return True
+            if state != _fbase.PENDING:
+                return False
+            pool = self._st_pool
+            h = self._st_handle
+            # No handle: still in the client-side backlog (drain_backlog skips it). Else a
+            # generation-checked CAS on the record's state, pairs with the worker's start CAS.
+            if h is not None and not pool.arena.cas_state(h, S_QUEUED, S_CANCELLED):
+                return False  # a worker started it, or it is already done
+            pool.futures.pop(self._st_fid, None)
+            # Nobody will run it, so nobody else would call set_running_or_notify_cancel():
+            # do its part here, under the same lock as the cancel.
+            self._state = _fbase.CANCELLED_AND_NOTIFIED
+            for waiter in self._waiters:
+                waiter.add_cancelled(self)
+            cond.notify_all()
+        self._invoke_callbacks()  # outside the lock, as the stdlib does
+        return True
 
     def running(self) -> bool:
         with self._condition:

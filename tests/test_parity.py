@@ -1,0 +1,190 @@
+"""concurrent.futures parity: cancellation seen by wait/as_completed, lock order, map.
+
+Written in the spirit of CPython's Lib/test/test_concurrent_futures (test_wait,
+test_as_completed, test_shutdown, executor.py's map tests), for stealer.Executor.
+A task that must stay queued waits behind a *gate*: a task on the only worker
+that blocks until the test creates a file.  ``records=2`` keeps one more task
+in shared memory and puts the rest in the client-side backlog, so both places
+a queued task can be are covered.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import os
+import threading
+import time
+
+import pytest
+import tasks
+
+import stealer
+
+LIMIT = 30.0  # seconds: only turns a hang into a failure
+
+
+# -- tasks (module level, so spawned workers can import them) ---------------------
+def wait_for_file(path, value=None):
+    """Block until ``path`` exists (the test opens the gate), then return ``value``."""
+    end = time.monotonic() + 2 * LIMIT
+    while not os.path.exists(path):
+        if time.monotonic() > end:
+            raise TimeoutError(f"the gate {path} was never opened")
+        time.sleep(0.002)
+    return value
+
+
+# -- helpers ----------------------------------------------------------------------
+def until(predicate, what):
+    end = time.monotonic() + LIMIT
+    while not predicate():
+        if time.monotonic() > end:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+@contextlib.contextmanager
+def gated(ex, tmp_path):
+    """Occupy ``ex``'s only worker with a gate task until the block ends."""
+    gate = tmp_path / "gate"
+    blocker = ex.submit(wait_for_file, str(gate), "blocker")
+    try:
+        until(blocker.running, "the gate task to start")
+        yield blocker
+    finally:
+        gate.touch()
+        blocker.result(timeout=LIMIT)
+
+
+def in_thread(fn, *args, **kwargs):
+    """Run fn in a thread; returns a callable that joins it and gives fn's result."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn(*args, **kwargs)
+        except BaseException as exc:  # handed to the test thread by join()
+            out["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+
+    def join():
+        t.join(LIMIT)
+        if t.is_alive():
+            pytest.fail(f"{getattr(fn, '__name__', fn)} did not return in {LIMIT} s")
+        if "error" in out:
+            raise out["error"]
+        return out["value"]
+
+    return join
+
+
+@pytest.fixture(scope="module")
+def ex1():
+    """One worker and two records: a gate, one queued task, the rest in the backlog."""
+    with stealer.Executor(1, records=2) as e:
+        assert e.wait_ready(LIMIT)
+        yield e
+
+
+# -- 1. a cancelled future counts as done for wait() and as_completed() -----------
+@pytest.mark.parametrize("kind", ["ThreadPoolExecutor", "stealer"])
+def test_cancelled_futures_are_done_for_a_waiter_like_threadpool(kind, ex1, tmp_path):
+    """The same scenario on the stdlib's executor (the oracle) and on ours."""
+    own = cf.ThreadPoolExecutor(1) if kind == "ThreadPoolExecutor" else None
+    ex = own or ex1
+    try:
+        with gated(ex, tmp_path) as blocker:
+            queued = [ex.submit(tasks.square, i) for i in range(3)]  # a record, then backlog
+            join = in_thread(cf.wait, queued, timeout=LIMIT)
+            until(lambda: all(f._waiters for f in queued), "wait() to block")
+            assert [f.cancel() for f in queued] == [True, True, True]
+        done, not_done = join()
+        assert done == set(queued) and not not_done
+        assert all(f.cancelled() for f in queued)
+        assert blocker.result() == "blocker"
+    finally:
+        if own is not None:
+            own.shutdown()
+
+
+def test_wait_counts_cancelled_futures_as_done(ex1, tmp_path):
+    ok = ex1.submit(tasks.square, 7)
+    failed = ex1.submit(tasks.raise_value_error, "task failed")
+    assert ok.result(timeout=LIMIT) == 49
+    assert isinstance(failed.exception(timeout=LIMIT), ValueError)
+    with gated(ex1, tmp_path) as blocker:
+        q = [ex1.submit(tasks.square, i) for i in range(4)]  # q[0] in a record, q[1:] in backlog
+        assert all(f.cancel() for f in q)
+        assert all(f.cancelled() and f.done() for f in q)
+        assert all(f._state == cf._base.CANCELLED_AND_NOTIFIED for f in q)
+
+        done, not_done = cf.wait([q[0], blocker], timeout=LIMIT, return_when=cf.FIRST_COMPLETED)
+        assert done == {q[0]} and not_done == {blocker}
+
+        done, not_done = cf.wait([ok, q[1], failed, blocker], timeout=LIMIT,
+                                 return_when=cf.FIRST_EXCEPTION)
+        assert done == {ok, q[1], failed} and not_done == {blocker}
+
+        done, not_done = cf.wait(q, timeout=LIMIT, return_when=cf.FIRST_EXCEPTION)
+        assert done == set(q) and not not_done
+
+        done, not_done = cf.wait([ok, failed, *q], timeout=LIMIT)
+        assert done == {ok, failed, *q} and not not_done
+
+        assert set(cf.as_completed([ok, failed, *q], timeout=LIMIT)) == {ok, failed, *q}
+        assert list(cf.as_completed([q[2]] * 3, timeout=LIMIT)) == [q[2]]
+        with pytest.raises(cf.TimeoutError, match=r"1 \(of 3\) futures unfinished"):
+            list(cf.as_completed([q[3], ok, blocker], timeout=0))
+        for f in q:
+            with pytest.raises(cf.CancelledError):
+                f.result(timeout=0)
+
+
+def test_cancel_wakes_threads_already_waiting(ex1, tmp_path):
+    with gated(ex1, tmp_path) as blocker:
+        q = [ex1.submit(tasks.square, i) for i in range(3)]
+        all_done = in_thread(cf.wait, q, timeout=LIMIT)
+        first = in_thread(cf.wait, [q[1], blocker], timeout=LIMIT,
+                          return_when=cf.FIRST_COMPLETED)
+        one_by_one = in_thread(lambda: [f for f in cf.as_completed(q, timeout=LIMIT)])
+        until(lambda: len(q[0]._waiters) == 2 and len(q[1]._waiters) == 3, "the waiters")
+        for f in q:
+            assert f.cancel()
+        # all answered while the gate task still holds the only worker
+        assert all_done() == (set(q), set())
+        assert first() == ({q[1]}, {blocker})
+        assert sorted(one_by_one(), key=q.index) == q
+        assert not blocker.done()
+
+
+def test_cancel_runs_done_callbacks_once(ex1, tmp_path):
+    seen = []
+    with gated(ex1, tmp_path):
+        q = [ex1.submit(tasks.square, i) for i in range(2)]
+        for f in q:
+            f.add_done_callback(seen.append)
+        assert all(f.cancel() for f in q)
+        assert all(f.cancel() for f in q)  # again: still cancelled, no second callback
+    assert seen == q
+
+
+def test_shutdown_cancel_futures_notifies_waiters(tmp_path):
+    """Beyond the stdlib: its executors leave these CANCELLED, and wait() never sees them."""
+    e = stealer.Executor(1, records=2)
+    gate = tmp_path / "gate"
+    try:
+        blocker = e.submit(wait_for_file, str(gate), "blocker")
+        until(blocker.running, "the gate task to start")
+        q = [e.submit(tasks.square, i) for i in range(5)]
+        join = in_thread(cf.wait, q, timeout=LIMIT)
+        until(lambda: all(f._waiters for f in q), "wait() to block")
+        e.shutdown(wait=False, cancel_futures=True)
+        assert join() == (set(q), set())
+        assert all(f.cancelled() for f in q)
+    finally:
+        gate.touch()
+        e.shutdown(wait=True)
+    assert blocker.result(timeout=0) == "blocker"

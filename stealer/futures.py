@@ -19,10 +19,6 @@ if TYPE_CHECKING:
 __all__ = ["_Future"]
 
 
-_SETTLED = frozenset((_fbase.CANCELLED, _fbase.CANCELLED_AND_NOTIFIED, _fbase.FINISHED))
-_SETTLED_COND = threading.Condition()  # RLock-based: one thread may hold it for many futures
-
-
 class _Future(Future):
     """A Future that withdraws its queued task on cancel() and is cheap to create.
 
@@ -42,8 +38,10 @@ class _Future(Future):
     Under the GIL these steps are sequentially consistent, so either the
     reader sees FINISHED or the resolver sees the condition (a Dekker
     handshake): nothing is missed.  A future that is already settled when
-    someone first asks for its condition gets a shared one (``wait`` and
-    ``as_completed`` over many finished futures then create nothing).
+    someone first asks gets its own condition too: ``wait`` and
+    ``as_completed`` lock their futures in ``id()`` order, and a lock shared
+    by several futures breaks that order (two threads waiting on overlapping
+    sets deadlock).
 
     ``cancel()`` withdraws a queued task at once, so it also notifies at
     once: the future goes straight to CANCELLED_AND_NOTIFIED (the stdlib's
@@ -76,11 +74,6 @@ class _Future(Future):
         d = self.__dict__
         cond = d.get("_st_cond")
         if cond is None:
-            if self._state in _SETTLED:
-                # A settled future never changes again and is never notified: every
-                # settled future can share one (reentrant) condition. Waiters check
-                # the state under it before they would wait, and find it settled.
-                return _SETTLED_COND
             cond = d.setdefault("_st_cond", threading.Condition())  # atomic under the GIL
         return cond
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import gc
 import os
+import sys
 import threading
 import time
 
@@ -188,3 +190,66 @@ def test_shutdown_cancel_futures_notifies_waiters(tmp_path):
         gate.touch()
         e.shutdown(wait=True)
     assert blocker.result(timeout=0) == "blocker"
+
+
+# -- 2. wait()/as_completed() in several threads keep one lock order --------------
+def test_overlapping_waits_in_two_threads_do_not_deadlock(tmp_path):
+    """wait() and as_completed() lock their futures in id() order; every future needs its
+    own lock for that order to hold (settled ones too, and the ones nobody looked at)."""
+    old_interval = sys.getswitchinterval()
+    e = stealer.Executor(1)
+    gate = tmp_path / "gate"
+    clean = False
+    try:
+        made = [e.submit(tasks.square, i) for i in range(60)]
+        until(lambda: all(f.done() for f in made), "60 quick tasks")  # done() takes no lock
+        settled = set(made[::2])
+        made.clear()  # leave holes in memory, for pending futures to fill
+        gc.collect()
+        lo, hi = min(map(id, settled)), max(map(id, settled))
+        blocker = e.submit(wait_for_file, str(gate), "blocker")
+        pending = [blocker]
+        while sum(lo < id(f) < hi for f in pending) < 5 and len(pending) < 3000:
+            pending.append(e.submit(tasks.square, len(pending)))
+        by_id = sorted([*settled, *pending], key=id)
+        kinds = "".join("S" if f in settled else "P" for f in by_id)
+        # Overlapping sets that lock a pending future after a settled one, and a
+        # settled one after that pending one: a wrong lock order shows up here.
+        cut = kinds.find("SP") + 1
+        assert cut > 0 and "S" in kinds[cut:], f"no settled/pending interleaving: {kinds}"
+        sets = [by_id[:cut + 1], by_id[cut:], by_id[::3], by_id]
+
+        def waits(fs):
+            expect = settled.intersection(fs)
+            for _ in range(1500):
+                done, _not_done = cf.wait(fs, timeout=0)
+                assert done == expect
+
+        def as_completed(fs):
+            expect = settled.intersection(fs)
+            for _ in range(1500):
+                got = set()
+                with pytest.raises(cf.TimeoutError):
+                    for f in cf.as_completed(fs, timeout=0):
+                        got.add(f)
+                assert got == expect
+
+        sys.setswitchinterval(1e-5)  # switch threads often, as CPython's own race tests do
+        joins = [in_thread(fn, fs) for fs in sets for fn in (waits, as_completed)]
+        for join in joins:
+            join()  # fails the test if a thread is stuck (deadlocked)
+        sys.setswitchinterval(old_interval)
+        gate.touch()
+        assert [f.result(timeout=LIMIT) for f in pending[1:]] == [
+            i * i for i in range(1, len(pending))]
+        clean = True
+    finally:
+        sys.setswitchinterval(old_interval)
+        if not clean:
+            # Stuck threads may hold these futures' locks forever: detach every future
+            # (nothing has completed since, the gate is shut) so the result thread
+            # resolves none, and can close the pool instead of blocking on one.
+            e._pool.futures.clear()
+            e._pool.backlog.clear()
+        gate.touch()
+        e.shutdown(wait=True)

@@ -17,6 +17,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 
 import pytest
 import tasks
@@ -35,6 +36,22 @@ def wait_for_file(path, value=None):
             raise TimeoutError(f"the gate {path} was never opened")
         time.sleep(0.002)
     return value
+
+
+def touch(dirname, i):
+    """Leave a trace that task ``i`` ran."""
+    with open(os.path.join(dirname, str(i)), "w"):
+        pass
+    return i
+
+
+class Payload:
+    def __init__(self, i):
+        self.i = i
+
+
+def make_payload(i):
+    return Payload(i)
 
 
 # -- helpers ----------------------------------------------------------------------
@@ -83,11 +100,29 @@ def in_thread(fn, *args, **kwargs):
     return join
 
 
+def collected(ref):
+    """True once the object behind ``ref`` is gone (the result thread may hold it briefly)."""
+    end = time.monotonic() + 10
+    while True:
+        gc.collect()
+        if ref() is None:
+            return True
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.005)
+
+
 @pytest.fixture(scope="module")
 def ex1():
     """One worker and two records: a gate, one queued task, the rest in the backlog."""
     with stealer.Executor(1, records=2) as e:
         assert e.wait_ready(LIMIT)
+        yield e
+
+
+@pytest.fixture(scope="module")
+def ex2():
+    with stealer.Executor(2) as e:
         yield e
 
 
@@ -253,3 +288,138 @@ def test_overlapping_waits_in_two_threads_do_not_deadlock(tmp_path):
             e._pool.backlog.clear()
         gate.touch()
         e.shutdown(wait=True)
+
+
+# -- 3. map() like ProcessPoolExecutor.map ----------------------------------------
+def test_map_results_outlive_the_with_block():
+    with stealer.Executor(2) as e:
+        plain = e.map(tasks.square, range(200))
+        chunked = e.map(tasks.square, range(1000), chunksize=7)
+        first = next(plain)
+    assert [first, *plain] == [i * i for i in range(200)]
+    assert list(chunked) == [i * i for i in range(1000)]
+
+
+def test_map_nobody_iterates_still_runs_every_task(tmp_path):
+    plain, chunked = tmp_path / "plain", tmp_path / "chunked"
+    plain.mkdir()
+    chunked.mkdir()
+    with stealer.Executor(2) as e:
+        e.map(touch, [str(plain)] * 200, range(200))
+        e.map(touch, [str(chunked)] * 1000, range(1000), chunksize=5)
+    assert len(os.listdir(plain)) == 200
+    assert len(os.listdir(chunked)) == 1000
+
+
+def test_map_buffersize_is_lazy_and_bounded(ex2):
+    ints = iter(range(10))
+    it = ex2.map(tasks.square, ints, buffersize=2)
+    assert next(ints) == 2  # map took only the first two inputs
+    assert list(it) == [0, 1] + [i * i for i in range(3, 10)]
+    ints = iter(range(40))
+    it = ex2.map(tasks.square, ints, chunksize=4, buffersize=2)
+    assert next(ints) == 8  # two chunks of four
+    assert list(it) == [i * i for i in range(8)] + [i * i for i in range(9, 40)]
+    assert list(ex2.map(tasks.add, range(4), range(4), buffersize=3)) == [0, 2, 4, 6]
+    assert list(ex2.map(str, buffersize=2)) == []
+    assert list(ex2.map(str, [], buffersize=2)) == []
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="buffersize"):
+            ex2.map(str, range(4), buffersize=bad)
+    for bad in ("2", 2.0):
+        with pytest.raises(TypeError, match="buffersize"):
+            ex2.map(str, range(4), buffersize=bad)
+
+
+def test_map_buffersize_across_shutdown_keeps_results_then_raises():
+    with stealer.Executor(2) as e:
+        plain = e.map(tasks.square, range(10), buffersize=3)
+        chunked = e.map(tasks.square, range(40), chunksize=4, buffersize=2)
+        assert next(plain) == 0
+        assert next(chunked) == 0
+    # Every task submitted before shutdown gives its result; then a clear error.
+    got = []
+    with pytest.raises(stealer.ExecutorShutdownError, match="buffersize=3"):
+        for x in plain:
+            got.append(x)
+    assert got == [1, 4, 9]
+    with pytest.raises(StopIteration):
+        next(plain)
+    got = []
+    with pytest.raises(stealer.ExecutorShutdownError, match="buffersize=None"):
+        for x in chunked:
+            got.append(x)
+    assert got == [i * i for i in range(1, 12)]  # the rest of chunk 0, chunks 1 and 2
+
+
+def test_map_buffersize_does_not_keep_the_executor_alive():
+    e = stealer.Executor(1)
+    pool = e._pool
+    ref = weakref.ref(e)
+    it = e.map(tasks.square, range(10), buffersize=2)
+    del e
+    assert collected(ref)
+    try:
+        got = []
+        with pytest.raises(stealer.ExecutorShutdownError, match="garbage"):
+            for x in it:
+                got.append(x)
+        assert got == [0, 1]
+    finally:
+        pool.begin_shutdown()
+        pool.thread.join(LIMIT)
+    assert not pool.thread.is_alive()
+
+
+@pytest.mark.parametrize(("chunksize", "buffersize"), [(1, None), (3, None), (1, 4), (3, 2)])
+def test_map_keeps_no_reference_to_yielded_results(ex2, chunksize, buffersize):
+    """CPython issue 14406: the iterator must not hold a result it has yielded."""
+    n = 0
+    for obj in ex2.map(make_payload, range(8), chunksize=chunksize, buffersize=buffersize):
+        assert obj.i == n
+        ref = weakref.ref(obj)
+        del obj
+        assert collected(ref), f"map still holds result {n}"
+        n += 1
+    assert n == 8
+
+
+@pytest.mark.parametrize(("chunksize", "buffersize"), [(1, None), (4, None), (1, 2), (4, 2)])
+def test_map_timeout_cancels_every_pending_task(ex1, tmp_path, chunksize, buffersize):
+    ran = tmp_path / "ran"
+    ran.mkdir()
+    with gated(ex1, tmp_path):
+        it = ex1.map(touch, [str(ran)] * 12, range(12), timeout=0.2, chunksize=chunksize,
+                     buffersize=buffersize)
+        with pytest.raises(cf.TimeoutError):
+            next(it)
+        with pytest.raises(StopIteration):
+            next(it)
+        # nothing of the map is left to run, the task that timed out included
+        assert ex1.stats().client["pending"] == 1  # the gate task
+    assert ex1.submit(tasks.square, 3).result(timeout=LIMIT) == 9
+    assert os.listdir(ran) == []
+
+
+def test_map_error_ends_iteration(ex2):
+    for chunksize in (1, 2):
+        it = ex2.map(divmod, [5, 5, 5, 5], [2, 3, 0, 5], chunksize=chunksize)
+        assert next(it) == (2, 1)
+        assert next(it) == (1, 2)
+        with pytest.raises(ZeroDivisionError):
+            next(it)
+        with pytest.raises(StopIteration):
+            next(it)
+
+
+def test_map_close_cancels_what_has_not_started(ex1, tmp_path):
+    gates = [tmp_path / str(i) for i in range(6)]
+    gates[0].touch()
+    it = ex1.map(wait_for_file, [str(g) for g in gates], range(6))
+    assert next(it) == 0
+    it.close()  # tasks 2..5 wait behind gates never opened: they must be withdrawn
+    assert ex1.stats().client["pending"] <= 1  # task 1, if the worker had started it
+    gates[1].touch()
+    until(lambda: ex1.stats().client["pending"] == 0, "task 1")
+    with pytest.raises(StopIteration):
+        next(it)

@@ -62,6 +62,83 @@ def _check_retries(retries: Any) -> None:
         raise ValueError(f"retries must be an int from 0 to 255, not {retries!r}")
 
 
+class _MapFeed:
+    """The lazy input of ``map(buffersize=N)``: submits one more task on request."""
+
+    __slots__ = ("buffersize", "call", "executor", "items", "refused")
+
+    def __init__(self, executor: Executor, call: Callable[..., Any], items: Iterator[tuple],
+                 buffersize: int) -> None:
+        self.executor = weakref.ref(executor)  # the iterator must not keep the executor alive
+        self.call = call
+        self.items: Iterator[tuple] | None = items  # None once exhausted or refused
+        self.buffersize = buffersize
+        self.refused: BaseException | None = None
+
+    def top_up(self, fs: collections.deque[Future]) -> None:
+        items = self.items
+        if items is None:
+            return
+        ex = self.executor()
+        try:
+            if ex is None:
+                raise ExecutorShutdownError("the executor was garbage-collected")
+            if ex._pool.shutdown:
+                ex._refuse()  # raises: shut down, or broken
+            args = next(items, None)
+            if args is None:
+                self.items = None
+                return
+            fs.append(ex.submit(self.call, *args))
+        except (ExecutorShutdownError, BrokenExecutor) as exc:
+            self.items = None
+            self.refused = exc
+
+    def raise_refused(self) -> None:
+        exc = self.refused
+        if exc is None:
+            return
+        self.refused = None
+        if isinstance(exc, BrokenExecutor):
+            raise exc
+        raise ExecutorShutdownError(
+            f"map(buffersize={self.buffersize}) could not submit the rest of its input: {exc}. "
+            "It has yielded the results of every task it had submitted. Iterate the map "
+            "before the executor shuts down, or leave buffersize=None to submit every task "
+            "up front.") from exc
+
+
+def _result_or_cancel(f: Future, end_time: float | None) -> Any:
+    try:
+        return f.result() if end_time is None else f.result(end_time - time.monotonic())
+    except BaseException:
+        f.cancel()  # a timeout: withdraw it unless it has started
+        raise
+    finally:
+        del f  # no cycle through the exception's traceback
+
+
+def _map_results(fs: collections.deque[Future], end_time: float | None, chunked: bool,
+                 feed: _MapFeed | None) -> Iterator[Any]:
+    """The iterator of map(): no local holds a result across a yield (CPython issue 14406)."""
+    try:
+        while fs:
+            if feed is not None:
+                feed.top_up(fs)  # before waiting: nothing in hand is lost if it is refused
+            if chunked:
+                chunk = _result_or_cancel(fs.popleft(), end_time)
+                chunk.reverse()
+                while chunk:
+                    yield chunk.pop()
+            else:
+                yield _result_or_cancel(fs.popleft(), end_time)
+        if feed is not None:
+            feed.raise_refused()
+    finally:
+        for f in fs:
+            f.cancel()
+
+
 class Executor(_fbase.Executor):
     """A ``concurrent.futures.Executor`` of worker processes that steal work from each other.
 
@@ -212,60 +289,52 @@ class Executor(_fbase.Executor):
 
     def map(self, fn: Callable[..., Any], *iterables: Iterable[Any], timeout: float | None = None,
             chunksize: int = 1, buffersize: int | None = None) -> Iterator[Any]:
-        """Like ``Executor.map``, but lazy: at most ``buffersize`` tasks are in flight.
+        """Like ``ProcessPoolExecutor.map``, with Python 3.14's ``buffersize``.
 
-        The first ``buffersize`` tasks (default: 4 per worker per chunk, at
-        least 64) are submitted at once; each result consumed submits the
-        next, so an endless input is fine.  Results come in input order.
+        By default every task (one per ``chunksize`` inputs) is submitted
+        before ``map`` returns, as in the stdlib: the tasks run even if nobody
+        iterates, and the results can be read after the executor is shut down.
+
+        ``buffersize=N`` reads the input lazily (an endless input is fine):
+        N tasks are submitted at first, then one more each time a result is
+        asked for.  If the executor is shut down (or garbage-collected: the
+        iterator holds it only weakly) before all the input is submitted, the
+        iterator still yields the results of every task it submitted, then
+        raises ExecutorShutdownError.
+
+        Results come in input order, and the iterator keeps no reference to
+        one it has yielded.  A task's exception, a TimeoutError (``timeout``
+        seconds after the call to ``map``), or closing the iterator ends the
+        iteration and cancels every task of the map not yet started, the one
+        that timed out included.
         """
         if chunksize < 1:
             raise ValueError("chunksize must be >= 1.")
-        if buffersize is None:
-            buffersize = max(64, 4 * self._max_workers)
-        elif buffersize < 1:
-            raise ValueError("buffersize must be >= 1.")
+        if buffersize is not None:
+            if not isinstance(buffersize, int):
+                raise TypeError("buffersize must be an integer or None")
+            if buffersize < 1:
+                raise ValueError("buffersize must be None or > 0")
         end_time = None if timeout is None else timeout + time.monotonic()
         args_iter = zip(*iterables)
+        call: Callable[..., Any] = fn
+        items: Iterator[tuple] = args_iter
         if chunksize > 1:
             fref = self._pool.fns.id_of(fn)
             fn_ref: Any = fref if fref >= 0 else fn
-            it = iter(lambda: list(itertools.islice(args_iter, chunksize)), [])
-
-            def submit_next() -> Future | None:
-                chunk = next(it, None)
-                return None if chunk is None else self.submit(_run_chunk, fn_ref, chunk)
-        else:
-            def submit_next() -> Future | None:
-                args = next(args_iter, None)
-                return None if args is None else self.submit(fn, *args)
-
-        pending: collections.deque[Future] = collections.deque()
-        while len(pending) < buffersize:
-            f = submit_next()
-            if f is None:
-                break
-            pending.append(f)
-
-        def results() -> Iterator[Any]:
-            try:
-                while pending:
-                    f = pending.popleft()
-                    if end_time is None:
-                        res = f.result()
-                    else:
-                        res = f.result(end_time - time.monotonic())
-                    nxt = submit_next()
-                    if nxt is not None:
-                        pending.append(nxt)
-                    if chunksize > 1:
-                        yield from res
-                    else:
-                        yield res
-            finally:
-                for f in pending:
-                    f.cancel()
-
-        return results()
+            call = _run_chunk
+            chunks = iter(lambda: list(itertools.islice(args_iter, chunksize)), [])
+            items = ((fn_ref, chunk) for chunk in chunks)
+        fs: collections.deque[Future] = collections.deque()
+        try:
+            for args in (items if buffersize is None else itertools.islice(items, buffersize)):
+                fs.append(self.submit(call, *args))
+        except BaseException:
+            for f in fs:
+                f.cancel()
+            raise
+        feed = None if buffersize is None else _MapFeed(self, call, items, buffersize)
+        return _map_results(fs, end_time, chunksize > 1, feed)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         pool = self._pool

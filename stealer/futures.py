@@ -20,10 +20,6 @@ if TYPE_CHECKING:
 __all__ = ["_Future"]
 
 
-_SETTLED = frozenset((_fbase.CANCELLED, _fbase.CANCELLED_AND_NOTIFIED, _fbase.FINISHED))
-_SETTLED_COND = threading.Condition()  # RLock-based: one thread may hold it for many futures
-
-
 class _Future(Future):
     """A Future that withdraws its queued task on cancel() and is cheap to create.
 
@@ -43,9 +39,16 @@ class _Future(Future):
     Under the GIL these steps are sequentially consistent, so either the
     reader sees FINISHED or the resolver sees the condition (a Dekker
     handshake): nothing is missed.  A future that is already settled when
-    someone first asks for its condition gets a shared one (``wait`` and
-    ``as_completed`` over many finished futures then create nothing).
-    Every other method is the stdlib's.
+    someone first asks gets its own condition too: ``wait`` and
+    ``as_completed`` lock their futures in ``id()`` order, and a lock shared
+    by several futures breaks that order (two threads waiting on overlapping
+    sets deadlock).
+
+    ``cancel()`` withdraws a queued task at once, so it also notifies at
+    once: the future goes straight to CANCELLED_AND_NOTIFIED (the stdlib's
+    executors get there later, when a worker would have run it), and
+    ``wait``/``as_completed`` count it as done.  Every other method is the
+    stdlib's.
     """
 
     _result: Any = None
@@ -72,11 +75,6 @@ class _Future(Future):
         d = self.__dict__
         cond = d.get("_st_cond")
         if cond is None:
-            if self._state in _SETTLED:
-                # A settled future never changes again and is never notified: every
-                # settled future can share one (reentrant) condition. Waiters check
-                # the state under it before they would wait, and find it settled.
-                return _SETTLED_COND
             cond = d.setdefault("_st_cond", threading.Condition())  # atomic under the GIL
         return cond
 
@@ -116,16 +114,28 @@ class _Future(Future):
         return self._state in (_fbase.CANCELLED, _fbase.CANCELLED_AND_NOTIFIED, _fbase.FINISHED)
 
     def cancel(self) -> bool:
-        with self._condition:
-            if self._state == _fbase.PENDING:
-                h = self._st_handle
-                if h is not None:
-                    pool = self._st_pool
-                    # generation-checked CAS, pairs with the worker's start CAS
-                    if pool.arena.tr.cancel(h) is not Outcome.OK:
-                        return False  # a worker started it, or it is already done
-                self._st_pool.futures.pop(self._st_fid, None)
-            return super().cancel()
+        cond = self._condition
+        with cond:
+            state = self._state
+            if state in (_fbase.CANCELLED, _fbase.CANCELLED_AND_NOTIFIED):
+                return True
+            if state != _fbase.PENDING:
+                return False
+            pool = self._st_pool
+            h = self._st_handle
+            # No handle: still in the client-side backlog (drain_backlog skips it). Else a
+            # generation-checked CAS on the record's state, pairs with the worker's start CAS.
+            if h is not None and pool.arena.tr.cancel(h) is not Outcome.OK:
+                return False  # a worker started it, or it is already done
+            pool.futures.pop(self._st_fid, None)
+            # Nobody will run it, so nobody else would call set_running_or_notify_cancel():
+            # do its part here, under the same lock as the cancel.
+            self._state = _fbase.CANCELLED_AND_NOTIFIED
+            for waiter in self._waiters:
+                waiter.add_cancelled(self)
+            cond.notify_all()
+        self._invoke_callbacks()  # outside the lock, as the stdlib does
+        return True
 
     def running(self) -> bool:
         with self._condition:

@@ -24,7 +24,7 @@ import weakref
 from concurrent.futures import _base as _fbase
 from typing import Any
 
-from stealer import serialize
+from stealer import liveness, serialize
 from stealer._queues import impl as _default_queues
 from stealer.arena import F_BUFFERS, K_ROOT, R_PENDING, ST_ERROR, ST_OK, Arena
 from stealer.errors import BrokenExecutor, RemoteTraceback, SerializationError, WorkerCrashedError
@@ -185,6 +185,7 @@ class _Pool:
             steal_order=self.steal[k] if self.steal else None,
             initializer=self.initializer, initargs=self.initargs,
             max_tasks=self.max_tasks, ppid=os.getpid(), thread_limit=self.thread_limit,
+            client_start=liveness.start_time(os.getpid()),  # with ppid, names this client
         )
         p = self.ctx.Process(target=worker_main, args=(args,), name=f"stealer-worker-{k}")
         p.start()

@@ -28,7 +28,7 @@ import pytest
 import tasks
 
 import stealer
-from stealer import _pyqueues
+from stealer import _pyqueues, _queues
 from stealer.errors import WorkerCrashedError
 from stealer.idle import NOTIFIED, PARKED, RUNNING, Idle
 from stealer.shm import (
@@ -328,6 +328,8 @@ def _ready_pid(ex, k: int, killed: set[int]) -> int:
     return pool.procs[k].pid
 
 
+@pytest.mark.skipif(not _queues.NATIVE, reason="the reference queues share one lock, which a "
+                    "worker SIGKILLed while holding it never releases")
 def test_kills_while_searching_leave_the_accounting_sound():
     """SIGKILL workers during bursts of tiny tasks (they search between tasks)."""
     n, rounds = 2, 12

@@ -70,8 +70,9 @@ cdef class HotPath:
     cdef uint64_t nrecords
     cdef Py_ssize_t client_park_off
     # Idle accounting (stealer/idle.py), for the native notify after a submit.
-    cdef Py_ssize_t searching_off   # u32 searching workers: add32 by workers
-    cdef Py_ssize_t parked_off      # u32 parked workers: add32 by workers
+    cdef Py_ssize_t searching_off   # u64[nwords] set of searching workers (bit k % 64 of word k // 64)
+    cdef Py_ssize_t parked_off      # u64[nwords] set of parked workers
+    cdef int nwords                 # (nworkers + 63) // 64
     cdef Py_ssize_t park_base       # worker 0's park word; worker k's is park_base + k * park_stride
     cdef Py_ssize_t park_stride
     cdef int nworkers

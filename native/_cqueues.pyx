@@ -27,6 +27,26 @@ from libc.stdint cimport int64_t, uint32_t, uint64_t
 
 from atomics cimport *
 
+
+# Worker-set helpers (stealer/idle.py): one atomic RMW per transition of a worker's bit.
+cdef extern from *:
+    """
+    #include <stdatomic.h>
+    #include <stdint.h>
+    static inline uint64_t wset_fetch_or_seqcst(void *p, uint64_t v) {
+        return atomic_fetch_or_explicit((_Atomic uint64_t *)p, v, memory_order_seq_cst);
+    }
+    static inline uint64_t wset_fetch_and_seqcst(void *p, uint64_t v) {
+        return atomic_fetch_and_explicit((_Atomic uint64_t *)p, v, memory_order_seq_cst);
+    }
+    static inline int wset_popcount(uint64_t v) { return __builtin_popcountll(v); }
+    static inline int wset_ctz(uint64_t v) { return __builtin_ctzll(v); }
+    """
+    uint64_t wset_fetch_or_seqcst(void *p, uint64_t v) nogil
+    uint64_t wset_fetch_and_seqcst(void *p, uint64_t v) nogil
+    int wset_popcount(uint64_t v) nogil
+    int wset_ctz(uint64_t v) nogil
+
 EMPTY = ST_EMPTY
 RETRY = ST_RETRY
 NATIVE = True
@@ -104,17 +124,61 @@ cdef class Region:
     def fence(self):
         st_fence_seqcst()
 
-    def idle_check(self, Py_ssize_t searching_off, Py_ssize_t parked_off):
+    def or64(self, Py_ssize_t off, uint64_t bits):
+        """Atomic fetch-or (seq_cst); returns the old value."""
+        self._check(off, 8)
+        # seq_cst RMW: a worker entering a set (stealer/idle.py); its release half pairs with
+        # the notifiers' acquire load of the parked set
+        return wset_fetch_or_seqcst(self.at(off), bits)
+
+    def and64(self, Py_ssize_t off, uint64_t bits):
+        """Atomic fetch-and (seq_cst); returns the old value."""
+        self._check(off, 8)
+        # seq_cst RMW: a worker leaving a set, or the client clearing a dead worker's bit
+        return wset_fetch_and_seqcst(self.at(off), bits)
+
+    def count_bits(self, Py_ssize_t off, Py_ssize_t nwords):
+        """Bits set in the ``nwords`` 64-bit words at ``off`` (a worker set's size)."""
+        if nwords < 0:
+            raise ValueError("nwords must be >= 0")
+        if nwords:
+            self._check(off, 8)
+            self._check(off + 8 * (nwords - 1), 8)
+        cdef Py_ssize_t j
+        cdef int c = 0
+        for j in range(nwords):
+            # acquire: pairs with the or64/and64 RMWs of the set (a snapshot per word, not
+            # across words: the set's size is advisory, used by the "half search" policy)
+            c += wset_popcount(st_load_acquire_u64(self.at(off + 8 * j)))
+        return c
+
+    def idle_check(self, Py_ssize_t searching_off, Py_ssize_t parked_off, Py_ssize_t nwords=1):
         """After publishing work: True if nobody searches and somebody is parked.
 
-        The seq_cst fence orders the publication before both loads (the
-        notifier's half of the park handshake in stealer/idle.py).
+        ``searching_off`` and ``parked_off`` are worker sets of ``nwords``
+        64-bit words each (stealer/idle.py).  The seq_cst fence orders the
+        publication before the loads (the notifier's half of the park
+        handshake; the worker's half is its RMW on the set, then a seq_cst
+        fence, then its re-check of the queues).
         """
-        self._check(searching_off, 4)
-        self._check(parked_off, 4)
-        st_fence_seqcst()
-        return (st_load_relaxed_u32(self.at(searching_off)) == 0
-                and st_load_relaxed_u32(self.at(parked_off)) != 0)
+        if nwords < 1:
+            raise ValueError("nwords must be >= 1")
+        self._check(searching_off, 8)
+        self._check(searching_off + 8 * (nwords - 1), 8)
+        self._check(parked_off, 8)
+        self._check(parked_off + 8 * (nwords - 1), 8)
+        st_fence_seqcst()  # seq_cst: the work just published before the loads below
+        cdef Py_ssize_t j
+        for j in range(nwords):
+            # relaxed after the fence: a searcher's bit (or64/and64, seq_cst) seen set means
+            # that worker re-checks the queues after this publication (fence pairing above)
+            if st_load_relaxed_u64(self.at(searching_off + 8 * j)) != 0:
+                return False
+        for j in range(nwords):
+            # relaxed after the fence: the parker's or64 precedes its fence and queue re-check
+            if st_load_relaxed_u64(self.at(parked_off + 8 * j)) != 0:
+                return True
+        return False
 
     def futex_wait(self, Py_ssize_t off, uint32_t expected, timeout=None):
         """Sleep while the 32-bit word at ``off`` equals ``expected``.
@@ -524,13 +588,17 @@ cdef class HotPath:
                   Py_ssize_t park_base=-1, Py_ssize_t park_stride=0, int nworkers=0):
         if rec_base < 0 or rec_base % 64 or rec_base + <Py_ssize_t>(nrecords * RECORD_BYTES) > region.size:
             raise ValueError("records do not fit the region")
+        cdef int nwords = (nworkers + 63) // 64
         if nworkers > 0:
-            region._check(searching_off, 4)
-            region._check(parked_off, 4)
+            region._check(searching_off, 8)
+            region._check(searching_off + 8 * (nwords - 1), 8)
+            region._check(parked_off, 8)
+            region._check(parked_off + 8 * (nwords - 1), 8)
             region._check(park_base, 4)
             region._check(park_base + park_stride * (nworkers - 1), 4)
         self.searching_off = searching_off
         self.parked_off = parked_off
+        self.nwords = nwords
         self.park_base = park_base
         self.park_stride = park_stride
         self.nworkers = nworkers
@@ -567,24 +635,46 @@ cdef class HotPath:
         self.c_free(h)
 
     cdef int c_notify_one(self) noexcept nogil:
-        # The notifier's half of the park handshake (stealer/idle.py, Idle.notify_one).
+        # The notifier's half of the park handshake; Idle.notify_one (stealer/idle.py) is the
+        # reference.  Searching/parked are worker sets: bit k % 64 of u64 word k // 64.
         if self.nworkers <= 0:
             return -1
         cdef char *base = self.region.base
-        st_fence_seqcst()          # seq_cst: the work just published before the loads below
-        if (st_load_relaxed_u32(base + self.searching_off) != 0
-                or st_load_relaxed_u32(base + self.parked_off) == 0):
-            return -1              # a searcher will find it, or nobody sleeps
-        cdef int i, k
+        cdef int nw = self.nwords
+        cdef int i, j, k
+        cdef uint64_t m
         cdef char *w
-        for i in range(self.nworkers):
-            k = (self.next_rr + i) % self.nworkers
-            w = base + self.park_base + self.park_stride * k
-            if st_cas_seqcst_u32(w, PARKED, NOTIFIED):   # pairs with the worker's store of PARKED
-                self.next_rr = k + 1
-                st_futex_wake(w, 1)
-                return k
-        return -1
+        st_fence_seqcst()          # seq_cst: the work just published before the loads below;
+                                   # pairs with the fence a parker issues after its or64
+        for j in range(nw):
+            # relaxed after the fence: writers are the workers' or64/and64 (seq_cst) of their
+            # own bit and the client's and64 in forget; a searcher seen here re-checks the
+            # queues after this publication (it parks only after its fence and re-check)
+            if st_load_relaxed_u64(base + self.searching_off + 8 * j) != 0:
+                return -1          # a searcher will find it
+        cdef int start = self.next_rr if self.next_rr < self.nworkers else 0
+        cdef int sw = start >> 6
+        cdef int sb = start & 63
+        for i in range(nw + 1):    # round robin from worker ``start``: its word twice, split
+            j = (sw + i) % nw
+            # acquire: pairs with the parker's or64 (seq_cst, so release), which it issues
+            # after storing PARKED: a bit seen set means the CAS below sees PARKED or later
+            m = st_load_acquire_u64(base + self.parked_off + 8 * j)
+            if i == 0:
+                m &= ~<uint64_t>0 << sb
+            elif i == nw:
+                m &= (<uint64_t>1 << sb) - 1
+            while m:
+                k = 64 * j + wset_ctz(m)
+                m &= m - 1
+                if k >= self.nworkers:
+                    break
+                w = base + self.park_base + self.park_stride * k
+                if st_cas_seqcst_u32(w, PARKED, NOTIFIED):   # pairs with the worker's store of PARKED
+                    self.next_rr = k + 1
+                    st_futex_wake(w, 1)
+                    return k
+        return -1              # nobody parked (or all of them already notified or awake)
 
     def notify_one(self):
         """Wake one parked worker if nobody searches; the worker index woken, or -1."""

@@ -186,12 +186,46 @@ class Region:
         with self.lock:
             pass
 
-    def idle_check(self, searching_off: int, parked_off: int) -> bool:
-        """After publishing work: True if nobody searches and somebody is parked."""
-        self._check(searching_off, 4)
-        self._check(parked_off, 4)
+    def or64(self, off: int, bits: int) -> int:
+        """Atomic fetch-or; returns the old value (a worker entering a set, stealer/idle.py)."""
+        self._check(off, 8)
         with self.lock:
-            return self._r32(searching_off) == 0 and self._r32(parked_off) != 0
+            old = self._r64(off)
+            self._w64(off, old | bits)
+            return old
+
+    def and64(self, off: int, bits: int) -> int:
+        """Atomic fetch-and; returns the old value (a worker leaving a set, or forget)."""
+        self._check(off, 8)
+        with self.lock:
+            old = self._r64(off)
+            self._w64(off, old & bits)
+            return old
+
+    def count_bits(self, off: int, nwords: int) -> int:
+        """Bits set in the ``nwords`` 64-bit words at ``off`` (a worker set's size)."""
+        if nwords < 0:
+            raise ValueError("nwords must be >= 0")
+        if nwords:
+            self._check(off, 8)
+            self._check(off + 8 * (nwords - 1), 8)
+        with self.lock:
+            return sum(self._r64(off + 8 * j).bit_count() for j in range(nwords))
+
+    def idle_check(self, searching_off: int, parked_off: int, nwords: int = 1) -> bool:
+        """After publishing work: True if nobody searches and somebody is parked.
+
+        ``searching_off`` and ``parked_off`` are worker sets of ``nwords`` 64-bit words.
+        """
+        if nwords < 1:
+            raise ValueError("nwords must be >= 1")
+        for off in (searching_off, parked_off):
+            self._check(off, 8)
+            self._check(off + 8 * (nwords - 1), 8)
+        with self.lock:
+            if any(self._r64(searching_off + 8 * j) for j in range(nwords)):
+                return False
+            return any(self._r64(parked_off + 8 * j) for j in range(nwords))
 
     def _address(self, off: int) -> int:
         if self._addr is None:

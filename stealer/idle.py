@@ -9,57 +9,102 @@ Policy (after tokio's ``idle.rs``):
 * Publishing work (submit, spawn, a stolen batch) wakes one parked worker
   only when nobody is searching: a searcher will find the work anyway.
 * Parking is a Dekker handshake with the notifier.  The worker stores its
-  park word (PARKED), counts itself parked, then re-checks every queue
-  before sleeping on the futex; the notifier publishes work, issues a
-  seq_cst fence, then reads the searching/parked counts and CASes one
-  park word PARKED -> NOTIFIED before ``futex_wake``.  One of the two
-  always sees the other, so no wake-up is lost.
+  park word (PARKED), enters the parked set, issues a seq_cst fence, then
+  re-checks every queue before sleeping on the futex; the notifier
+  publishes work, issues a seq_cst fence, then reads the searching and
+  parked sets and CASes one park word PARKED -> NOTIFIED before
+  ``futex_wake``.  One of the two always sees the other, so no wake-up is
+  lost.
+
+Kill safety.  Who searches and who is parked are two *worker sets* in the
+segment header (``H_SEARCHING``, ``H_PARKED``): bit ``k % 64`` of 64-bit word
+``k // 64`` is worker ``k``, and a count is a popcount.  Every transition of
+a worker is ONE atomic read-modify-write on its own bit (``or64`` to enter,
+``and64`` to leave), so a worker killed between any two of its steps has
+either done a transition or not, never half of one; ``forget`` (the client,
+after the death) clears the dead worker's bits with ``and64``, which is
+idempotent whatever the worker had done.  (The previous design, a per-worker
+flag plus a shared counter, took two steps per transition: a worker killed
+between them made ``forget`` decrement the counter twice, the unsigned count
+wrapped, and notifiers believed forever that somebody searched.)  Several
+words instead of one keep this exact for more than 64 workers; a reader
+sees each word atomically but not all of them at once, which only matters
+to the advisory "at most half search" count, never to a wake-up (each bit's
+handshake is per worker).  ``SET_WORDS`` words fit the header, so an
+executor has at most ``MAX_WORKERS`` workers.
+
+The native ``HotPath.c_notify_one`` in native/_cqueues.pyx is the same
+notify as :meth:`Idle.notify_one`, in one call after a submit.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from stealer.shm import H_CLIENT_PARK, H_PARKED, H_SEARCHING, W_PARK, W_SEARCHING, Layout
+from stealer.shm import H_CLIENT_PARK, H_PARKED, H_SEARCHING, MAX_WORKERS, W_PARK, Layout
 
 __all__ = ["Idle", "RUNNING", "PARKED", "NOTIFIED"]
 
 RUNNING, PARKED, NOTIFIED = 0, 1, 2
+_M64 = (1 << 64) - 1
 
 
 class Idle:
     def __init__(self, region: Any, layout: Layout) -> None:
+        n = layout.nworkers
+        if n > MAX_WORKERS:
+            raise ValueError(f"an executor can have at most {MAX_WORKERS} workers (asked for "
+                             f"{n}); run several executors for more")
         self.r = region
-        self.n = layout.nworkers
-        self.park_words = [layout.worker(k) + W_PARK for k in range(self.n)]
-        self.search_flags = [layout.worker(k) + W_SEARCHING for k in range(self.n)]
+        self.n = n
+        self.nwords = (n + 63) // 64
+        self.park_words = [layout.worker(k) + W_PARK for k in range(n)]
+        self.bits = [1 << (k & 63) for k in range(n)]
+        self.search_words = [H_SEARCHING + 8 * (k >> 6) for k in range(n)]
+        self.parked_words = [H_PARKED + 8 * (k >> 6) for k in range(n)]
         self._next = 0
+
+    # -- counts (advisory: a snapshot per 64-bit word) --------------------------
+    def searching(self) -> int:
+        """How many workers search now."""
+        return self.r.count_bits(H_SEARCHING, self.nwords)
+
+    def parked(self) -> int:
+        """How many workers are parked (or about to park, or just woken) now."""
+        return self.r.count_bits(H_PARKED, self.nwords)
 
     # -- searching ---------------------------------------------------------
     def try_search(self, k: int) -> bool:
         """Worker ``k`` becomes a searcher unless half the workers already search."""
         r = self.r
-        if 2 * r.load32(H_SEARCHING) >= self.n and self.n > 1:
+        if self.n > 1 and 2 * r.count_bits(H_SEARCHING, self.nwords) >= self.n:
             return False
-        r.store32(self.search_flags[k], 1)  # for the client's correction if k dies while searching
-        r.add32(H_SEARCHING, 1)  # seq_cst RMW: read by notify_one after its fence
+        # seq_cst RMW, the whole transition: the notifiers' loads after their fence see the bit
+        # (and skip the wake) only if this worker scans the queues after their publication
+        r.or64(self.search_words[k], self.bits[k])
         return True
 
     def stop_search(self, k: int, found_work: bool) -> None:
         """Leave the searching state; the last searcher to find work wakes another."""
         r = self.r
-        old = r.add32(H_SEARCHING, -1)  # seq_cst RMW: pairs with notify_one's fence
-        r.store32(self.search_flags[k], 0)
-        if found_work and old == 1:
+        bit = self.bits[k]
+        # seq_cst RMW, the whole transition; pairs with the notifiers' fence (see try_search)
+        old = r.and64(self.search_words[k], ~bit & _M64)
+        if found_work and old == bit and (
+                self.nwords == 1 or r.count_bits(H_SEARCHING, self.nwords) == 0):
             self.notify_one()
 
     def forget(self, k: int) -> None:
-        """Client, after worker ``k`` died: drop it from the searching/parked counts."""
+        """Client, after worker ``k`` died: take it out of the searching and parked sets.
+
+        Idempotent, and right whichever step the worker was killed after: each
+        of its transitions was one RMW on its own bit, which these undo.
+        """
         r = self.r
-        if r.exchange32(self.search_flags[k], 0):
-            r.add32(H_SEARCHING, -1)
-        if r.exchange32(self.park_words[k], RUNNING) != RUNNING:
-            r.add32(H_PARKED, -1)
+        clear = ~self.bits[k] & _M64
+        r.and64(self.search_words[k], clear)  # seq_cst RMW; the dead worker wrote it last
+        r.and64(self.parked_words[k], clear)  # seq_cst RMW; likewise
+        r.exchange32(self.park_words[k], RUNNING)  # seq_cst; notifiers CAS only PARKED words
 
     # -- waking --------------------------------------------------------------
     def notify_one(self) -> bool:
@@ -68,18 +113,33 @@ class Idle:
         (The native HotPath.notify_one in native/_cqueues.pyx does the same in one call.)
         """
         r = self.r
+        nw = self.nwords
         # seq_cst fence, then: nobody searching and somebody parked? (one native call)
-        if not r.idle_check(H_SEARCHING, H_PARKED):
+        if not r.idle_check(H_SEARCHING, H_PARKED, nw):
             return False
         n = self.n
-        start = self._next
-        for i in range(n):
-            k = (start + i) % n
-            w = self.park_words[k]
-            if r.cas32(w, PARKED, NOTIFIED):  # pairs with the worker's store of PARKED
-                self._next = k + 1
-                r.futex_wake(w, 1)
-                return True
+        start = self._next if self._next < n else 0
+        sw, sb = start >> 6, start & 63
+        for i in range(nw + 1):  # round robin from worker ``start``: its word twice, split
+            j = (sw + i) % nw
+            # acquire: pairs with the parker's or64 (after its PARKED store), so the CAS below
+            # sees PARKED or later
+            m = r.load64(H_PARKED + 8 * j)
+            if i == 0:
+                m &= _M64 << sb
+            elif i == nw:
+                m &= (1 << sb) - 1
+            while m:
+                low = m & -m
+                m ^= low
+                k = 64 * j + low.bit_length() - 1
+                if k >= n:
+                    break
+                w = self.park_words[k]
+                if r.cas32(w, PARKED, NOTIFIED):  # pairs with the worker's store of PARKED
+                    self._next = k + 1
+                    r.futex_wake(w, 1)
+                    return True
         return False
 
     def notify_worker(self, k: int) -> None:
@@ -99,15 +159,19 @@ class Idle:
         """Sleep until notified, work appears, or ``timeout``; False on timeout."""
         r = self.r
         w = self.park_words[k]
-        r.store32(w, PARKED)  # seq_cst: read by notifiers' CAS after their fence
-        r.add32(H_PARKED, 1)
+        word, bit = self.parked_words[k], self.bits[k]
+        r.store32(w, PARKED)  # seq_cst: read by notifiers' CAS (PARKED -> NOTIFIED)
+        # seq_cst RMW (release): a notifier's acquire load that sees the bit sees PARKED above
+        r.or64(word, bit)
         try:
+            r.fence()  # seq_cst: the bit before the re-check; pairs with the notifier's fence
             if has_work():
                 return True
             return r.futex_wait(w, PARKED, timeout)
         finally:
-            r.store32(w, RUNNING)
-            r.add32(H_PARKED, -1)
+            r.and64(word, ~bit & _M64)  # seq_cst RMW: out of the set first, so a set bit means
+            #                             the worker is parked or dead (forget clears it then)
+            r.store32(w, RUNNING)  # seq_cst: overwrites NOTIFIED; notifiers' CAS then fails
 
     # -- the client's result thread -----------------------------------------
     def wake_client(self) -> None:

@@ -25,7 +25,7 @@ from concurrent.futures import _base as _fbase
 from typing import Any
 
 from stealer import failpoints as FP
-from stealer import serialize
+from stealer import liveness, serialize
 from stealer._layout import (
     F_RBUFFERS,
     K_MASK,
@@ -221,6 +221,7 @@ class _Pool:
             steal_order=self.steal[k] if self.steal else None,
             initializer=self.initializer, initargs=self.initargs,
             max_tasks=self.max_tasks, ppid=os.getpid(), thread_limit=self.thread_limit,
+            client_start=liveness.start_time(os.getpid()),  # with ppid, names this client
             # failpoints travel explicitly: a forkserver's children inherit *its* environment
             failpoints=(os.environ.get("STEALER_FAILPOINTS"),
                         os.environ.get("STEALER_FAILPOINTS_DIR")),

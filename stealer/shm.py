@@ -42,8 +42,6 @@ MAGIC = 0x5354454C45525631  # "STELERV1"
 H_MAGIC = 0  # u64 written by the creator once, read by attachers to validate
 H_NWORKERS = 8  # u32 written by the creator once
 H_SHUTDOWN = 64  # u32 written by the client (store32 seq_cst), read by workers in their loop
-H_SEARCHING = 128  # u32 workers searching for work: add32 by workers; read by notifiers after a seq_cst fence
-H_PARKED = 192  # u32 workers parked: add32 by workers; read by notifiers after a seq_cst fence
 H_CLIENT_PARK = 256  # u32 futex word of the client's result thread (0 awake, 1 parked); CAS by workers to wake it
 H_OVERFLOW_SEQ = 320  # u64 counter of overflow files: add64 by any producer
 H_FN_COUNT = 384  # u64 number of function-table entries: written by the client only (store64 release)
@@ -52,7 +50,14 @@ H_STARTED = 448  # u32 workers that finished starting: add32 by workers, futex-w
 H_CREATED_NS = 512  # u64 time.time_ns() at creation: creator only, before any attach
 H_LOCK_HOLDER = 576  # u32 pid holding the pure-Python reference's lock (0: free): its holder,
 #                     under the lock; read by the client after a worker death
-H_LAYOUT = 1024  # u32 length + JSON of the layout and options: creator only, read by attach_any
+# Worker sets (stealer/idle.py): bit k % 64 of u64 word k // 64 is worker k. Each transition of
+# a worker is one atomic RMW on its own bit, so a worker killed at any point leaves a state the
+# client's Idle.forget (one idempotent and64) repairs; a count is a popcount.
+SET_WORDS = 128  # u64 words per set: room for MAX_WORKERS workers
+MAX_WORKERS = 64 * SET_WORDS
+H_SEARCHING = 1024  # u64[SET_WORDS] searching workers: worker or64/and64 (seq_cst) of its own bit, client and64 after a death; notifiers load relaxed after their seq_cst fence
+H_PARKED = 2048  # u64[SET_WORDS] parked workers: worker or64 (seq_cst, after storing PARKED) / and64, client and64 after a death; notifiers load acquire, pairing with the or64
+H_LAYOUT = 3072  # u32 length + JSON of the layout and options: creator only, read by attach_any
 HEADER_BYTES = 4096
 
 # Per-worker block (stride WORKER_BYTES). Park word alone on its line.
@@ -60,7 +65,6 @@ W_PARK = 0  # u32 0 running, 1 parked, 2 notified: worker sets 1, notifier CASes
 W_CURRENT = 64  # u64 handle+1 of the task running now (0 none): worker store64 release, client load64 after death
 W_INCARNATION = 72  # u32 bumped by the client before starting a (replacement) worker process
 W_STATE = 76  # u32 0 starting, 1 ready, 2 exiting, 3 retired, 4 init failed: worker store32, client load32
-W_SEARCHING = 80  # u32 1 while counted in H_SEARCHING: worker store32; client corrects H_SEARCHING after a death
 W_PID = 84  # u32 pid of the current incarnation: worker store32 at start; read by stats/top
 W_CPU = 88  # u32 CPU the worker is pinned to + 1 (0: not pinned): worker store32 at start
 W_LEASE = 128  # 16 x u64 handle+1 a worker is taking off a queue (records.py): slot 0 for single

@@ -62,6 +62,7 @@ from stealer.arena import Arena
 from stealer.errors import RemoteError, SerializationError, WorkerCrashedError
 from stealer.forkjoin import Child, children_of
 from stealer.idle import Idle
+from stealer.liveness import ProcessWatch
 from stealer.records import Outcome, word
 from stealer.recovery import Recovery, ping_parent
 from stealer.shm import (
@@ -100,7 +101,12 @@ FP = failpoints  # `if FP.ON:` costs one attribute load when no failpoint is arm
 
 
 class WorkerArgs:
-    """Everything a worker process needs; pickled by multiprocessing at start."""
+    """Everything a worker process needs; pickled by multiprocessing at start.
+
+    ``ppid`` is the client's pid (not necessarily the worker's parent: with
+    forkserver that is the fork server) and ``client_start`` the client's
+    start time (liveness.start_time), which together name the client.
+    """
 
     def __init__(self, **kw: Any) -> None:
         self.__dict__.update(kw)
@@ -353,7 +359,7 @@ class Worker:
             woke = idle.park(self.k, self.has_work, PARK_TIMEOUT)
             if woke:
                 self.c[C_WAKEUPS] += 1
-            if not woke and os.getppid() != self.ppid:
+            if not woke and self.client.gone():  # the client itself, not our parent (forkserver)
                 self.orphaned()
             rounds = 0
             searching = idle.try_search(self.k)
@@ -677,6 +683,10 @@ def main(a: WorkerArgs) -> None:
     """Entry point of a worker process."""
     from stealer import affinity
 
+    client = ProcessWatch(a.ppid, getattr(a, "client_start", None))
+    if client.gone():  # died (or its pid was reused) before we got here: nobody else cleans up
+        unlink_all(a.name)
+        os._exit(0)
     if a.thread_limit is not None:
         affinity.apply_thread_limits(a.thread_limit)
     signal.signal(signal.SIGINT, _on_sigint)
@@ -690,6 +700,7 @@ def main(a: WorkerArgs) -> None:
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(2)
+    w.client = client
     r = w.r
     try:
         if a.cpu is not None:

@@ -1,0 +1,367 @@
+"""Kill safety of the idle accounting (stealer/idle.py), on both queue implementations.
+
+A worker can be SIGKILLed between any two of its atomic steps.  These tests run
+``try_search`` / ``stop_search`` / ``park`` of worker 0 through a Region proxy that
+"kills" the worker before its i-th shared-memory operation (the operation and every
+one after it never happen: no ``finally`` runs in a killed process either), for
+every i until the call completes.  Then the client's ``Idle.forget(0)`` must leave
+the searching and parked sets exact, and ``notify_one`` must wake worker 1, which
+is really parked (in a thread, on the futex) while worker 0 dies.
+
+The executor-level test kills workers while a burst of short tasks runs (workers
+search between tasks) and checks that the sets read from the segment stay within
+[0, n] and that later bursts still complete.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import mmap
+import os
+import signal
+import threading
+import time
+from types import ModuleType
+
+import pytest
+import tasks
+
+import stealer
+from stealer import _pyqueues, _queues
+from stealer.errors import WorkerCrashedError
+from stealer.idle import NOTIFIED, PARKED, RUNNING, Idle
+from stealer.shm import (
+    H_CLIENT_PARK,
+    H_PARKED,
+    H_SEARCHING,
+    MAX_WORKERS,
+    W_PARK,
+    W_PID,
+    W_STATE,
+    WORKER_BYTES,
+    Layout,
+)
+from stealer.worker import STATE_READY
+
+try:
+    from stealer import _cqueues
+except ImportError:  # pragma: no cover - depends on the build
+    _cqueues = None
+
+IMPLS = {"native": _cqueues, "python": _pyqueues}
+NWORKERS = 3  # worker 0 dies, worker 1 parks, worker 2 stays out of the way
+
+
+@pytest.fixture(scope="module", params=["native", "python"])
+def impl(request: pytest.FixtureRequest) -> ModuleType:
+    mod = IMPLS[request.param]
+    if mod is None:
+        pytest.skip("native extension not built")
+    return mod
+
+
+class Killed(BaseException):
+    """The simulated SIGKILL (a BaseException, so nothing in stealer catches it)."""
+
+
+class KillAt:
+    """A Region that dies before its ``at``-th shared-memory operation (reads too).
+
+    Once dead, every further operation raises without touching memory, so the
+    ``finally`` clauses of the code under test do nothing, as in a killed process.
+    """
+
+    def __init__(self, region, at: int) -> None:
+        self._r = region
+        self._at = at
+        self.ops: list[str] = []
+        self.dead = False
+
+    def __getattr__(self, name: str):
+        target = getattr(self._r, name)
+        if not callable(target):
+            return target
+
+        def op(*args, **kwargs):
+            if self.dead or len(self.ops) == self._at:
+                self.dead = True
+                raise Killed(name)
+            self.ops.append(name)
+            return target(*args, **kwargs)
+
+        return op
+
+
+def small_layout(n: int = NWORKERS) -> Layout:
+    return Layout(n, records=2, block_classes=((64, 1),), fn_entries=1, fn_data=64)
+
+
+@contextlib.contextmanager
+def shared_region(impl: ModuleType, n: int = NWORKERS):
+    """A Region over shared anonymous memory (a real futex works on it), and its layout."""
+    layout = small_layout(n)
+    yield impl.Region(mmap.mmap(-1, layout.total)), layout  # anonymous: freed with the last ref
+
+
+class ParkedThread:
+    """Worker ``k`` parked for real in a thread (futex wait, long timeout)."""
+
+    def __init__(self, idle: Idle, k: int) -> None:
+        self.idle = idle
+        self.k = k
+        self.woke: bool | None = None
+        self.t = threading.Thread(target=self._run, daemon=True)
+        self.t.start()
+        deadline = time.monotonic() + 30
+        while not idle.r.load64(H_PARKED) & (1 << k):  # in the parked set: ready to be woken
+            assert time.monotonic() < deadline, "the worker thread never parked"
+            time.sleep(0.001)
+
+    def _run(self) -> None:
+        self.woke = self.idle.park(self.k, lambda: False, 60.0)
+
+    def join(self) -> bool | None:
+        self.t.join(30)
+        assert not self.t.is_alive(), "the parked worker was never woken"
+        return self.woke
+
+
+# The three places a worker's idle transitions happen, each from the state the
+# worker is in when it calls them.  ``setup`` brings worker 0 there with the
+# real region; ``step`` is what gets killed.
+def _setup_none(idle: Idle) -> None:
+    pass
+
+
+def _setup_searching(idle: Idle) -> None:
+    assert idle.try_search(0)
+
+
+SCENARIOS = {
+    "try_search": (_setup_none, lambda idle: idle.try_search(0)),
+    "stop_search_found": (_setup_searching, lambda idle: idle.stop_search(0, True)),
+    "stop_search_empty": (_setup_searching, lambda idle: idle.stop_search(0, False)),
+    "park": (_setup_none, lambda idle: idle.park(0, lambda: False, 0.0)),
+    "park_has_work": (_setup_none, lambda idle: idle.park(0, lambda: True, 0.0)),
+}
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_forget_after_a_kill_between_any_two_steps(impl, scenario):
+    setup, step = SCENARIOS[scenario]
+    completed = False
+    at = 0
+    while not completed:
+        assert at < 50, "the operation never completed: is the harness counting right?"
+        with shared_region(impl) as (r, layout):
+            idle = Idle(r, layout)
+            setup(idle)
+            proxy = KillAt(r, at)
+            try:
+                step(Idle(proxy, layout))
+                completed = True  # ran to the end: the worker dies right after it
+            except Killed:
+                pass
+            # The client notices the death.
+            idle.forget(0)
+            idle.forget(0)  # idempotent: a second forget changes nothing
+            where = f"{scenario}, killed before op {at} (after {proxy.ops})"
+            assert idle.searching() == 0, where
+            assert idle.parked() == 0, where
+            assert r.load32(layout.worker(0)) == RUNNING, where
+            # Nobody searches now, so new work must wake a parked worker.
+            sleeper = ParkedThread(idle, 1)
+            assert idle.parked() == 1, where
+            assert idle.notify_one(), where
+            assert sleeper.join() is True, where
+            assert idle.parked() == 0 and idle.searching() == 0, where
+            # The replacement of worker 0 goes through the same steps without surprise.
+            assert idle.try_search(0), where
+            assert idle.searching() == 1, where
+            idle.stop_search(0, False)
+            assert idle.searching() == 0, where
+        at += 1
+    assert at >= 2  # at least one kill point inside the operation was tried
+
+
+def test_forget_leaves_live_workers_alone(impl):
+    """forget(k) clears only k: a live searcher and a live parked worker stay counted."""
+    with shared_region(impl) as (r, layout):
+        idle = Idle(r, layout)
+        assert idle.try_search(2)
+        sleeper = ParkedThread(idle, 1)
+        r.store32(layout.worker(0), PARKED)  # worker 0 died mid-park, bit and all
+        r.or64(H_PARKED, 1)
+        r.or64(H_SEARCHING, 1)
+        idle.forget(0)
+        assert idle.searching() == 1 and idle.parked() == 1
+        assert not idle.notify_one()  # worker 2 searches: it will find the work
+        idle.stop_search(2, False)
+        assert idle.notify_one()
+        assert sleeper.join() is True
+
+
+def test_at_most_half_search(impl):
+    with shared_region(impl, 4) as (r, layout):
+        idle = Idle(r, layout)
+        assert idle.try_search(0) and idle.try_search(1)
+        assert not idle.try_search(2)
+        idle.stop_search(1, False)
+        assert idle.try_search(3)
+        assert idle.searching() == 2
+
+
+def test_notify_one_skips_a_notified_worker_and_round_robins(impl):
+    with shared_region(impl, 4) as (r, layout):
+        idle = Idle(r, layout)
+        for k in range(4):  # all parked (by hand: no threads needed to test the choice)
+            r.store32(layout.worker(k), PARKED)
+            r.or64(H_PARKED, 1 << k)
+        woken = []
+        for _ in range(4):
+            assert idle.notify_one()
+            woken.append([k for k in range(4) if r.load32(layout.worker(k)) == NOTIFIED])
+        assert woken[-1] == [0, 1, 2, 3]
+        assert [len(w) for w in woken] == [1, 2, 3, 4]
+        assert not idle.notify_one()  # every parked worker is already notified
+
+
+@pytest.mark.parametrize("n", [63, 64, 65, 130])
+def test_sets_span_several_words(impl, n):
+    """Past 64 workers the sets take several words; notify still finds every sleeper."""
+    with shared_region(impl, n) as (r, layout):
+        idle = Idle(r, layout)
+        last = n - 1
+        r.store32(layout.worker(last), PARKED)
+        r.or64(H_PARKED + 8 * (last // 64), 1 << (last % 64))
+        assert idle.parked() == 1
+        assert idle.try_search(last)
+        assert not idle.notify_one()
+        idle.stop_search(last, False)
+        assert idle.notify_one()
+        assert r.load32(layout.worker(last)) == NOTIFIED
+        idle.forget(last)
+        assert idle.parked() == 0 and idle.searching() == 0
+
+
+@pytest.mark.skipif(_cqueues is None, reason="native extension not built")
+@pytest.mark.parametrize("n", [1, 2, 64, 65, 130])
+def test_native_notify_matches_the_reference(n):
+    """HotPath.notify_one (native/_cqueues.pyx) wakes whom Idle.notify_one wakes."""
+    layout = small_layout(n)
+    regions = [_cqueues.Region(mmap.mmap(-1, layout.total)) for _ in range(2)]
+    idle = Idle(regions[0], layout)  # the reference, on one copy of the state
+    ring = _cqueues.MPMCRing(regions[1], layout.offsets["injector"], layout.records)
+    hot = _cqueues.HotPath(regions[1], layout.offsets["records"], layout.records, ring, ring,
+                           H_CLIENT_PARK, H_SEARCHING, H_PARKED, layout.worker(0) + W_PARK,
+                           WORKER_BYTES, n)  # the native notify, on the other copy
+    sleepers = [k for k in range(n) if k % 3 != 1]
+    for r in regions:
+        for k in sleepers:
+            r.store32(layout.worker(k), PARKED)
+            r.or64(H_PARKED + 8 * (k // 64), 1 << (k % 64))
+    for _ in range(len(sleepers) + 1):
+        assert idle.notify_one() == (hot.notify_one() >= 0)
+        assert [regions[0].load32(layout.worker(k)) for k in range(n)] == [
+            regions[1].load32(layout.worker(k)) for k in range(n)]
+    # A searcher anywhere stops both.
+    for r in regions:
+        r.store32(layout.worker(sleepers[0]), PARKED)
+        r.or64(H_SEARCHING + 8 * ((n - 1) // 64), 1 << ((n - 1) % 64))
+    assert not idle.notify_one() and hot.notify_one() == -1
+
+
+def test_too_many_workers_is_refused(impl):
+    class Big:
+        nworkers = MAX_WORKERS + 1
+
+    with pytest.raises(ValueError, match="at most"):
+        Idle(impl.Region(bytearray(64)), Big())  # type: ignore[arg-type]
+
+
+def test_set_primitives(impl):
+    r = impl.Region(bytearray(64))
+    assert r.or64(8, 0b101) == 0
+    assert r.or64(8, 0b010) == 0b101
+    assert r.and64(8, ~0b001 & (2**64 - 1)) == 0b111
+    assert r.load64(8) == 0b110
+    r.or64(16, 1 << 63)
+    assert r.count_bits(8, 2) == 3
+    assert r.count_bits(8, 0) == 0
+    assert not r.idle_check(8, 24, 1)  # somebody searches
+    assert r.idle_check(0, 16, 1)  # nobody searches (word 0), somebody parked (word 16)
+    assert not r.idle_check(0, 32, 1)  # nobody parked
+    with pytest.raises(IndexError):
+        r.or64(60, 1)
+    with pytest.raises(IndexError):
+        r.count_bits(40, 4)
+
+
+# -- executor level ------------------------------------------------------------------
+
+
+def _sets(ex) -> tuple[int, int]:
+    idle = ex._pool.idle
+    return idle.searching(), idle.parked()
+
+
+def _wait_until(cond, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.005)
+
+
+def _ready_pid(ex, k: int, killed: set[int]) -> int:
+    """Worker k's pid, once a process not in ``killed`` runs its loop (a replacement)."""
+    pool = ex._pool
+
+    def ready() -> bool:
+        p = pool.procs[k]
+        base = pool.layout.worker(k)
+        return (p is not None and p.pid not in killed and p.exitcode is None
+                and pool.region.load32(base + W_STATE) == STATE_READY
+                and pool.region.load32(base + W_PID) == p.pid)
+
+    _wait_until(ready, f"worker {k} is ready")
+    return pool.procs[k].pid
+
+
+@pytest.mark.skipif(not _queues.NATIVE, reason="the reference queues share one lock, which a "
+                    "worker SIGKILLed while holding it never releases")
+def test_kills_while_searching_leave_the_accounting_sound():
+    """SIGKILL workers during bursts of tiny tasks (they search between tasks)."""
+    n, rounds = 2, 12
+    with stealer.Executor(n) as ex:
+        pool = ex._pool
+        killed: set[int] = set()
+        for rnd in range(rounds):
+            victim = _ready_pid(ex, rnd % n, killed)
+            killed.add(victim)
+            fs = [ex.submit(tasks.square, i) for i in range(300)]
+            time.sleep(0.001 * (rnd % 4))  # kill at different points of the burst
+            os.kill(victim, signal.SIGKILL)
+            lost = cf.wait(fs, timeout=10).not_done
+            for i, f in enumerate(fs):
+                if f in lost:
+                    # Tasks the victim held in hand (taken from a queue, not started) are not
+                    # yet re-queued by the client (the record-lifecycle work, tested
+                    # elsewhere): drop them so that they do not hang this test.
+                    assert f.cancel(), "a lost task is not cancellable: shutdown would hang"
+                    continue
+                try:
+                    assert f.result() == i * i
+                except WorkerCrashedError:
+                    pass  # the task the victim was running
+            s, p = _sets(ex)
+            assert 0 <= s <= n and 0 <= p <= n, (s, p)
+        _wait_until(lambda: pool.crashes == rounds, f"every kill was noticed ({pool.crashes})")
+        for k in range(n):
+            _ready_pid(ex, k, killed)
+        # Idle now: nobody searches, everybody parks (a park times out now and then,
+        # and the worker searches briefly before parking again: poll).
+        _wait_until(lambda: _sets(ex) == (0, n), f"the idle sets settle (now {_sets(ex)})")
+        # A burst that only notify_one's wake-ups get going completes.
+        fs = [ex.submit(tasks.square, i) for i in range(200)]
+        assert [f.result(timeout=30) for f in fs] == [i * i for i in range(200)]

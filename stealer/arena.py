@@ -10,9 +10,21 @@ Payloads (the pickled call, later the pickled result) live in one of:
 * the record itself, when at most ``INLINE`` bytes (most small calls);
 * a block of a size class (1 KiB, 16 KiB, 256 KiB by default), taken from
   that class's free ring;
-* an **overflow file** ``<segment>-x<n>`` in /dev/shm (0600) when larger
-  than every class or when the classes are exhausted: slower, never fails
-  for lack of arena space.
+* an **overflow file** ``<segment>-x<16 hex digits>`` beside the segment
+  (0600) when larger than every class or when the classes are exhausted:
+  slower, never fails for lack of arena space.  The name's suffix is 64
+  random bits, kept in the record's ``R_PREF`` (the reader needs nothing
+  else): /dev/shm is world-writable and its listing public, so a counter
+  would let another user create (or symlink) the next name first.  The file
+  is created with O_EXCL|O_NOFOLLOW; a name that exists anyway (a leftover,
+  or someone else's file) is skipped for a fresh one.  When the file cannot
+  be written (ENOSPC: /dev/shm full), the record gets the ``LOST`` payload
+  class instead, and whoever takes the payload gets a SerializationError
+  saying why: the producer (a worker's result, the result thread's backlog)
+  never dies of it.
+
+Every payload descriptor (class, block index, length) is read from shared
+memory and checked against the layout before anything is copied or freed.
 
 Records come from a free ring too; when none is free the client keeps the
 task in a local backlog until one is (see executor.py).
@@ -26,23 +38,27 @@ CAS) and ``pending`` (join counter, add64 acq_rel) are contended.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import secrets
+import stat
 import struct
 import time
 from typing import Any
 
 from stealer import serialize
+from stealer.errors import SerializationError
 from stealer.shm import (
     H_CLIENT_PARK,
     H_OVERFLOW_SEQ,
     H_PARKED,
     H_SEARCHING,
     RECORD_BYTES,
-    SHM_DIR,
     W_PARK,
     WORKER_BYTES,
     Segment,
     _pow2,
+    shm_dir,
 )
 
 __all__ = ["Arena"]
@@ -59,9 +75,9 @@ R_PENDING = 24  # i64 join counter: add64 (acq_rel) by the task and its children
 R_OWNER = 32  # u32 worker holding the suspended continuation: written before the first add64 on pending
 R_INCARNATION = 36  # u32 that worker's incarnation: same writer/ordering as R_OWNER
 R_CONT = 40  # u32 continuation id in that worker: same writer/ordering as R_OWNER
-R_PCLASS = 44  # u32 payload storage: 0 inline, i+1 block class i, OVERFLOW
-R_PREF = 48  # u64 block index or overflow number
-R_PLEN = 56  # u64 payload length in bytes
+R_PCLASS = 44  # u32 payload storage: 0 inline, i+1 block class i, OVERFLOW, LOST
+R_PREF = 48  # u64 block index, overflow file token (random), or LOST's errno
+R_PLEN = 56  # u64 payload length in bytes (LOST: the length that could not be stored)
 R_TSUBMIT = 64  # u64 monotonic ns at submit (client) or spawn (worker)
 R_TSTART = 72  # u64 monotonic ns when a worker started it
 R_INLINE = 80
@@ -73,6 +89,8 @@ K_MASK = 0xFF
 F_BUFFERS = 0x100  # payload is a frame with out-of-band buffers
 ST_OK, ST_ERROR, ST_CRASHED = 0, 1, 2
 OVERFLOW = 0xFFFF
+LOST = 0xFFFE  # the payload could not be stored (overflow file failed); R_PREF holds the errno
+OVERFLOW_TRIES = 8  # fresh names tried when an overflow file's name exists already
 
 _HEAD = struct.Struct("=IIIIQqIIIIQQQQ")  # the 80-byte header, all fields
 _KIND_LINK = struct.Struct("=IIQ")  # kind, status, link
@@ -101,7 +119,7 @@ class Arena:
             ring = Q.MPMCRing(seg.region, L.offsets[f"block_free{i}"], _pow2(count))
             self.classes.append((size, ring, L.offsets[f"blocks{i}"]))
         self._counts = [count for _, count in L.block_classes]
-        self._ov_prefix = os.path.join(SHM_DIR, seg.name + "-x")
+        self._ov_prefix = seg.path + "-x"  # overflow files live beside the segment
         self.injector = (injector if injector is not None
                          else Q.MPMCRing(seg.region, L.offsets["injector"], L.records))
         self._idle: Any = None
@@ -259,7 +277,13 @@ class Arena:
 
     # -- payloads --------------------------------------------------------
     def put(self, off: int, data: bytes, bufs: list) -> None:
-        """Store a pickled payload for the record at ``off`` (replacing none)."""
+        """Store a pickled payload for the record at ``off`` (replacing none).
+
+        Never fails for lack of room: a payload that cannot be stored becomes
+        a ``LOST`` descriptor, and :meth:`take` raises a SerializationError
+        that says why (so a worker or the result thread never dies of it).
+        """
+        self._check_off(off)
         mm = self.mm
         if bufs:
             n = serialize.frame_size(data, bufs)
@@ -277,57 +301,176 @@ class Arena:
         for ci, (size, ring, base) in enumerate(self.classes):
             if n <= size:
                 b = ring.pop()
+                if b >= self._counts[ci]:  # a free-ring cell from shared memory: check it
+                    raise ValueError(f"corrupt free list of block class {ci}: block {b} of "
+                                     f"{self._counts[ci]} (the shared memory was overwritten)")
                 if b >= 0:
                     serialize.write_frame(mm, base + size * b, data, bufs)
                     _PAYLOAD.pack_into(mm, off + R_PCLASS, ci + 1, b, n)
                     return
-        seq = self.region.add64(H_OVERFLOW_SEQ, 1)
-        path = f"{self._ov_prefix}{seq}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            if bufs:
-                buf = bytearray(n)
-                serialize.write_frame(buf, 0, data, bufs)
-                os.write(fd, buf)
-            else:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-        except BaseException:
+            token = self._write_overflow(data, bufs)
+        except OSError as exc:  # ENOSPC above all: the reader gets the error, not us
+            _PAYLOAD.pack_into(mm, off + R_PCLASS, LOST, exc.errno or 0, n)
+            return
+        self.region.add64(H_OVERFLOW_SEQ, 1)  # a statistic only: nobody orders on it
+        _PAYLOAD.pack_into(mm, off + R_PCLASS, OVERFLOW, token, n)
+
+    def _ov_path(self, token: int) -> str:
+        return f"{self._ov_prefix}{token:016x}"
+
+    def _write_overflow(self, data: bytes, bufs: list) -> int:
+        """Write a payload to a new overflow file; its token (R_PREF). OSError on failure."""
+        for _attempt in range(OVERFLOW_TRIES):
+            token = _ov_token()
+            path = self._ov_path(token)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, 0o600)
+            except FileExistsError:
+                continue  # a leftover or someone else's file (or symlink): never touch it
+            try:
+                if bufs:  # the frame of serialize.write_frame, written part by part
+                    _write_all(fd, serialize.frame_header(data, bufs))
+                    _write_all(fd, data)
+                    for b in bufs:
+                        _write_all(fd, b.raw())
+                else:
+                    _write_all(fd, data)
+            except BaseException:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                raise
             os.close(fd)
-            os.unlink(path)
-            raise
-        os.close(fd)
-        _PAYLOAD.pack_into(mm, off + R_PCLASS, OVERFLOW, seq, n)
+            return token
+        raise FileExistsError(errno.EEXIST, f"{OVERFLOW_TRIES} fresh overflow file names in a "
+                              "row existed already", self._ov_prefix + "*")
+
+    def _check_off(self, off: int) -> None:
+        rel = off - self.rec_base
+        if rel < 0 or rel >= self.nrecords * RECORD_BYTES or rel % RECORD_BYTES:
+            raise IndexError(f"offset {off} is not a record of this arena (a corrupt handle?)")
+
+    def _descriptor(self, off: int) -> tuple[int, int, int]:
+        """The record's (pclass, pref, length), checked against the layout.
+
+        ValueError if they point outside their storage: they come from shared
+        memory, which a crashed or hostile process may have overwritten.
+        """
+        self._check_off(off)
+        pclass, pref, n = _PAYLOAD.unpack_from(self.mm, off + R_PCLASS)
+        if pclass == 0:
+            ok = n <= INLINE
+        elif pclass in (OVERFLOW, LOST):
+            ok = True  # an overflow file's size is checked when it is read
+        elif pclass <= len(self.classes):
+            ok = pref < self._counts[pclass - 1] and n <= self.classes[pclass - 1][0]
+        else:
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"corrupt payload descriptor in task record {(off - self.rec_base) // RECORD_BYTES}"
+                f": class {pclass}, index {pref}, length {n} lie outside the arena (the shared "
+                "memory was overwritten)")
+        return pclass, pref, n
 
     def take(self, off: int) -> Any:
         """Unpickle the record's payload and release its storage."""
         mm = self.mm
-        pclass, pref, n = _PAYLOAD.unpack_from(mm, off + R_PCLASS)
+        try:
+            pclass, pref, n = self._descriptor(off)
+        except ValueError:
+            _PAYLOAD.pack_into(mm, off + R_PCLASS, 0, 0, 0)  # nothing valid to release later
+            raise
         has_bufs = bool(_U32.unpack_from(mm, off + R_KIND)[0] & F_BUFFERS)
-        if pclass == 0:
-            src = mm[off + R_INLINE : off + R_INLINE + n]
-        elif pclass == OVERFLOW:
-            path = f"{self._ov_prefix}{pref}"
-            with open(path, "rb") as f:
-                src = f.read()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-        else:
-            size, ring, base = self.classes[pclass - 1]
-            start = base + size * pref
-            src = mm[start : start + n]
-            ring.push(pref)
-        _PAYLOAD.pack_into(mm, off + R_PCLASS, 0, 0, 0)
+        try:
+            if pclass == 0:
+                src: Any = mm[off + R_INLINE : off + R_INLINE + n]
+            elif pclass == OVERFLOW:
+                path = self._ov_path(pref)
+                try:
+                    src = _read_file(path, n)
+                finally:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+            elif pclass == LOST:
+                raise lost_payload_error(pref, n)
+            else:
+                size, ring, base = self.classes[pclass - 1]
+                start = base + size * pref
+                src = mm[start : start + n]
+                ring.push(pref)
+        finally:
+            _PAYLOAD.pack_into(mm, off + R_PCLASS, 0, 0, 0)
         return serialize.loads_frame(src, has_bufs)
 
     def drop_payload(self, off: int) -> None:
-        """Release payload storage without reading it."""
+        """Release payload storage without reading it.
+
+        A corrupt descriptor releases nothing (pushing a bogus block index
+        would corrupt the free ring; at worst one block leaks).
+        """
+        self._check_off(off)
         mm = self.mm
-        pclass, pref, _n = _PAYLOAD.unpack_from(mm, off + R_PCLASS)
+        try:
+            pclass, pref, _n = self._descriptor(off)
+        except ValueError:
+            pclass = 0
         if pclass == OVERFLOW:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"{self._ov_prefix}{pref}")
-        elif pclass:
+                os.unlink(self._ov_path(pref))
+        elif pclass and pclass != LOST:
             self.classes[pclass - 1][1].push(pref)
         _PAYLOAD.pack_into(mm, off + R_PCLASS, 0, 0, 0)
+
+
+def _ov_token() -> int:
+    """64 random bits naming an overflow file (module-level so tests can force collisions)."""
+    return secrets.randbits(64)
+
+
+def _write_all(fd: int, buf: Any) -> None:
+    """os.write until every byte is written (one call stops at about 2 GiB on Linux)."""
+    view = memoryview(buf).cast("B")
+    while view:
+        k = os.write(fd, view)
+        if k <= 0:
+            raise OSError(errno.EIO, "write() made no progress")
+        view = view[k:]
+
+
+def _read_file(path: str, n: int) -> bytearray:
+    """The ``n`` bytes of an overflow file, checked to be ours and exactly that long."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size != n:
+            raise ValueError(f"overflow file {path} is not the payload its task record "
+                             f"describes ({st.st_size} bytes, expected {n})")
+        buf = bytearray(n)
+        view = memoryview(buf)
+        pos = 0
+        while pos < n:  # one read() stops at about 2 GiB
+            k = os.readv(fd, [view[pos:]])
+            if k <= 0:
+                raise ValueError(f"overflow file {path} ended after {pos} of {n} bytes")
+            pos += k
+        return buf
+    finally:
+        os.close(fd)
+
+
+def lost_payload_error(err: int, n: int) -> SerializationError:
+    """The error for a payload that could not be stored (``LOST``): what happened, what to do."""
+    msg = (f"a payload of {n} bytes (a task's arguments or result) could not be stored in "
+           f"shared memory: {os.strerror(err) if err else 'unknown error'}.")
+    if err in (errno.ENOSPC, errno.EDQUOT):
+        d = shm_dir()
+        msg += (f" {d} is full: free space there (remove files other programs left), pass "
+                "smaller arguments and results, or give the container more shared memory "
+                "(e.g. docker run --shm-size=1g).")
+    elif err == errno.EEXIST:
+        msg += (" Every fresh overflow file name tried existed already: another process is "
+                "creating files in the shared-memory directory.")
+    return SerializationError(msg)

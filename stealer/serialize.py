@@ -29,7 +29,7 @@ import cloudpickle
 
 from stealer.errors import SerializationError
 
-__all__ = ["dumps", "frame_size", "write_frame", "loads_frame", "FunctionTable"]
+__all__ = ["dumps", "frame_size", "frame_header", "write_frame", "loads_frame", "FunctionTable"]
 
 _HDR = struct.Struct("=IIQ")
 _LEN = struct.Struct("=Q")
@@ -57,6 +57,12 @@ def frame_size(data: bytes, bufs: list[pickle.PickleBuffer]) -> int:
     if not bufs:
         return len(data)
     return _HDR.size + _LEN.size * len(bufs) + len(data) + sum(b.raw().nbytes for b in bufs)
+
+
+def frame_header(data: bytes, bufs: list[pickle.PickleBuffer]) -> bytes:
+    """The bytes of a frame before its pickle: header and buffer lengths (bufs not empty)."""
+    lens = [b.raw().nbytes for b in bufs]
+    return _HDR.pack(len(lens), 0, len(data)) + struct.pack(f"={len(lens)}Q", *lens)
 
 
 def write_frame(dst: Any, off: int, data: bytes, bufs: list[pickle.PickleBuffer]) -> None:

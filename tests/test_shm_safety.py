@@ -15,17 +15,20 @@ import errno
 import fcntl
 import gc
 import os
+import pickle
+import re
 import secrets
 import struct
 import subprocess
 import sys
 
 import pytest
+import tasks
 
 import stealer
 from stealer import arena as arena_mod
 from stealer import shm
-from stealer.arena import Arena
+from stealer.arena import INLINE, LOST, OVERFLOW, R_PCLASS, Arena
 
 _PAYLOAD = struct.Struct("=IQQ")  # pclass, pref, plen at R_PCLASS
 SMALL = dict(records=16, block_classes=((1024, 4), (4096, 2)), fn_entries=16, fn_data=4096)
@@ -59,6 +62,132 @@ def _record(a, kind=arena_mod.K_ROOT):
 def _overflow_files(a):
     d = os.path.dirname(a.seg.path)
     return sorted(n for n in os.listdir(d) if n.startswith(a.seg.name + "-x"))
+
+
+# -- 1. overflow file names -------------------------------------------------------------
+def test_overflow_names_are_random_not_a_counter(arena):
+    h1, off1 = _record(arena)
+    h2, off2 = _record(arena)
+    arena.put(off1, os.urandom(10_000), [])
+    arena.put(off2, os.urandom(10_000), [])
+    names = _overflow_files(arena)
+    assert len(names) == 2
+    for n in names:
+        assert re.fullmatch(re.escape(arena.seg.name) + r"-x[0-9a-f]{16}", n), n
+    tokens = {int(n.rsplit("-x", 1)[1], 16) for n in names}
+    assert tokens == {_PAYLOAD.unpack_from(arena.mm, o + R_PCLASS)[1] for o in (off1, off2)}
+    arena.free(h1)
+    arena.free(h2)
+    assert _overflow_files(arena) == []
+
+
+def test_precreated_overflow_names_are_skipped_never_followed(arena, tmp_path, monkeypatch):
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    taken = [0x1111, 0x2222]
+    with open(arena._ov_path(taken[0]), "wb") as f:  # a leftover (or someone else's) file
+        f.write(b"old")
+    os.symlink(victim, arena._ov_path(taken[1]))  # an attacker's symlink
+    tokens = iter([*taken, 0x3333])
+    monkeypatch.setattr(arena_mod, "_ov_token", lambda: next(tokens))
+    h, off = _record(arena)
+    data = pickle.dumps(os.urandom(20_000))
+    arena.put(off, data, [])
+    assert _PAYLOAD.unpack_from(arena.mm, off + R_PCLASS)[:2] == (OVERFLOW, 0x3333)
+    assert victim.read_bytes() == b"precious"
+    with open(arena._ov_path(taken[0]), "rb") as f:
+        assert f.read() == b"old"
+    assert pickle.loads(data) == arena.take(off)
+    arena.free(h)
+    for t in taken:
+        os.unlink(arena._ov_path(t))
+
+
+def test_overflow_names_all_taken_is_a_clear_error_not_a_hang(arena, monkeypatch):
+    path = arena._ov_path(0x42)
+    open(path, "wb").close()
+    monkeypatch.setattr(arena_mod, "_ov_token", lambda: 0x42)
+    h, off = _record(arena)
+    arena.put(off, pickle.dumps(b"x" * 20_000), [])
+    assert _PAYLOAD.unpack_from(arena.mm, off + R_PCLASS)[0] == LOST
+    with pytest.raises(stealer.SerializationError, match="existed already"):
+        arena.take(off)
+    arena.free(h)
+    os.unlink(path)
+
+
+def test_executor_ignores_files_planted_at_counter_names():
+    """Names an attacker could predict from the segment's (public) name: <seg>-x1, -x2, ..."""
+    victim = f"/dev/shm/victim-{os.getpid()}-{secrets.token_hex(4)}"
+    with open(victim, "wb") as f:
+        f.write(b"precious")
+    try:
+        with stealer.Executor(1) as e:
+            planted = [f"/dev/shm/{e.segment_name}-x{i}" for i in range(1, 9)]
+            for p in planted:
+                os.symlink(victim, p)
+            big = os.urandom(3 * 1024 * 1024)
+            assert e.submit(tasks.nbytes_of, big).result(timeout=30) == len(big)
+            assert len(e.submit(tasks.make_bytes, 1 << 21).result(timeout=30)) == 1 << 21
+        with open(victim, "rb") as f:
+            assert f.read() == b"precious"
+        assert not any(os.path.lexists(p) for p in planted)  # removed with the segment
+    finally:
+        os.unlink(victim)
+
+
+def test_overflow_file_names_are_found_by_cleanup_helpers(arena):
+    h, off = _record(arena)
+    arena.put(off, os.urandom(10_000), [])
+    (name,) = _overflow_files(arena)
+    found = {n: pid for n, pid, _ in shm.our_files()}
+    assert found == {arena.seg.name: os.getpid(), name: os.getpid()}
+    assert shm.client_pid(name) is None and shm.client_pid(arena.seg.name) == os.getpid()
+    shm.unlink_all(arena.seg.name)
+    assert not os.listdir(os.path.dirname(arena.seg.path))
+    with pytest.raises(FileNotFoundError):
+        arena.take(off)
+    arena.free(h)
+
+
+# -- 2. bounds checks on what shared memory says -------------------------------------------
+def test_python_take_rejects_descriptors_outside_their_storage(arena):
+    ncls = len(arena.classes)
+    bad = [
+        (0, 0, INLINE + 1),  # inline, longer than the inline area
+        (1, 4, 10),  # class 0 has blocks 0..3
+        (1, 0, 1025),  # longer than a class-0 block
+        (2, 1 << 40, 10),
+        (ncls + 1, 0, 10),  # no such class
+        (0xABCD, 0, 10),
+    ]
+    for desc in bad:
+        h, off = _record(arena)
+        _PAYLOAD.pack_into(arena.mm, off + R_PCLASS, *desc)
+        with pytest.raises(ValueError, match="corrupt payload descriptor"):
+            arena.take(off)
+        _PAYLOAD.pack_into(arena.mm, off + R_PCLASS, *desc)
+        arena.drop_payload(off)  # releases nothing bogus
+        arena.free(h)
+    # the free rings still hold exactly the real blocks
+    for (_size, ring, _base), count in zip(arena.classes, arena._counts):
+        assert sorted(ring.pop() for _ in range(count)) == list(range(count))
+        assert ring.pop() < 0
+        for b in range(count):
+            ring.push(b)
+    with pytest.raises(IndexError):
+        arena.take(arena.rec_base + 16 * 128)
+
+
+def test_python_take_rejects_an_overflow_file_of_the_wrong_size(arena):
+    h, off = _record(arena)
+    arena.put(off, pickle.dumps(os.urandom(20_000)), [])
+    pclass, token, n = _PAYLOAD.unpack_from(arena.mm, off + R_PCLASS)
+    _PAYLOAD.pack_into(arena.mm, off + R_PCLASS, pclass, token, n + 1)
+    with pytest.raises(ValueError, match="not the payload"):
+        arena.take(off)
+    arena.free(h)
+    assert _overflow_files(arena) == []
 
 
 # -- 3. stale segments ----------------------------------------------------------------
@@ -196,3 +325,54 @@ def test_full_shm_fails_at_executor_creation_not_with_sigbus(small_tmpfs):
     assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
     assert "SharedMemoryFullError" in r.stderr and "--shm-size" in r.stderr
     assert os.listdir(d) == []
+
+
+def test_full_shm_for_an_overflow_payload_fails_the_task_not_the_worker(small_tmpfs):
+    d = small_tmpfs("32m")
+    with stealer.Executor(1, records=16) as e:
+        assert e.wait_ready(30)
+        pid = e.worker_pids()[0]
+        _fill(d, leave=1 << 20)
+        try:
+            with pytest.raises(stealer.SerializationError, match=r"No space left.*--shm-size"):
+                e.submit(tasks.nbytes_of, os.urandom(3 << 20)).result(timeout=30)
+            with pytest.raises(stealer.SerializationError, match=r"No space left.*--shm-size"):
+                e.submit(tasks.make_bytes, 3 << 20).result(timeout=30)
+            assert e.worker_pids() == [pid]
+            assert e.submit(tasks.square, 7).result(timeout=30) == 49
+        finally:
+            os.unlink(os.path.join(d, "filler"))
+        assert len(e.submit(tasks.make_bytes, 3 << 20).result(timeout=30)) == 3 << 20
+        assert e.worker_pids() == [pid]
+    assert os.listdir(d) == []
+
+
+# -- 5. payloads written (and read) in pieces ------------------------------------------------
+def test_overflow_writes_and_reads_loop_until_complete(arena, monkeypatch):
+    real_write, real_readv = os.write, os.readv
+    calls = {"write": 0, "readv": 0}
+
+    def short_write(fd, buf):
+        calls["write"] += 1
+        return real_write(fd, memoryview(buf).cast("B")[:4000])
+
+    def short_readv(fd, bufs):
+        calls["readv"] += 1
+        return real_readv(fd, [memoryview(bufs[0]).cast("B")[:3000]])
+
+    monkeypatch.setattr(os, "write", short_write)
+    monkeypatch.setattr(os, "readv", short_readv)
+    arr = bytearray(os.urandom(50_000))
+    data, bufs = stealer.serialize.dumps(pickle.PickleBuffer(arr))
+    assert bufs  # the out-of-band path
+    h, off = _record(arena)
+    arena.put(off, data, bufs)
+    plain = pickle.dumps(os.urandom(30_000))
+    h2, off2 = _record(arena)
+    arena.put(off2, plain, [])
+    assert calls["write"] > 20
+    assert bytes(arena.take(off)) == bytes(arr)
+    assert arena.take(off2) == pickle.loads(plain)
+    assert calls["readv"] > 20
+    arena.free(h)
+    arena.free(h2)

@@ -445,6 +445,22 @@ from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 from cpython.bytes cimport PyBytes_FromStringAndSize
 
 
+cdef inline int _check_index(uint64_t idx, uint64_t nrecords) except -1:
+    # Handles and free-ring cells come from shared memory: check before touching a record.
+    if idx >= nrecords:
+        raise IndexError(f"bad task handle: record index {idx} >= {nrecords} records "
+                         "(a corrupt queue cell or handle)")
+    return 0
+
+
+cdef inline int _check_inline(uint64_t n) except -1:
+    # R_PLEN comes from shared memory: check before copying out of the record.
+    if n > INLINE:
+        raise ValueError(f"corrupt task record: inline payload length {n} > {INLINE} bytes "
+                         "(the shared memory was overwritten)")
+    return 0
+
+
 cdef class HotPath:
     """The per-task record operations, one native call each (see stealer/arena.py).
 
@@ -490,8 +506,7 @@ cdef class HotPath:
         self.free_ring.c_push(h & 0xFFFFFFFFU)                     # release: next owner sees the new gen
 
     def free(self, uint64_t h):
-        if (h & 0xFFFFFFFFU) >= self.nrecords:
-            raise IndexError("bad handle")
+        _check_index(h & 0xFFFFFFFFU, self.nrecords)
         self.c_free(h)
 
     cdef int c_notify_one(self) noexcept nogil:
@@ -534,6 +549,7 @@ cdef class HotPath:
         cdef uint64_t idx
         if self.free_ring.c_pop(&idx) != ST_SUCCESS:
             return -1
+        _check_index(idx, self.nrecords)
         cdef char *r = self.rec_base + RECORD_BYTES * idx
         cdef uint64_t gen = st_load_relaxed_u64(r) & 0xFFFFFFFFU
         memset(r + 8, 0, R_INLINE - 8)
@@ -559,6 +575,7 @@ cdef class HotPath:
         payload bytes or None).
         """
         self.region._check(current_off, 8)
+        _check_index(h & 0xFFFFFFFFU, self.nrecords)
         cdef char *r = self.rec(h)
         cdef uint64_t gen = h >> 32
         # seq_cst CAS, pairs with the client's cancel CAS on the same word (gen-checked).
@@ -576,6 +593,7 @@ cdef class HotPath:
         cdef uint64_t n
         if (<uint32_t *>(r + R_PCLASS))[0] == 0:
             n = (<uint64_t *>(r + R_PLEN))[0]
+            _check_inline(n)
             (<uint64_t *>(r + R_PLEN))[0] = 0
             return kind, link, PyBytes_FromStringAndSize(r + R_INLINE, <Py_ssize_t>n)
         return kind, link, None
@@ -591,6 +609,7 @@ cdef class HotPath:
         cdef Py_ssize_t n = data.shape[0]
         if n > INLINE:
             return 0
+        _check_index(h & 0xFFFFFFFFU, self.nrecords)
         cdef char *r = self.rec(h)
         if n:
             memcpy(r + R_INLINE, &data[0], n)
@@ -615,12 +634,16 @@ cdef class HotPath:
         An inline payload is copied out and the record freed; otherwise the
         record stays for the Python path to read and free.
         """
+        _check_index(h & 0xFFFFFFFFU, self.nrecords)
         cdef char *r = self.rec(h)
         cdef uint32_t kind = (<uint32_t *>(r + R_KIND))[0]
         cdef uint32_t status = (<uint32_t *>(r + R_STATUS))[0]
         cdef uint64_t link = (<uint64_t *>(r + R_LINK))[0]
         cdef object data = None
+        cdef uint64_t n
         if (<uint32_t *>(r + R_PCLASS))[0] == 0:
-            data = PyBytes_FromStringAndSize(r + R_INLINE, <Py_ssize_t>(<uint64_t *>(r + R_PLEN))[0])
+            n = (<uint64_t *>(r + R_PLEN))[0]   # read once: check and copy the same value
+            _check_inline(n)
+            data = PyBytes_FromStringAndSize(r + R_INLINE, <Py_ssize_t>n)
             self.c_free(h)
         return kind, status, link, data

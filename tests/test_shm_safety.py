@@ -28,7 +28,7 @@ import tasks
 import stealer
 from stealer import arena as arena_mod
 from stealer import shm
-from stealer.arena import INLINE, LOST, OVERFLOW, R_PCLASS, Arena
+from stealer.arena import INLINE, LOST, OVERFLOW, R_PCLASS, R_PLEN, Arena
 
 _PAYLOAD = struct.Struct("=IQQ")  # pclass, pref, plen at R_PCLASS
 SMALL = dict(records=16, block_classes=((1024, 4), (4096, 2)), fn_entries=16, fn_data=4096)
@@ -188,6 +188,49 @@ def test_python_take_rejects_an_overflow_file_of_the_wrong_size(arena):
         arena.take(off)
     arena.free(h)
     assert _overflow_files(arena) == []
+
+
+@pytest.fixture
+def hot(arena):
+    if not hasattr(arena.seg.Q, "HotPath"):
+        pytest.skip("native extension not built")
+    return arena.seg.Q.HotPath(arena.region, arena.rec_base, arena.nrecords, arena.rec_free,
+                               arena.injector, shm.H_CLIENT_PARK)
+
+
+def test_native_hot_path_rejects_out_of_range_handles(arena, hot):
+    L = arena.seg.layout
+    cur = L.worker(0) + shm.W_CURRENT
+    ring = arena.seg.Q.SPSCRing(arena.region, L.completion(0), L.records)
+    before = bytes(arena.mm)
+    for idx in (arena.nrecords, arena.nrecords + 1, 0xFFFFFFFF):
+        h = (3 << 32) | idx
+        with pytest.raises(IndexError, match="bad task handle"):
+            hot.start(h, cur, 1)
+        with pytest.raises(IndexError, match="bad task handle"):
+            hot.finish_inline(h, 0, b"abc", ring)
+        with pytest.raises(IndexError, match="bad task handle"):
+            hot.complete_take(h)
+        with pytest.raises(IndexError, match="bad task handle"):
+            hot.free(h)
+    assert bytes(arena.mm) == before  # nothing was written anywhere
+
+
+def test_native_hot_path_rejects_corrupt_inline_lengths(arena, hot):
+    L = arena.seg.layout
+    h = hot.submit_inline(arena_mod.K_ROOT, 7, b"payload")
+    assert h >= 0 and arena.injector.pop() == h
+    off = arena.off(h)
+    # (moderate corrupt lengths: the unchecked code would read past the record, not crash)
+    struct.pack_into("=Q", arena.mm, off + R_PLEN, INLINE + 1)
+    with pytest.raises(ValueError, match="inline payload length"):
+        hot.start(h, L.worker(0) + shm.W_CURRENT, 1)
+    struct.pack_into("=Q", arena.mm, off + R_PLEN, 4096)
+    with pytest.raises(ValueError, match="inline payload length"):
+        hot.complete_take(h)
+    struct.pack_into("=Q", arena.mm, off + R_PLEN, 3)
+    kind, _status, link, data = hot.complete_take(h)  # a sane length still works
+    assert (kind, link, data) == (arena_mod.K_ROOT, 7, b"pay")
 
 
 # -- 3. stale segments ----------------------------------------------------------------

@@ -89,15 +89,20 @@ class WorkerArgs:
 
 
 def error_payload(exc: BaseException) -> tuple:
-    """(exception, formatted traceback) of a task that raised."""
-    return exc, "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    """(exception, formatted traceback) of a task that raised.
+
+    A :class:`~stealer.serialize.ErrorPayload`: it pickles (and unpickles)
+    whatever the exception, so the client always gets the traceback.
+    """
+    return serialize.ErrorPayload(
+        exc, "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
 
 
 def stand_in(payload: tuple) -> tuple:
     """An error payload whose exception did not pickle: a RemoteError with its type and text."""
     exc, tb = payload
-    return RemoteError(f"{type(exc).__qualname__}: {exc} (the original exception could not "
-                       "be pickled)"), tb
+    return RemoteError(f"{type(exc).__qualname__}: {serialize.safe_str(exc)} (the original "
+                       "exception could not be pickled)"), tb
 
 
 def finish_child(arena: Arena, inboxes: list, idle: Idle, parent: int, me: int = -1) -> None:

@@ -21,6 +21,7 @@ import secrets
 import struct
 import subprocess
 import sys
+import threading
 
 import pytest
 import tasks
@@ -29,6 +30,7 @@ import stealer
 from stealer import arena as arena_mod
 from stealer import shm
 from stealer.arena import INLINE, LOST, OVERFLOW, R_PCLASS, R_PLEN, Arena
+from stealer.errors import RemoteTraceback
 
 _PAYLOAD = struct.Struct("=IQQ")  # pclass, pref, plen at R_PCLASS
 SMALL = dict(records=16, block_classes=((1024, 4), (4096, 2)), fn_entries=16, fn_data=4096)
@@ -419,3 +421,94 @@ def test_overflow_writes_and_reads_loop_until_complete(arena, monkeypatch):
     assert calls["readv"] > 20
     arena.free(h)
     arena.free(h2)
+
+
+# -- 6. exceptions that do not survive pickling ------------------------------------------
+class TwoArgError(Exception):
+    def __init__(self, a, b):
+        super().__init__(f"{a}-{b}")
+        self.b = b
+
+
+class BadStrError(Exception):
+    def __str__(self):
+        raise RuntimeError("no str for you")
+
+
+class BadStrUnpicklableError(BadStrError):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.lock = threading.Lock()
+
+
+def raise_two_arg(a, b):
+    raise TwoArgError(a, b)
+
+
+def raise_bad_str():
+    raise BadStrError("x")
+
+
+def raise_bad_str_unpicklable():
+    raise BadStrUnpicklableError("x")
+
+
+def spawn_raising_child():
+    c = stealer.spawn(raise_two_arg, "kid", 2)
+    yield c
+
+
+@pytest.fixture(scope="module")
+def ex():
+    with stealer.Executor(2) as e:
+        yield e
+
+
+def _remote_tb(exc, where):
+    cause = exc.__cause__
+    assert isinstance(cause, RemoteTraceback), repr(cause)
+    assert where in str(cause)
+
+
+def test_exception_whose_init_needs_arguments(ex):
+    with pytest.raises(TwoArgError) as info:
+        ex.submit(raise_two_arg, "a", "b").result(timeout=30)
+    assert str(info.value) == "a-b" and info.value.b == "b"
+    _remote_tb(info.value, "raise_two_arg")
+
+
+def test_exception_whose_init_needs_arguments_from_a_child_task(ex):
+    with pytest.raises(TwoArgError, match="kid-2") as info:
+        ex.submit(spawn_raising_child).result(timeout=30)
+    _remote_tb(info.value, "spawn_raising_child")
+
+
+def test_exception_whose_str_raises(ex):
+    with pytest.raises(BadStrError) as info:
+        ex.submit(raise_bad_str).result(timeout=30)
+    _remote_tb(info.value, "raise_bad_str")
+
+
+def test_exception_whose_str_raises_and_that_does_not_pickle(ex):
+    pid = set(ex.worker_pids())
+    with pytest.raises(stealer.RemoteError, match="BadStrUnpicklableError") as info:
+        ex.submit(raise_bad_str_unpicklable).result(timeout=30)
+    _remote_tb(info.value, "raise_bad_str_unpicklable")
+    assert set(ex.worker_pids()) == pid  # no worker died over it
+
+
+def test_error_payload_unpickles_where_the_class_is_missing():
+    from stealer.worker import error_payload
+
+    try:
+        raise_two_arg("p", "q")
+    except TwoArgError as e:
+        payload = error_payload(e)
+    data = pickle.dumps(payload)
+    exc, tb = pickle.loads(data)
+    assert type(exc) is TwoArgError and "raise_two_arg" in tb
+    # a client that cannot import the class gets a RemoteError naming it, not a crash
+    hidden = data.replace(b"TwoArgError", b"TwoArgErrxr")  # same length: the pickle stays valid
+    exc, tb = pickle.loads(hidden)
+    assert isinstance(exc, stealer.RemoteError) and "TwoArg" in str(exc) and "p-q" in str(exc)
+    assert "raise_two_arg" in tb

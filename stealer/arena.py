@@ -29,7 +29,10 @@ state word says who) and handed on through a queue push (release) and pop
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import secrets
+import stat
 import struct
 import time
 from typing import Any
@@ -55,31 +58,32 @@ from stealer._layout import (
     RECORD_BYTES,
     S_CANCELLED,
     S_FREE,
-    S_FREEING,
     S_QUEUED,
     S_RUNNING,
     ST_ERROR,
     ST_LOST,
     ST_OK,
 )
+from stealer.errors import SerializationError
 from stealer.records import Outcome, Transitions, word
 from stealer.shm import (
     H_CLIENT_PARK,
     H_OVERFLOW_SEQ,
     H_PARKED,
     H_SEARCHING,
-    SHM_DIR,
     W_PARK,
     WORKER_BYTES,
     Segment,
     _pow2,
+    shm_dir,
 )
 
 __all__ = ["Arena", "F_BUFFERS", "F_RBUFFERS", "INLINE", "K_CHILD", "K_MASK", "K_ROOT",
            "S_CANCELLED", "S_FREE", "S_QUEUED", "S_RUNNING", "ST_ERROR", "ST_LOST", "ST_OK"]
 
 # The record layout, states and kinds: stealer/_layout.py (shared with native/ by setup.py).
-S_DETACHED = S_FREEING  # (old name)
+LOST = 0xFFFE  # payload class: it could not be stored (overflow file failed); the ref holds the errno
+OVERFLOW_TRIES = 8  # fresh names tried when an overflow file's name exists already
 
 _PCALL = struct.Struct("=IIQQ")  # pclass, rclass, pref, plen
 _RES = struct.Struct("=QQ")  # rref, rlen
@@ -106,7 +110,7 @@ class Arena:
             ring = Q.MPMCRing(seg.region, L.offsets[f"block_free{i}"], _pow2(count))
             self.classes.append((size, ring, L.offsets[f"blocks{i}"]))
         self._counts = [count for _, count in L.block_classes]
-        self._ov_prefix = os.path.join(SHM_DIR, seg.name + "-x")
+        self._ov_prefix = seg.path + "-x"  # overflow files live beside the segment
         self.injector = (injector if injector is not None
                          else Q.MPMCRing(seg.region, L.offsets["injector"], L.records))
         self.tr = Transitions(seg.region, self.off)
@@ -298,8 +302,17 @@ class Arena:
     # -- payloads --------------------------------------------------------
     # A record holds two payloads: the call (kept until the record is freed,
     # so a task can be re-run after its worker died) and the result.  Each is
-    # inline (the result right after an inline call), in a size-class
-    # block, or in an overflow file.
+    # inline (the result right after an inline call), in a size-class block,
+    # or in an overflow file ``<segment>-x<16 hex digits>`` beside the
+    # segment (0600): its suffix is 64 random bits kept in the record (the
+    # reader needs nothing else), since /dev/shm is world-writable and its
+    # listing public, so a counter would let another user create (or
+    # symlink) the next name first.  It is created with O_EXCL|O_NOFOLLOW; a
+    # name that exists anyway is skipped for a fresh one.  A payload that
+    # cannot be written (ENOSPC: /dev/shm full) gets the LOST class instead,
+    # and whoever reads it gets a SerializationError saying why: a producer
+    # (a worker's result, the result thread's backlog) never dies of it.
+    # Every descriptor read from shared memory is checked before use.
     def _store(self, data: bytes, bufs: list, inline_at: int, off: int) -> tuple[int, int, int]:
         """Write a payload; (class, ref, length)."""
         mm = self.mm
@@ -310,42 +323,81 @@ class Arena:
         for ci, (size, ring, base) in enumerate(self.classes):
             if n <= size:
                 b = ring.pop()
+                if b >= self._counts[ci]:  # a free-ring cell from shared memory: check it
+                    raise ValueError(f"corrupt free list of block class {ci}: block {b} of "
+                                     f"{self._counts[ci]} (the shared memory was overwritten)")
                 if b >= 0:
                     serialize.write_frame(mm, base + size * b, data, bufs)
                     return ci + 1, b, n
-        seq = self.region.add64(H_OVERFLOW_SEQ, 1)
-        path = f"{self._ov_prefix}{seq}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            if bufs:
-                buf = bytearray(n)
-                serialize.write_frame(buf, 0, data, bufs)
-                view = memoryview(buf)
-            else:
-                view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        except BaseException:
+            token = self._write_overflow(data, bufs)
+        except OSError as exc:  # ENOSPC above all: the reader gets the error, not us
+            return LOST, exc.errno or 0, n
+        self.region.add64(H_OVERFLOW_SEQ, 1)  # a statistic only: nobody orders on it
+        return OVERFLOW, token, n
+
+    def _ov_path(self, token: int) -> str:
+        return f"{self._ov_prefix}{token:016x}"
+
+    def _write_overflow(self, data: bytes, bufs: list) -> int:
+        """Write a payload to a new overflow file; its token. OSError on failure."""
+        for _attempt in range(OVERFLOW_TRIES):
+            token = _ov_token()
+            path = self._ov_path(token)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, 0o600)
+            except FileExistsError:
+                continue  # a leftover or someone else's file (or symlink): never touch it
+            try:
+                if bufs:  # the frame of serialize.write_frame, written part by part
+                    _write_all(fd, serialize.frame_header(data, bufs))
+                    _write_all(fd, data)
+                    for b in bufs:
+                        _write_all(fd, b.raw())
+                else:
+                    _write_all(fd, data)
+            except BaseException:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                raise
             os.close(fd)
-            os.unlink(path)
-            raise
-        os.close(fd)
-        return OVERFLOW, seq, n
+            return token
+        raise FileExistsError(errno.EEXIST, f"{OVERFLOW_TRIES} fresh overflow file names in a "
+                              "row existed already", self._ov_prefix + "*")
+
+    def _check_off(self, off: int) -> None:
+        rel = off - self.rec_base
+        if rel < 0 or rel >= self.nrecords * RECORD_BYTES or rel % RECORD_BYTES:
+            raise IndexError(f"offset {off} is not a record of this arena (a corrupt handle?)")
+
+    def _check(self, cls: int, ref: int, n: int, inline_at: int) -> None:
+        if cls == 0:
+            ok = inline_at + n <= INLINE
+        elif cls in (OVERFLOW, LOST):
+            ok = True  # an overflow file's size is checked when it is read
+        elif cls <= len(self.classes):
+            ok = ref < self._counts[cls - 1] and n <= self.classes[cls - 1][0]
+        else:
+            ok = False
+        if not ok:
+            raise ValueError(f"corrupt payload descriptor: class {cls}, index {ref}, length {n} "
+                             "lie outside the arena (the shared memory was overwritten)")
 
     def _load(self, cls: int, ref: int, n: int, inline_at: int, off: int, has_bufs: bool) -> Any:
         mm = self.mm
+        self._check_off(off)
+        self._check(cls, ref, n, inline_at)
         if cls == 0:
-            if inline_at + n > INLINE:
-                raise ValueError("corrupt record: inline payload out of bounds")
             start = off + R_INLINE + inline_at
-            src = mm[start : start + n]
+            src: Any = mm[start : start + n]
         elif cls == OVERFLOW:
-            with open(f"{self._ov_prefix}{ref}", "rb") as f:
-                src = f.read()
+            src = _read_file(self._ov_path(ref), n)
+        elif cls == LOST:
+            raise lost_payload_error(ref, n)
         else:
             size, _ring, base = self.classes[cls - 1]
-            if n > size or ref >= self._counts[cls - 1]:
-                raise ValueError("corrupt record: block payload out of bounds")
             start = base + size * ref
             src = mm[start : start + n]
         return serialize.loads_frame(src, has_bufs)
@@ -353,15 +405,15 @@ class Arena:
     def _drop(self, cls: int, ref: int) -> None:
         if cls == OVERFLOW:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"{self._ov_prefix}{ref}")
-        elif cls:
+                os.unlink(self._ov_path(ref))
+        elif cls and cls != LOST:
             if cls > len(self.classes) or ref >= self._counts[cls - 1]:
-                # never let a corrupt word put a foreign index on a free ring
-                raise ValueError(f"corrupt record: payload class {cls} block {ref}")
+                return  # a corrupt word: never put a foreign index on a free ring (leak it)
             self.classes[cls - 1][1].push(ref)
 
     def put(self, off: int, data: bytes, bufs: list) -> None:
-        """Store a fresh record's call payload."""
+        """Store a fresh record's call payload (never fails for lack of room: see LOST)."""
+        self._check_off(off)
         mm = self.mm
         kind = _U32.unpack_from(mm, off + R_KIND)[0]
         _U32.pack_into(mm, off + R_KIND, (kind | F_BUFFERS) if bufs else (kind & ~F_BUFFERS))
@@ -370,6 +422,7 @@ class Arena:
 
     def put_result(self, off: int, data: bytes, bufs: list) -> None:
         """Store the result beside the call payload (the record is RUNNING, ours)."""
+        self._check_off(off)
         mm = self.mm
         self.drop_result(off)
         cls, ref, n = self._store(data, bufs, self._result_at(off), off)
@@ -402,7 +455,8 @@ class Arena:
         self._drop(rclass, rref)
 
     def drop_payload(self, off: int) -> None:
-        """Release both payloads' storage without reading them."""
+        """Release both payloads' storage without reading them (fields zeroed first, so a
+        release interrupted by a kill never pushes a block twice)."""
         mm = self.mm
         pclass, rclass, pref, _n = _PCALL.unpack_from(mm, off + R_PCLASS)
         rref, _rn = _RES.unpack_from(mm, off + R_RREF)
@@ -410,3 +464,54 @@ class Arena:
         _RES.pack_into(mm, off + R_RREF, 0, 0)
         self._drop(pclass, pref)
         self._drop(rclass, rref)
+
+
+def _ov_token() -> int:
+    """64 random bits naming an overflow file (module-level so tests can force collisions)."""
+    return secrets.randbits(64)
+
+
+def _write_all(fd: int, buf: Any) -> None:
+    """os.write until every byte is written (one call stops at about 2 GiB on Linux)."""
+    view = memoryview(buf).cast("B")
+    while view:
+        k = os.write(fd, view)
+        if k <= 0:
+            raise OSError(errno.EIO, "write() made no progress")
+        view = view[k:]
+
+
+def _read_file(path: str, n: int) -> bytearray:
+    """The ``n`` bytes of an overflow file, checked to be ours and exactly that long."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size != n:
+            raise ValueError(f"overflow file {path} is not the payload its task record "
+                             f"describes ({st.st_size} bytes, expected {n})")
+        buf = bytearray(n)
+        view = memoryview(buf)
+        pos = 0
+        while pos < n:  # one read() stops at about 2 GiB
+            k = os.readv(fd, [view[pos:]])
+            if k <= 0:
+                raise ValueError(f"overflow file {path} ended after {pos} of {n} bytes")
+            pos += k
+        return buf
+    finally:
+        os.close(fd)
+
+
+def lost_payload_error(err: int, n: int) -> SerializationError:
+    """The error for a payload that could not be stored (``LOST``): what happened, what to do."""
+    msg = (f"a payload of {n} bytes (a task's arguments or result) could not be stored in "
+           f"shared memory: {os.strerror(err) if err else 'unknown error'}.")
+    if err in (errno.ENOSPC, errno.EDQUOT):
+        d = shm_dir()
+        msg += (f" {d} is full: free space there (remove files other programs left), pass "
+                "smaller arguments and results, or give the container more shared memory "
+                "(e.g. docker run --shm-size=1g).")
+    elif err == errno.EEXIST:
+        msg += (" Every fresh overflow file name tried existed already: another process is "
+                "creating files in the shared-memory directory.")
+    return SerializationError(msg)

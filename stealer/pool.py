@@ -410,6 +410,8 @@ class _Pool:
             else:
                 value = pickle.loads(data)
             status, value = result_value(status, value)
+        except SerializationError as exc:  # e.g. a result that could not be stored
+            status, value = ST_ERROR, (exc, "")
         except BaseException as exc:
             status = ST_ERROR
             value = (SerializationError(

@@ -29,7 +29,8 @@ import cloudpickle
 
 from stealer.errors import SerializationError
 
-__all__ = ["dumps", "frame_size", "write_frame", "loads_frame", "FunctionTable"]
+__all__ = ["dumps", "frame_size", "frame_header", "write_frame", "loads_frame", "FunctionTable",
+           "ErrorPayload"]
 
 _HDR = struct.Struct("=IIQ")
 _LEN = struct.Struct("=Q")
@@ -57,6 +58,12 @@ def frame_size(data: bytes, bufs: list[pickle.PickleBuffer]) -> int:
     if not bufs:
         return len(data)
     return _HDR.size + _LEN.size * len(bufs) + len(data) + sum(b.raw().nbytes for b in bufs)
+
+
+def frame_header(data: bytes, bufs: list[pickle.PickleBuffer]) -> bytes:
+    """The bytes of a frame before its pickle: header and buffer lengths (bufs not empty)."""
+    lens = [b.raw().nbytes for b in bufs]
+    return _HDR.pack(len(lens), 0, len(data)) + struct.pack(f"={len(lens)}Q", *lens)
 
 
 def write_frame(dst: Any, off: int, data: bytes, bufs: list[pickle.PickleBuffer]) -> None:
@@ -93,6 +100,91 @@ def loads_frame(src: Any, has_buffers: bool) -> Any:
         buffers.append(bytearray(mv[p : p + n]))
         p += n
     return pickle.loads(data, buffers=buffers)
+
+
+class ErrorPayload(tuple):
+    """``(exception, worker traceback text)`` of a failed task; unpickles to a plain tuple.
+
+    In the worker it is that tuple.  Pickled, it always unpickles, into the
+    original exception when it can be rebuilt and into a useful stand-in
+    when it cannot, so the client always gets an exception to chain the
+    worker's traceback to.  The ways an exception resists:
+
+    * its ``__init__`` needs arguments that ``args`` does not hold
+      (``def __init__(self, a, b): super().__init__(f"{a}-{b}")``): pickle
+      writes it but cannot rebuild it.  It is rebuilt without ``__init__``
+      (``cls.__new__`` plus ``args`` and ``__dict__``): the same type, text
+      and attributes;
+    * it does not pickle at all (it holds a lock), or its class cannot be
+      imported where it is unpickled: a :class:`~stealer.errors.RemoteError`
+      naming the type and the text;
+    * its ``__str__`` raises: the text says so instead.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, exc: BaseException, tb: str) -> ErrorPayload:
+        return super().__new__(cls, (exc, tb))
+
+    def __reduce__(self) -> tuple:
+        exc, tb = self
+        name = f"{type(exc).__module__}.{type(exc).__qualname__}"
+        text = safe_str(exc)
+        why = ""
+        try:
+            data = _dumps_inband(exc)
+            rebuilt = pickle.loads(data)  # can it be rebuilt? (an __init__ with arguments cannot)
+            if isinstance(rebuilt, BaseException):
+                return _load_error, (data, False, name, text, "", tb)
+        except Exception as e:
+            why = f"{type(e).__name__}: {safe_str(e)}"
+        try:
+            state = getattr(exc, "__dict__", None) or None
+            data = _dumps_inband((type(exc), exc.args, state))
+            return _load_error, (data, True, name, text, why, tb)
+        except Exception as e:
+            why = f"{type(e).__name__}: {safe_str(e)}"
+        return _load_error, (None, False, name, text, why, tb)
+
+
+def safe_str(exc: BaseException) -> str:
+    """``str(exc)``, or a note that it failed (an exception's ``__str__`` may raise)."""
+    try:
+        return str(exc)
+    except Exception as e:
+        return f"<str() of the exception failed: {type(e).__name__}>"
+
+
+def _dumps_inband(obj: Any) -> bytes:
+    try:
+        return pickle.dumps(obj, _PROTO)
+    except Exception:
+        return cloudpickle.dumps(obj, _PROTO)
+
+
+def _load_error(data: bytes | None, raw: bool, name: str, text: str, why: str,
+                tb: str) -> tuple[BaseException, str]:
+    """Unpickler of :class:`ErrorPayload`: ``(exception, traceback)``; never raises."""
+    if data is not None:
+        try:
+            obj = pickle.loads(data)
+            if raw:
+                cls, args, state = obj
+                exc = cls.__new__(cls, *args)  # BaseException.__new__; __init__ is not called
+                exc.args = args
+                if state:
+                    exc.__dict__.update(state)
+            else:
+                exc = obj
+            if isinstance(exc, BaseException):
+                return exc, tb
+            why = f"it unpickled to a {type(exc).__name__}"
+        except Exception as e:
+            why = f"{type(e).__name__}: {safe_str(e)}"
+    from stealer.errors import RemoteError
+
+    return RemoteError(f"{name}: {text} (the original exception could not be sent back: "
+                       f"{why or 'unknown reason'})"), tb
 
 
 def cacheable(fn: Any) -> bool:

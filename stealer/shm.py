@@ -5,35 +5,59 @@ One file in /dev/shm per executor, mode 0600, named
 Everything inside is fixed-size integers at fixed offsets (see
 :class:`Layout`); each structure starts on its own 64-byte cache line.
 
+The directory is ``/dev/shm`` unless the environment variable
+``STEALER_SHM_DIR`` names another (read at every call, so worker processes
+inherit it; tests point it at a small tmpfs).
+
+Memory is reserved when the segment is created (``posix_fallocate``): a
+full /dev/shm fails there with :class:`SharedMemoryFullError`, never later
+with a SIGBUS on a page the kernel cannot back.
+
 Cleanup: the client unlinks the segment (and its overflow files,
-``<name>-x<n>``) at shutdown and from a finalizer; a worker whose client
-died unlinks them before exiting; and every new executor removes segments
-left by clients that no longer exist (``cleanup_stale``).  Nothing here
-uses ``multiprocessing.shared_memory``, so the resource tracker never
-warns.
+``<name>-x<16 hex digits>``, see arena.py) at shutdown and from a
+finalizer; a worker whose client died unlinks them before exiting; and
+every new executor removes segments left by clients that no longer exist
+(:func:`cleanup_stale`).
+
+Liveness of a segment's creator is an ``flock``, not a pid: the creator
+holds a shared lock on the file for as long as it has it open, and
+``cleanup_stale`` removes a segment only when it can take the exclusive
+lock.  The kernel drops the lock when the creator dies, in whichever PID
+namespace it ran (containers sharing /dev/shm see pids that mean nothing
+to each other, and a pid can be reused); a pid plus start time would still
+need a guess for segments of other namespaces, the lock needs none.
+Segments without the lock marker (older versions, or a file still being
+created) fall back to the pid in the name.  Nothing here uses
+``multiprocessing.shared_memory``, so the resource tracker never warns.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import glob
 import json
 import mmap
 import os
 import re
 import secrets
+import stat
 import struct
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from stealer._layout import RECORD_BYTES
 from stealer._queues import impl as Q
+from stealer.errors import StealerError
 
-__all__ = ["Layout", "Segment", "cleanup_stale", "SHM_DIR", "PREFIX"]
+__all__ = ["Layout", "Segment", "SharedMemoryFullError", "cleanup_stale", "shm_dir", "SHM_DIR",
+           "PREFIX"]
 
-SHM_DIR = "/dev/shm"
+SHM_DIR = "/dev/shm"  # default directory; STEALER_SHM_DIR overrides it (see shm_dir)
 PREFIX = "stealer-"
 LINE = 64
 MAGIC = 0x5354454C45525631  # "STELERV1"
@@ -43,11 +67,13 @@ H_MAGIC = 0  # u64 written by the creator once, read by attachers to validate
 H_NWORKERS = 8  # u32 written by the creator once
 H_SHUTDOWN = 64  # u32 written by the client (store32 seq_cst), read by workers in their loop
 H_CLIENT_PARK = 256  # u32 futex word of the client's result thread (0 awake, 1 parked); CAS by workers to wake it
-H_OVERFLOW_SEQ = 320  # u64 counter of overflow files: add64 by any producer
+H_OVERFLOW_SEQ = 320  # u64 overflow files created (a statistic; names are random): add64 by any producer
 H_FN_COUNT = 384  # u64 number of function-table entries: written by the client only (store64 release)
 H_FN_BYTES = 392  # u64 bytes used in the function data area: client only
 H_STARTED = 448  # u32 workers that finished starting: add32 by workers, futex-waited by wait_ready
 H_CREATED_NS = 512  # u64 time.time_ns() at creation: creator only, before any attach
+H_LOCKED = 520  # u32 1: the creator holds flock(LOCK_SH) on the file while it lives; creator only,
+#                 before H_MAGIC; read (pread) by cleanup_stale to trust a free lock as "creator gone"
 H_LOCK_HOLDER = 576  # u32 pid holding the pure-Python reference's lock (0: free): its holder,
 #                     under the lock; read by the client after a worker death
 # Worker sets (stealer/idle.py): bit k % 64 of u64 word k // 64 is worker k. Each transition of
@@ -74,6 +100,15 @@ LEASE_SLOTS = 16
 WORKER_BYTES = 256
 
 # Record (task) layout: RECORD_BYTES each (stealer/_layout.py has the fields).
+
+
+class SharedMemoryFullError(StealerError, OSError):
+    """The shared-memory directory has no room for an executor's segment."""
+
+
+def shm_dir() -> str:
+    """The directory of segments: $STEALER_SHM_DIR, else :data:`SHM_DIR` (read at each call)."""
+    return os.environ.get("STEALER_SHM_DIR") or SHM_DIR
 
 
 def _pow2(n: int) -> int:
@@ -166,44 +201,69 @@ class Segment:
                  queues: Any = None) -> None:
         self.name = name
         self.Q = queues or Q  # the queue implementation every process of this executor uses
-        self.path = os.path.join(SHM_DIR, name)
+        self.path = os.path.join(shm_dir(), name)
         self.mm = mm
         self.layout = layout
         self.region = (self.Q.Region(mm, lock) if self.Q.NATIVE or lock is None
                        else self.Q.Region(mm, lock, H_LOCK_HOLDER))
+        self._release: Any = None  # creator: closes the fd holding the liveness lock
 
     @classmethod
     def create(cls, layout: Layout, lock: object = None, queues: Any = None) -> Segment:
-        name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(16)}"
-        path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            os.ftruncate(fd, layout.total)
-            mm = mmap.mmap(fd, layout.total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            raise
-        os.close(fd)
+        """A new segment, its memory reserved and its liveness lock held.
+
+        Raises :class:`SharedMemoryFullError` when the directory has no room.
+        """
+        d = shm_dir()
+        for _attempt in range(_CREATE_TRIES):
+            name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(16)}"
+            path = os.path.join(d, name)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600)
+            try:
+                if not _lock_own_file(fd, path):
+                    # A cleanup_stale elsewhere took the name away first (or held it too long).
+                    _unlink_if_same(fd, path)
+                    os.close(fd)
+                    continue
+                _reserve(fd, layout, d)
+                mm = mmap.mmap(fd, layout.total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            except BaseException:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                raise
+            break
+        else:
+            raise StealerError(f"could not create a shared-memory segment in {d}: another "
+                               "process keeps removing new files there")
         seg = cls(name, mm, layout, lock, queues)
+        seg.path = path
+        # The lock lives as long as this fd (and the mapping's duplicate of it).
+        seg._release = weakref.finalize(seg, os.close, fd)
         r = seg.region
         meta = json.dumps({"layout": layout.to_args(), "client_pid": os.getpid()}).encode()
         if len(meta) > HEADER_BYTES - H_LAYOUT - 4:
+            seg.unlink()
             raise ValueError("layout description too large for the header")
         mm[H_LAYOUT + 4 : H_LAYOUT + 4 + len(meta)] = meta
         r.store32(H_LAYOUT, len(meta))
         r.store64(H_CREATED_NS, time.time_ns())
         r.store32(H_NWORKERS, layout.nworkers)
+        r.store32(H_LOCKED, 1)
         r.store64(H_MAGIC, MAGIC)  # last: attachers check it
         return seg
 
     @classmethod
     def attach(cls, name: str, layout: Layout, lock: object = None,
                queues: Any = None) -> Segment:
-        path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        path = os.path.join(shm_dir(), name)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
+            size = os.fstat(fd).st_size
+            if size < layout.total:  # mapping past the end would SIGBUS on first touch
+                raise RuntimeError(f"{path} is {size} bytes, smaller than the {layout.total} "
+                                   "bytes of its layout: not a stealer segment, or truncated")
             mm = mmap.mmap(fd, layout.total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
@@ -215,44 +275,119 @@ class Segment:
     @classmethod
     def attach_any(cls, name: str) -> Segment:
         """Attach to a running executor's segment knowing only its name (``stealer top``)."""
-        if not _NAME_RE.match(name):
+        if client_pid(name) is None:
             raise ValueError(f"{name!r} is not a stealer segment name (stealer-<pid>-<token>)")
-        path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        path = os.path.join(shm_dir(), name)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            with mmap.mmap(fd, HEADER_BYTES, mmap.MAP_SHARED, mmap.PROT_READ) as head:
-                if struct.unpack_from("=Q", head, H_MAGIC)[0] != MAGIC:
-                    raise RuntimeError(f"{path} is not a stealer segment (or is still starting)")
-                n = struct.unpack_from("=I", head, H_LAYOUT)[0]
-                meta = json.loads(head[H_LAYOUT + 4 : H_LAYOUT + 4 + n])
+            head = os.pread(fd, HEADER_BYTES, 0)
         finally:
             os.close(fd)
+        if len(head) < HEADER_BYTES or struct.unpack_from("=Q", head, H_MAGIC)[0] != MAGIC:
+            raise RuntimeError(f"{path} is not a stealer segment (or is still starting)")
+        n = struct.unpack_from("=I", head, H_LAYOUT)[0]
+        meta = json.loads(head[H_LAYOUT + 4 : H_LAYOUT + 4 + n])
         return cls.attach(name, Layout.from_args(tuple(meta["layout"])))
 
     def unlink(self) -> None:
         unlink_all(self.name)
+        if self._release is not None:
+            self._release()  # the file is gone: nothing left for the lock to protect
 
 
-def unlink_all(name: str) -> None:
-    """Remove the segment file and its overflow files; missing files are fine."""
-    for path in [os.path.join(SHM_DIR, name), *glob.glob(os.path.join(SHM_DIR, name + "-x*"))]:
+_CREATE_TRIES = 8
+_LOCK_WAIT_S = 2.0  # how long create waits for a cleanup_stale that inspects the new file
+
+
+def _lock_own_file(fd: int, path: str) -> bool:
+    """Creator: take the shared liveness lock; False if ``path`` no longer names ``fd``'s file.
+
+    A cleanup_stale in another process may have opened the brand-new (still
+    empty) file, taken the exclusive lock and unlinked it; it holds the lock
+    only for a few system calls, so wait for it, then check the name.
+    """
+    deadline = time.monotonic() + _LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+    return _same_file(fd, path)
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _unlink_if_same(fd: int, path: str) -> None:
+    if _same_file(fd, path):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 
 
-_NAME_RE = re.compile(r"^stealer-(\d+)-[0-9a-f]{32}(-x\d+)?$")
+def _reserve(fd: int, layout: Layout, d: str) -> None:
+    """Allocate every page of the segment now, so a full tmpfs fails here, not with SIGBUS."""
+    try:
+        os.posix_fallocate(fd, 0, layout.total)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EFBIG):
+            free = _free_bytes(d)
+            raise SharedMemoryFullError(
+                exc.errno,
+                f"cannot reserve {layout.total / 2**20:.1f} MiB of shared memory in {d} for "
+                f"the executor ({'unknown' if free is None else f'{free / 2**20:.1f} MiB'} "
+                f"free there: {os.strerror(exc.errno)}). Free space in {d} (remove files other "
+                "programs left there), create the executor with fewer records= (now "
+                f"{layout.records}) or workers, or give the container more shared memory "
+                "(e.g. docker run --shm-size=1g).") from exc
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        os.ftruncate(fd, layout.total)  # a filesystem without fallocate: sparse, as before
+
+
+def _free_bytes(d: str) -> int | None:
+    try:
+        st = os.statvfs(d)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def unlink_all(name: str) -> None:
+    """Remove the segment file and its overflow files; missing files are fine."""
+    d = shm_dir()
+    for path in [os.path.join(d, name), *glob.glob(os.path.join(d, glob.escape(name) + "-x*"))]:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+# A segment, or one of its overflow files (decimal numbers: older versions; 16 hex digits now).
+_NAME_RE = re.compile(r"^stealer-(\d+)-[0-9a-f]{32}(-x[0-9a-f]{1,16})?$")
 
 
 def client_pid(name: str) -> int | None:
-    """The client pid in a segment's name; None for anything else (overflow files too)."""
+    """The client pid in a segment's name; None for anything else (overflow files too).
+
+    The pid is the one in the creator's PID namespace: a hint for display,
+    not proof of life (see :func:`cleanup_stale`).
+    """
     m = _NAME_RE.match(name)
     return int(m.group(1)) if m and not m.group(2) else None
 
 
 def our_files() -> Iterator[tuple[str, int, str]]:
     """(name, client pid, path) of every segment and overflow file this user owns."""
+    d = shm_dir()
     try:
-        names = os.listdir(SHM_DIR)
+        names = os.listdir(d)
     except OSError:
         return
     uid = os.getuid()
@@ -260,7 +395,7 @@ def our_files() -> Iterator[tuple[str, int, str]]:
         m = _NAME_RE.match(name)
         if not m:
             continue
-        path = os.path.join(SHM_DIR, name)
+        path = os.path.join(d, name)
         try:
             if os.stat(path, follow_symlinks=False).st_uid != uid:
                 continue
@@ -279,15 +414,63 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def cleanup_stale() -> list[str]:
-    """Unlink segments (and overflow files) whose creating client no longer runs."""
-    removed = []
-    for name, pid, path in our_files():
-        if _alive(pid):
-            continue
+def _remove_if_stale(name: str, pid: int, path: str) -> list[str]:
+    """Unlink a segment and its overflow files if its creator is gone; the names removed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return []
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            return []
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return []  # held: its creator (or a process it forked) still has it open
+        head = os.pread(fd, HEADER_BYTES, 0)
+        locked = (len(head) == HEADER_BYTES
+                  and struct.unpack_from("=Q", head, H_MAGIC)[0] == MAGIC
+                  and struct.unpack_from("=I", head, H_LOCKED)[0] == 1)
+        # A free lock on a segment whose creator took it proves the creator is gone.  Other
+        # files (older versions, or one whose creator has not locked it yet) fall back to the
+        # pid in the name; a creator that loses its file this way sees so and picks another.
+        if not locked and _alive(pid):
+            return []
+        removed = []
+        # Unlink while holding the lock: a creator locks before it trusts its file.
+        with contextlib.suppress(OSError):
             os.unlink(path)
             removed.append(name)
-        except OSError:
-            continue
+    except OSError:
+        return []  # vanished or unreadable meanwhile: not ours to judge now
+    finally:
+        os.close(fd)
+    d = os.path.dirname(path)
+    for ov in glob.glob(os.path.join(d, glob.escape(name) + "-x*")):
+        with contextlib.suppress(OSError):
+            os.unlink(ov)
+            removed.append(os.path.basename(ov))
+    return removed
+
+
+def cleanup_stale() -> list[str]:
+    """Unlink segments (and overflow files) whose creating client no longer runs.
+
+    Overflow files whose segment no longer exists are removed too (their
+    executor has shut down or was cleaned up).
+    """
+    removed = []
+    overflow = []
+    for name, pid, path in our_files():
+        if client_pid(name) is None:
+            overflow.append((name, path))
+        else:
+            removed += _remove_if_stale(name, pid, path)
+    for name, path in overflow:
+        base = os.path.join(os.path.dirname(path), name.rsplit("-x", 1)[0])
+        if os.path.lexists(path) and not os.path.lexists(base):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed.append(name)
     return removed

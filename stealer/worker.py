@@ -113,19 +113,20 @@ class WorkerArgs:
 
 
 def error_payload(exc: BaseException) -> tuple:
-    """(exception, formatted traceback) of a task that raised."""
+    """(exception, formatted traceback) of a task that raised.
+
+    A :class:`~stealer.serialize.ErrorPayload`: it pickles (and unpickles)
+    whatever the exception, so the client always gets the traceback.
+    """
     try:
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     except BaseException:
         tb = f"{type(exc).__qualname__} (the traceback could not be formatted)\n"
-    return exc, tb
+    return serialize.ErrorPayload(exc, tb)
 
 
 def _describe(exc: BaseException) -> str:
-    try:
-        text = str(exc)
-    except BaseException:
-        text = "<str() of the exception failed>"
+    text = serialize.safe_str(exc)
     return f"{type(exc).__qualname__}: {text}" if text else type(exc).__qualname__
 
 

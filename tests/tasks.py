@@ -224,8 +224,10 @@ def raise_keyboard_interrupt():
     raise KeyboardInterrupt
 
 
-def sleep_in_body(seconds):
-    """Sleeps in small steps (a signal handler runs between them)."""
+def sleep_in_body(seconds, marker=None):
+    """Sleeps in small steps (a signal handler runs between them); creates ``marker`` first."""
+    if marker:
+        open(marker, "w").close()
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         time.sleep(0.005)

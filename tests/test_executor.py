@@ -317,6 +317,7 @@ def test_sigkill_mid_task():
         _crash_and_recover(e, tasks.kill_self, signal.SIGKILL, match="SIGKILL")
 
 
+@pytest.mark.kills_workers
 def test_kill_9_from_outside_mid_task():
     with stealer.Executor(2, retries=0) as e:
         assert e.wait_ready(30)

@@ -57,7 +57,7 @@ def test_keyboard_interrupt_in_the_body_is_the_tasks_error():
         assert e.submit(tasks.square, 3).result(timeout=30) == 9
 
 
-def test_sigint_reaches_only_task_bodies():
+def test_sigint_reaches_only_task_bodies(tmp_path):
     """Ctrl-C hits every process of the terminal's group: an idle worker ignores it, a
     running task fails with KeyboardInterrupt (as in ProcessPoolExecutor), no worker dies."""
     with stealer.Executor(2) as e:
@@ -68,8 +68,12 @@ def test_sigint_reaches_only_task_bodies():
         time.sleep(0.2)
         assert [f.result(timeout=30) for f in [e.submit(tasks.square, i) for i in range(50)]] \
             == [i * i for i in range(50)]
-        f = e.submit(tasks.sleep_in_body, 20.0)
+        marker = tmp_path / "in-body"
+        f = e.submit(tasks.sleep_in_body, 20.0, str(marker))
         k = _running_worker(e, f)
+        deadline = time.monotonic() + 10
+        while not marker.exists() and time.monotonic() < deadline:  # in the body, not before
+            time.sleep(0.005)
         os.kill(pids[k], signal.SIGINT)
         with pytest.raises(KeyboardInterrupt):
             f.result(timeout=30)
@@ -77,6 +81,7 @@ def test_sigint_reaches_only_task_bodies():
         assert e.stats().client["crashes"] == 0
 
 
+@pytest.mark.kills_workers
 def test_kill_mid_task_reruns_it_with_the_right_value():
     with stealer.Executor(2) as e:  # default retries=3
         assert e.wait_ready(30)
@@ -95,6 +100,7 @@ def test_poison_pill_fails_after_retries_and_names_the_cause():
         assert _records_in_use(e) == 0
 
 
+@pytest.mark.kills_workers
 def test_owner_of_a_suspended_frame_killed_reruns_the_task():
     """The frame (a suspended generator) lives only in its worker: killing that worker
     while the children run must re-run the parent (retries) and free every child record."""
@@ -117,6 +123,7 @@ def test_owner_of_a_suspended_frame_killed_reruns_the_task():
         assert _records_in_use(e) == 0
 
 
+@pytest.mark.kills_workers
 def test_owner_killed_without_retries_fails_with_a_clear_message():
     with stealer.Executor(2, retries=0) as e:
         assert e.wait_ready(30)

@@ -10,6 +10,7 @@ from stealer.errors import (
     NotInTaskError,
     RemoteError,
     SerializationError,
+    SharedMemoryFullError,
     StealerError,
     WorkerCrashedError,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "NotInTaskError",
     "RemoteError",
     "SerializationError",
+    "SharedMemoryFullError",
     "StealerError",
     "WorkerCrashedError",
     "run_inline",

@@ -10,6 +10,7 @@ written for :class:`~concurrent.futures.ProcessPoolExecutor` keeps working:
      ├── SerializationError    (also pickle.PicklingError)
      ├── ExecutorShutdownError (also RuntimeError, like submit-after-shutdown in the stdlib)
      ├── AffinityError         (also ValueError)
+     ├── SharedMemoryFullError (also OSError) /dev/shm has no room for a new executor
      ├── NotInTaskError        (also RuntimeError)
      └── RemoteError           a task's exception that could not be sent back as itself
 
@@ -30,6 +31,7 @@ __all__ = [
     "SerializationError",
     "ExecutorShutdownError",
     "AffinityError",
+    "SharedMemoryFullError",
     "NotInTaskError",
     "RemoteError",
     "RemoteTraceback",
@@ -62,6 +64,10 @@ class ExecutorShutdownError(StealerError, RuntimeError):
 
 class AffinityError(StealerError, ValueError):
     """A CPU pinning request cannot be honoured on this machine."""
+
+
+class SharedMemoryFullError(StealerError, OSError):
+    """The shared-memory directory has no room for an executor's segment."""
 
 
 class NotInTaskError(StealerError, RuntimeError):

@@ -264,6 +264,7 @@ class Executor(_fbase.Executor):
                 return f
         h = a.alloc()
         if h < 0:
+            f._st_backlog = True  # (before it is visible there: cancel() may withdraw it)
             pool.backlog.append((f, data, bufs, self._retries))
             pool.wake()
             return f

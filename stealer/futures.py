@@ -54,6 +54,7 @@ class _Future(Future):
     _result: Any = None
     _exception: BaseException | None = None
     _st_handle: int | None = None
+    _st_backlog = False  # waiting in the client-side backlog (no record yet)
 
     def __init__(self, pool: _Pool, fid: int, fn: Any) -> None:
         # Future.__init__ without the Condition (created lazily, see _condition);
@@ -123,9 +124,12 @@ class _Future(Future):
                 return False
             pool = self._st_pool
             h = self._st_handle
-            # No handle: still in the client-side backlog (drain_backlog skips it). Else a
+            # In the client-side backlog: withdrawn here (drain_backlog skips it). Else a
             # generation-checked CAS on the record's state, pairs with the worker's start CAS.
-            if h is not None and pool.arena.tr.cancel(h) is not Outcome.OK:
+            if h is None:
+                if not self._st_backlog:
+                    return False  # submit() is publishing it right now (another thread)
+            elif pool.arena.tr.cancel(h) is not Outcome.OK:
                 return False  # a worker started it, or it is already done
             pool.futures.pop(self._st_fid, None)
             # Nobody will run it, so nobody else would call set_running_or_notify_cancel():

@@ -444,6 +444,7 @@ class _Pool:
                 off = a.setup(h, K_ROOT, f._st_fid, time.monotonic_ns(), retries)
                 a.put(off, data, bufs)
                 f._st_handle = h
+                f._st_backlog = False
                 self.injector.push(h)
                 moved += 1
         if moved:

@@ -52,7 +52,7 @@ from typing import Any
 
 from stealer._layout import RECORD_BYTES
 from stealer._queues import impl as Q
-from stealer.errors import StealerError
+from stealer.errors import SharedMemoryFullError, StealerError
 
 __all__ = ["Layout", "Segment", "SharedMemoryFullError", "cleanup_stale", "shm_dir", "SHM_DIR",
            "PREFIX"]
@@ -100,10 +100,6 @@ LEASE_SLOTS = 16
 WORKER_BYTES = 256
 
 # Record (task) layout: RECORD_BYTES each (stealer/_layout.py has the fields).
-
-
-class SharedMemoryFullError(StealerError, OSError):
-    """The shared-memory directory has no room for an executor's segment."""
 
 
 def shm_dir() -> str:

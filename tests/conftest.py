@@ -1,10 +1,13 @@
-"""Shared fixtures: every test session must leave /dev/shm clean."""
+"""Shared fixtures: every test module must leave /dev/shm clean; ``impl``, the queue module
+under test.  Helpers shared by several test modules live in tests/rig.py."""
 
 from __future__ import annotations
 
 import os
+from types import ModuleType
 
 import pytest
+from rig import load_impl
 
 SHM = "/dev/shm"
 
@@ -25,3 +28,9 @@ def no_shm_leak():
     gc.collect()
     left = stealer_files()
     assert not left, f"shared-memory files leaked: {sorted(left)}"
+
+
+@pytest.fixture(scope="module", params=["native", "python"])
+def impl(request: pytest.FixtureRequest) -> ModuleType:
+    """The queue module under test: ``stealer._cqueues`` or ``stealer._pyqueues``."""
+    return load_impl(request.param)

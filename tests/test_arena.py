@@ -1,6 +1,6 @@
 """Record and payload storage (stealer/arena.py), on every implementation of the hot path.
 
-Each test runs on three arenas over a real segment in /dev/shm:
+Each test runs on three arenas over a real segment in /dev/shm (tests/rig.py):
 
 * ``native``: native queues, the per-task operations done by ``HotPath``
   (native/_cqueues.pyx);
@@ -23,13 +23,12 @@ import glob
 import os
 import pickle
 import stat
-from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 import pytest
+from rig import CONFIGS, Rig, make_rig, rig_fixture, ring_items
 
-from stealer import _pyqueues, serialize
+from stealer import serialize
 from stealer._layout import (
     F_BUFFERS,
     F_RBUFFERS,
@@ -58,82 +57,15 @@ from stealer._layout import (
     ST_ERROR,
     ST_OK,
 )
-from stealer.arena import Arena
 from stealer.records import Outcome
-from stealer.shm import W_CURRENT, Layout, Segment
 
-try:
-    from stealer import _cqueues
-except ImportError:  # pragma: no cover - depends on the build
-    _cqueues = None
-
-CONFIGS = ("native", "native-pyarena", "python")
 CLASSES = ((256, 8), (1024, 4))  # small block classes: a few KiB of blocks in all
 BIG = 2000  # larger than every class: an overflow file
 
 
 # --------------------------------------------------------------------------- rig
 
-
-@dataclass
-class Rig:
-    cfg: str
-    Q: ModuleType
-    seg: Segment
-    layout: Layout
-    arena: Arena
-    injector: Any
-    completions: list
-
-    def cur_off(self, k: int) -> int:
-        """Worker k's current-task word (W_CURRENT)."""
-        return self.layout.worker(k) + W_CURRENT
-
-
-def make_rig(cfg: str, nworkers: int = 2, records: int = 16,
-             block_classes: tuple = CLASSES) -> Rig:
-    """A fresh segment set up like stealer/pool.py ``_Pool._setup`` does (no processes)."""
-    if cfg != "python" and _cqueues is None:
-        pytest.skip("native extension not built")
-    Q = _pyqueues if cfg == "python" else _cqueues
-    layout = Layout(nworkers, records=records, block_classes=block_classes, fn_entries=16,
-                    fn_data=4096)
-    seg = Segment.create(layout, None, Q)
-    try:
-        r = seg.region
-        injector = Q.MPMCRing(r, layout.offsets["injector"], layout.records)
-        injector.init()
-        saved = os.environ.get("STEALER_PY_HOTPATH")
-        os.environ["STEALER_PY_HOTPATH"] = "1" if cfg == "native-pyarena" else "0"
-        try:
-            arena = Arena(seg, injector)
-        finally:
-            if saved is None:
-                del os.environ["STEALER_PY_HOTPATH"]
-            else:
-                os.environ["STEALER_PY_HOTPATH"] = saved
-        arena.init()
-        for k in range(nworkers):
-            Q.Deque(r, layout.deque(k), layout.records).init()
-            Q.MPMCRing(r, layout.inbox(k), layout.records).init()
-        completions = [Q.SPSCRing(r, layout.completion(k), layout.records)
-                       for k in range(nworkers)]
-        for ring in completions:
-            ring.init()
-    except BaseException:
-        seg.unlink()
-        raise
-    # The parametrization means something only if each config takes its own path.
-    hot = type(getattr(arena.start, "__self__", None)).__name__ == "HotPath"
-    assert hot == (cfg == "native"), (cfg, arena.start)
-    return Rig(cfg, Q, seg, layout, arena, injector, completions)
-
-
-@pytest.fixture(params=CONFIGS)
-def rig(request: pytest.FixtureRequest):
-    rig = make_rig(request.param)
-    yield rig
-    rig.seg.unlink()
+rig = rig_fixture(block_classes=CLASSES)
 
 
 def blob(n: int, seed: int = 1) -> bytes:
@@ -164,16 +96,6 @@ def put64(rig: Rig, off: int, v: int) -> None:
 
 def put32(rig: Rig, off: int, v: int) -> None:
     rig.arena.mm[off : off + 4] = v.to_bytes(4, "little")
-
-
-def ring_items(ring: Any) -> list[int]:
-    """The values on an MPMC ring, in order (popped and pushed back)."""
-    items = []
-    while (v := ring.pop()) >= 0:
-        items.append(v)
-    for v in items:
-        assert ring.push(v)
-    return items
 
 
 def overflow_files(rig: Rig) -> list[str]:
@@ -620,7 +542,7 @@ def test_implementations_agree():
     rigs = []
     try:
         for cfg in CONFIGS:
-            rigs.append(make_rig(cfg))
+            rigs.append(make_rig(cfg, block_classes=CLASSES))
         results = [_script(r) for r in rigs]
         (out0, image0) = results[0]
         for cfg, (out, image) in zip(CONFIGS[1:], results[1:]):

@@ -26,9 +26,10 @@ from types import ModuleType
 
 import pytest
 import tasks
+from rig import IMPLS
 
 import stealer
-from stealer import _pyqueues, _queues
+from stealer import _queues
 from stealer.errors import WorkerCrashedError
 from stealer.idle import NOTIFIED, PARKED, RUNNING, Idle
 from stealer.shm import (
@@ -44,21 +45,8 @@ from stealer.shm import (
 )
 from stealer.worker import STATE_READY
 
-try:
-    from stealer import _cqueues
-except ImportError:  # pragma: no cover - depends on the build
-    _cqueues = None
-
-IMPLS = {"native": _cqueues, "python": _pyqueues}
+_cqueues = IMPLS["native"]  # None where the extension is not built
 NWORKERS = 3  # worker 0 dies, worker 1 parks, worker 2 stays out of the way
-
-
-@pytest.fixture(scope="module", params=["native", "python"])
-def impl(request: pytest.FixtureRequest) -> ModuleType:
-    mod = IMPLS[request.param]
-    if mod is None:
-        pytest.skip("native extension not built")
-    return mod
 
 
 class Killed(BaseException):

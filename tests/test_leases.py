@@ -4,22 +4,20 @@ finds it, and what recovery.Recovery does with the handles it finds.
 Queue tests run on both queue implementations (``native``: stealer._cqueues,
 ``python``: stealer._pyqueues) over a bytearray region: lease words at the
 start, the structure after them.  Recovery tests run on a real segment set up
-like stealer/pool.py does, for the three arenas of tests/test_arena.py.
+like stealer/pool.py does, for the three arenas of tests/rig.py.
 """
 
 from __future__ import annotations
 
-import os
 import struct
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rig import IMPLS, Rig, rig_fixture, ring_items
 
-from stealer import _pyqueues
 from stealer._layout import (
     F_BUFFERS,
     K_CHILD,
@@ -31,28 +29,12 @@ from stealer._layout import (
     S_QUEUED,
     S_RUNNING,
 )
-from stealer.arena import Arena
-from stealer.idle import Idle
 from stealer.records import Outcome, word
-from stealer.recovery import Recovery
-from stealer.shm import W_CURRENT, Layout, Segment
-
-try:
-    from stealer import _cqueues
-except ImportError:  # pragma: no cover - depends on the build
-    _cqueues = None
+from stealer.shm import W_CURRENT
 
 LEASES = 256  # bytes of lease words before the structure (32 words)
 _Q64 = struct.Struct("=Q")
 _I64 = struct.Struct("=q")
-
-
-@pytest.fixture(scope="module", params=["native", "python"])
-def impl(request: pytest.FixtureRequest) -> ModuleType:
-    mod = _cqueues if request.param == "native" else _pyqueues
-    if mod is None:
-        pytest.skip("native extension not built")
-    return mod
 
 
 def make(impl: ModuleType, kind: str, capacity: int = 64, count: int = 1) -> tuple[Any, ...]:
@@ -235,7 +217,7 @@ def test_repair_leaves_a_consistent_deque_alone(impl, top, bottom):
 @given(ops=st.lists(st.sampled_from(["push", "pop", "steal", "kill_pop"]), max_size=40))
 def test_repair_after_killed_pops_keeps_every_item_somewhere(ops):
     """A pop killed after its reservation: repair() plus the lease account for every item."""
-    for mod in (m for m in (_cqueues, _pyqueues) if m is not None):
+    for mod in (m for m in IMPLS.values() if m is not None):
         buf, _r, d = make(mod, "Deque", 16)
         d.set_lease(0)
         model: list[int] = []
@@ -333,50 +315,7 @@ def test_ring_pop_many_bad_lease_off_takes_nothing(impl, where):
 # --------------------------------------------------------------------------- Recovery
 
 
-@dataclass
-class Rig:
-    seg: Segment
-    layout: Layout
-    arena: Arena
-    injector: Any
-    rec: Recovery
-
-
-CONFIGS = ("native", "native-pyarena", "python")
-
-
-@pytest.fixture(params=CONFIGS)
-def rig(request: pytest.FixtureRequest):
-    cfg = request.param
-    if cfg != "python" and _cqueues is None:
-        pytest.skip("native extension not built")
-    Q = _pyqueues if cfg == "python" else _cqueues
-    layout = Layout(2, records=16, block_classes=((256, 4),), fn_entries=16, fn_data=4096)
-    seg = Segment.create(layout, None, Q)
-    try:
-        r = seg.region
-        injector = Q.MPMCRing(r, layout.offsets["injector"], layout.records)
-        injector.init()
-        saved = os.environ.get("STEALER_PY_HOTPATH")
-        os.environ["STEALER_PY_HOTPATH"] = "1" if cfg == "native-pyarena" else "0"
-        try:
-            arena = Arena(seg, injector)
-        finally:
-            if saved is None:
-                del os.environ["STEALER_PY_HOTPATH"]
-            else:
-                os.environ["STEALER_PY_HOTPATH"] = saved
-        arena.init()
-        inboxes = []
-        for k in range(2):
-            Q.Deque(r, layout.deque(k), layout.records).init()
-            inbox = Q.MPMCRing(r, layout.inbox(k), layout.records)
-            inbox.init()
-            inboxes.append(inbox)
-        rec = Recovery(arena, inboxes, Idle(r, layout), 0)
-        yield Rig(seg, layout, arena, injector, rec)
-    finally:
-        seg.unlink()
+rig = rig_fixture()
 
 
 def _record(rig: Rig, state: int, who: int = 0, kind: int = K_ROOT, link: int = 0) -> int:
@@ -390,20 +329,14 @@ def _record(rig: Rig, state: int, who: int = 0, kind: int = K_ROOT, link: int = 
 
 
 def _free_ring(rig: Rig) -> list[int]:
-    ring = rig.arena.rec_free
-    items = []
-    while (v := ring.pop()) >= 0:
-        items.append(v)
-    for v in items:
-        assert ring.push(v)
-    return items
+    return ring_items(rig.arena.rec_free)
 
 
 def test_leased_queued_is_pushed_again(rig):
     a = rig.arena
     h = a.submit_inline(K_ROOT, 5, b"call")
     assert rig.injector.pop() == h  # the dead worker had taken it, not started it
-    rig.rec.leased(h, 1)
+    rig.recovery.leased(h, 1)
     assert rig.injector.pop_many(4) == [h]
     assert a.tr.load(h) == (h >> 32, S_QUEUED, 0)
     assert a.start(h, rig.layout.worker(1) + W_CURRENT, 1, -1, 2) == (K_ROOT, 5, b"call")
@@ -412,7 +345,7 @@ def test_leased_queued_is_pushed_again(rig):
 def test_leased_queued_still_queued_two_copies_one_start(rig):
     a = rig.arena
     h = a.submit_inline(K_ROOT, 5, b"call")  # still on the injector
-    rig.rec.leased(h, 1)
+    rig.recovery.leased(h, 1)
     copies = rig.injector.pop_many(4)
     assert copies == [h, h]
     cur = rig.layout.worker(0) + W_CURRENT
@@ -425,11 +358,11 @@ def test_leased_cancelled_is_freed(rig):
     h = a.submit_inline(K_ROOT, 5, b"call")
     assert rig.injector.pop() == h
     assert a.tr.cancel(h) is Outcome.OK
-    rig.rec.leased(h, 1)
+    rig.recovery.leased(h, 1)
     assert a.tr.load(h) == ((h >> 32) + 1, S_FREE, 0)
     assert _free_ring(rig).count(h & 0xFFFFFFFF) == 1
     assert len(rig.injector) == 0
-    rig.rec.leased(h, 1)  # again (both the lease and the current word named it): nothing
+    rig.recovery.leased(h, 1)  # again (both the lease and the current word named it): nothing
     assert _free_ring(rig).count(h & 0xFFFFFFFF) == 1
 
 
@@ -437,7 +370,7 @@ def test_leased_cancelled_is_freed(rig):
 def test_leased_freeing_by_the_dead_is_finished(rig, dead):
     a = rig.arena
     h = _record(rig, S_FREEING, 1)
-    rig.rec.leased(h, dead)
+    rig.recovery.leased(h, dead)
     if dead == 1:
         assert a.tr.load(h) == ((h >> 32) + 1, S_FREE, 0)
         assert h & 0xFFFFFFFF in _free_ring(rig)
@@ -451,7 +384,7 @@ def test_leased_running_or_done_left_to_the_scans(rig, state, who):
     a = rig.arena
     h = _record(rig, state, who)
     before = _free_ring(rig)
-    rig.rec.leased(h, 1)
+    rig.recovery.leased(h, 1)
     assert a.tr.load(h) == (h >> 32, state, who)
     assert len(rig.injector) == 0
     assert _free_ring(rig) == before
@@ -465,12 +398,12 @@ def test_leased_stale_is_ignored(rig, then):
     old = a.submit_inline(K_ROOT, 1, b"old")
     assert rig.injector.pop() == old
     assert a.release(old, S_QUEUED, 0, 0) is Outcome.OK
-    rig.rec.leased(old, 1)  # freed, not reused
+    rig.recovery.leased(old, 1)  # freed, not reused
     assert len(rig.injector) == 0
     assert _free_ring(rig) == [old & 0xFFFFFFFF]
     new = _record(rig, then, 1 if then == S_FREEING else 0)
     assert new & 0xFFFFFFFF == old & 0xFFFFFFFF
-    rig.rec.leased(old, 1)  # reused in a state the rules would act on: still ignored
+    rig.recovery.leased(old, 1)  # reused in a state the rules would act on: still ignored
     assert len(rig.injector) == 0
     assert a.tr.load(new) == (new >> 32, then, 1 if then == S_FREEING else 0)
     assert _free_ring(rig) == []
@@ -478,7 +411,7 @@ def test_leased_stale_is_ignored(rig, then):
 
 @pytest.mark.parametrize("h", [-1, 16, 17, (3 << 32) | 0xFFFFFFFF])
 def test_leased_garbage_is_ignored(rig, h):
-    rig.rec.leased(h, 1)
+    rig.recovery.leased(h, 1)
     assert len(rig.injector) == 0
     assert len(rig.arena.rec_free) == rig.arena.nrecords
 
@@ -501,11 +434,11 @@ def test_children_finds_exactly_the_live_children(rig):
     # a child of an earlier generation of the parent's record is not the parent's
     stale_parent = parent + (1 << 32)
     _record(rig, S_RUNNING, 1, K_CHILD, stale_parent)
-    got = rig.rec.children(parent)
+    got = rig.recovery.children(parent)
     assert len(got) == len(set(got))
     assert set(got) == want
-    assert rig.rec.children(other) != []
-    assert rig.rec.children(gone) == []
+    assert rig.recovery.children(other) != []
+    assert rig.recovery.children(gone) == []
 
 
 def test_children_of_reused_child_record(rig):
@@ -514,12 +447,12 @@ def test_children_of_reused_child_record(rig):
     held = [a.alloc() for _ in range(a.nrecords - 2)]  # one record left
     assert all(h >= 0 for h in held)
     kid = _record(rig, S_DONE, 1, K_CHILD, parent)
-    assert rig.rec.children(parent) == [(kid, S_DONE, 1)]
+    assert rig.recovery.children(parent) == [(kid, S_DONE, 1)]
     assert a.release(kid, S_DONE, 1, 0) is Outcome.OK
-    assert rig.rec.children(parent) == []
+    assert rig.recovery.children(parent) == []
     kid2 = _record(rig, S_QUEUED, 0, K_CHILD, parent)
     assert kid2 & 0xFFFFFFFF == kid & 0xFFFFFFFF and kid2 != kid
-    assert rig.rec.children(parent) == [(kid2, S_QUEUED, 0)]
+    assert rig.recovery.children(parent) == [(kid2, S_QUEUED, 0)]
 
 
 def test_held_by_finds_exactly_the_held_records(rig):
@@ -537,8 +470,8 @@ def test_held_by_finds_exactly_the_held_records(rig):
         for states in [(S_RUNNING,), (S_DONE,), (S_FREEING,), (S_RUNNING, S_DONE),
                        (S_QUEUED, S_CANCELLED)]:
             want = sorted(h for h, s, w in made if w == who and s in states)
-            assert sorted(rig.rec.held_by(who, states)) == want, (who, states)
+            assert sorted(rig.recovery.held_by(who, states)) == want, (who, states)
     # generations are part of the handles it returns
     h2 = made[0][0]
     a.region.store64(a.off(h2), word((h2 >> 32) + 7, S_RUNNING, 1))
-    assert ((h2 & 0xFFFFFFFF) | (((h2 >> 32) + 7) << 32)) in rig.rec.held_by(1, (S_RUNNING,))
+    assert ((h2 & 0xFFFFFFFF) | (((h2 >> 32) + 7) << 32)) in rig.recovery.held_by(1, (S_RUNNING,))

@@ -1,8 +1,8 @@
 """Single-process tests of the shared-memory queues, run on both implementations.
 
-Every test takes the ``impl`` fixture, parametrized over the native Cython module
-(``stealer._cqueues``) and the pure-Python reference (``stealer._pyqueues``), so the
-two are held to one specification.  Sequential random op sequences are checked
+Every test takes the ``impl`` fixture (tests/conftest.py), parametrized over the native
+Cython module (``stealer._cqueues``) and the pure-Python reference (``stealer._pyqueues``),
+so the two are held to one specification.  Sequential random op sequences are checked
 against ``collections.deque`` models with hypothesis, and the same sequences are
 fed to both implementations and their results compared.  Multi-process tests
 live in ``test_queue_stress.py``.
@@ -29,33 +29,16 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from rig import IMPLS
 
 from stealer import _pyqueues
 
-try:
-    from stealer import _cqueues
-except ImportError:  # pragma: no cover - depends on the build
-    _cqueues = None
-
-IMPLS = {"native": _cqueues, "python": _pyqueues}
+_cqueues = IMPLS["native"]  # None where the extension is not built
 LINE = 64
 MAX_HANDLE = 2**63 - 1
 RING_KINDS = ["MPMCRing", "SPSCRing"]
 ALL_KINDS = ["Deque", *RING_KINDS]
 needs_native = pytest.mark.skipif(_cqueues is None, reason="native extension not built")
-
-
-def _load(name: str) -> ModuleType:
-    mod = IMPLS[name]
-    if mod is None:
-        pytest.skip("native extension not built")
-    return mod
-
-
-@pytest.fixture(scope="module", params=["native", "python"])
-def impl(request: pytest.FixtureRequest) -> ModuleType:
-    """The queue module under test: ``stealer._cqueues`` or ``stealer._pyqueues``."""
-    return _load(request.param)
 
 
 def make_with_region(impl: ModuleType, kind: str, capacity: int, offset: int = 0):

@@ -16,10 +16,7 @@ from __future__ import annotations
 import collections
 import glob
 import itertools
-import os
 import threading
-from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -34,8 +31,8 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from rig import CONFIGS, Rig, load_impl, make_rig, rig_fixture, ring_items
 
-from stealer import _pyqueues
 from stealer._layout import (
     GEN_MASK,
     INLINE,
@@ -51,18 +48,8 @@ from stealer._layout import (
     ST_OK,
     STATE_MASK,
 )
-from stealer.arena import Arena
-from stealer.idle import Idle
 from stealer.records import STATE_NAMES, Outcome, Transitions, unpack, word
-from stealer.recovery import Recovery
-from stealer.shm import W_CURRENT, Layout, Segment
 
-try:
-    from stealer import _cqueues
-except ImportError:  # pragma: no cover - depends on the build
-    _cqueues = None
-
-CONFIGS = ("native", "native-pyarena", "python")
 STATES = (S_FREE, S_QUEUED, S_RUNNING, S_CANCELLED, S_DONE, S_FREEING)
 WHOS = (0, 1, 2, 3)
 GEN_WRAP = 0x7FFFFFFF  # Arena.free / HotPath.c_free: generation + 1 modulo 2**31
@@ -70,77 +57,7 @@ GEN_WRAP = 0x7FFFFFFF  # Arena.free / HotPath.c_free: generation + 1 modulo 2**3
 
 # --------------------------------------------------------------------------- rig
 
-
-@dataclass
-class Rig:
-    cfg: str
-    Q: ModuleType
-    seg: Segment
-    layout: Layout
-    arena: Arena
-    injector: Any
-    completions: list
-    recovery: Recovery
-
-    def cur_off(self, k: int) -> int:
-        return self.layout.worker(k) + W_CURRENT
-
-
-def make_rig(cfg: str, nworkers: int = 3, records: int = 16,
-             block_classes: tuple = ((256, 4),)) -> Rig:
-    """A fresh segment set up like stealer/pool.py ``_Pool._setup`` does (no processes)."""
-    if cfg != "python" and _cqueues is None:
-        pytest.skip("native extension not built")
-    Q = _pyqueues if cfg == "python" else _cqueues
-    layout = Layout(nworkers, records=records, block_classes=block_classes, fn_entries=16,
-                    fn_data=4096)
-    seg = Segment.create(layout, None, Q)
-    try:
-        r = seg.region
-        injector = Q.MPMCRing(r, layout.offsets["injector"], layout.records)
-        injector.init()
-        saved = os.environ.get("STEALER_PY_HOTPATH")
-        os.environ["STEALER_PY_HOTPATH"] = "1" if cfg == "native-pyarena" else "0"
-        try:
-            arena = Arena(seg, injector)
-        finally:
-            if saved is None:
-                del os.environ["STEALER_PY_HOTPATH"]
-            else:
-                os.environ["STEALER_PY_HOTPATH"] = saved
-        arena.init()
-        for k in range(nworkers):
-            Q.Deque(r, layout.deque(k), layout.records).init()
-            Q.MPMCRing(r, layout.inbox(k), layout.records).init()
-        inboxes = [Q.MPMCRing(r, layout.inbox(k), layout.records) for k in range(nworkers)]
-        completions = [Q.SPSCRing(r, layout.completion(k), layout.records)
-                       for k in range(nworkers)]
-        for ring in completions:
-            ring.init()
-        recovery = Recovery(arena, inboxes, Idle(r, layout), 0)
-    except BaseException:
-        seg.unlink()
-        raise
-    hot = type(getattr(arena.start, "__self__", None)).__name__ == "HotPath"
-    assert hot == (cfg == "native"), (cfg, arena.start)
-    return Rig(cfg, Q, seg, layout, arena, injector, completions, recovery)
-
-
-@pytest.fixture(params=CONFIGS)
-def rig(request: pytest.FixtureRequest):
-    rig = make_rig(request.param)
-    yield rig
-    rig.seg.unlink()
-
-
-def ring_items(ring: Any) -> list[int]:
-    """The values on an MPMC ring, in order (popped and pushed back)."""
-    items = []
-    while (v := ring.pop()) >= 0:
-        items.append(v)
-    for v in items:
-        assert ring.push(v)
-    return items
+rig = rig_fixture(nworkers=3)
 
 
 def set_word(rig: Rig, idx: int, gen: int, state: int, who: int) -> int:
@@ -172,9 +89,7 @@ def test_unpack_word_round_trip(w):
 @given(gen=st.integers(0, GEN_MASK), state=st.integers(0, STATE_MASK),
        who=st.integers(0, (1 << 24) - 1))
 def test_word_through_region(impl, gen, state, who):
-    Q = _pyqueues if impl == "python" else _cqueues
-    if Q is None:
-        pytest.skip("native extension not built")
+    Q = load_impl(impl)
     region = Q.Region(bytearray(64))
     tr = Transitions(region, lambda h: 8 * (h & 0xFFFFFFFF))
     region.store64(8, word(gen, state, who))
@@ -593,8 +508,7 @@ class RecordMachine(RuleBasedStateMachine):
 
 @pytest.mark.parametrize("cfg", CONFIGS)
 def test_record_state_machine(cfg):
-    if cfg != "python" and _cqueues is None:
-        pytest.skip("native extension not built")
+    load_impl("python" if cfg == "python" else "native")
     run_state_machine_as_test(
         lambda: RecordMachine(cfg),
         settings=settings(max_examples=100, stateful_step_count=50, deadline=None,

@@ -1,5 +1,6 @@
 """Shared fixtures: every test module must leave /dev/shm clean; ``impl``, the queue module
-under test.  Helpers shared by several test modules live in tests/rig.py."""
+under test.  Helpers shared by several test modules live in tests/rig.py (shared-memory
+structures in this process) and tests/probes.py (executors and client processes)."""
 
 from __future__ import annotations
 

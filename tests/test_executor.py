@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 import tasks
+from probes import alive, client_process
 
 import stealer
 from stealer.errors import RemoteTraceback
@@ -395,48 +396,11 @@ def test_no_segment_left_after_shutdown():
 
 def test_killed_client_leaves_nothing_behind(tmp_path):
     """kill -9 the client: its workers notice, remove the segment and exit."""
-    import subprocess
-
-    script = tmp_path / "client.py"
-    script.write_text(
-        "import sys, time, stealer\n"
-        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
-        "if __name__ == '__main__':\n"
-        "    e = stealer.Executor(2)\n"
-        "    e.wait_ready(30)\n"
-        "    print(e.segment_name, *e.worker_pids(), flush=True)\n"
-        "    time.sleep(60)\n"
-    )
-    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
-    try:
-        line = p.stdout.readline().split()
-        name, pids = line[0], [int(x) for x in line[1:]]
-        p.kill()
-        p.wait(10)
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and (
-            os.path.exists(f"/dev/shm/{name}") or any(_alive(x) for x in pids)
-        ):
-            time.sleep(0.1)
+    with client_process(tmp_path) as client:
+        name, pids = client.segment, client.pids
+        client.kill(timeout=15)
         assert not os.path.exists(f"/dev/shm/{name}")
-        assert not any(_alive(x) for x in pids)
-    finally:
-        p.kill()
-        p.wait()
-        p.stdout.close()
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie child of the dead client, reparented to init, counts as gone
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except OSError:
-        return False
+        assert not any(alive(x) for x in pids)
 
 
 def test_stale_segment_of_dead_client_cleaned_on_next_start():

@@ -6,6 +6,7 @@ import os
 
 import pytest
 import tasks
+from probes import records_in_use
 
 import stealer
 from stealer.bench import workloads
@@ -85,22 +86,6 @@ def test_records_exhausted_children_run_inline():
 
 
 @pytest.mark.parametrize("retries", [0, 3])
-def _records_in_use(e, timeout=10.0):
-    """Records not FREE, once the executor is idle (waits for stragglers to be freed)."""
-    import time
-
-    from stealer.recovery import Recovery
-
-    rec = Recovery(e._pool.arena, [], None, 0)
-    deadline = time.monotonic() + timeout
-    while True:
-        n = sum(len(rec.held_by(w, (s,))) for w in range(e.max_workers + 1) for s in range(1, 6))
-        if n == 0 or time.monotonic() > deadline:
-            return n
-        time.sleep(0.05)
-
-
-@pytest.mark.parametrize("retries", [0, 3])
 def test_worker_killed_inside_fork_join_tree(tmp_path, retries):
     """SIGKILL a worker mid-tree: with retries the tree still gives the right value (the
     lost part re-runs); without, the root fails with WorkerCrashedError. Nothing hangs."""
@@ -114,6 +99,6 @@ def test_worker_killed_inside_fork_join_tree(tmp_path, retries):
                 f.result(timeout=60)
         assert os.path.exists(marker)
         # no record leaked: every record is back on the free ring once idle
-        assert _records_in_use(e) == 0
+        assert records_in_use(e) == 0
         # the pool still works, including fork-join
         assert e.submit(tasks.fib, 18, 8).result(timeout=60) == tasks.fib_seq(18)

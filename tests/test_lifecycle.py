@@ -8,23 +8,13 @@ import time
 
 import pytest
 import tasks
+from probes import records_in_use
 
 import stealer
 import stealer._queues
 from stealer._layout import S_RUNNING
 from stealer.recovery import Recovery
 from stealer.shm import W_CURRENT
-
-
-def _records_in_use(e: stealer.Executor, timeout: float = 10.0) -> int:
-    """Records not FREE once the executor is idle (waits for stragglers)."""
-    rec = Recovery(e._pool.arena, [], None, 0)
-    deadline = time.monotonic() + timeout
-    while True:
-        n = sum(len(rec.held_by(w, (s,))) for w in range(e.max_workers + 1) for s in range(1, 6))
-        if n == 0 or time.monotonic() > deadline:
-            return n
-        time.sleep(0.05)
 
 
 def _running_worker(e: stealer.Executor, f, timeout: float = 10.0) -> int:
@@ -89,7 +79,7 @@ def test_kill_mid_task_reruns_it_with_the_right_value():
         k = _running_worker(e, f)
         os.kill(e.worker_pids()[k], signal.SIGKILL)
         assert f.result(timeout=30) == "done"
-        assert _records_in_use(e) == 0
+        assert records_in_use(e) == 0
 
 
 def test_poison_pill_fails_after_retries_and_names_the_cause():
@@ -97,7 +87,7 @@ def test_poison_pill_fails_after_retries_and_names_the_cause():
         with pytest.raises(stealer.WorkerCrashedError, match=r"SIGKILL.*ran 3 times.*retries=2"):
             e.submit(tasks.kill_self, signal.SIGKILL).result(timeout=60)
         assert e.submit(tasks.square, 2).result(timeout=30) == 4
-        assert _records_in_use(e) == 0
+        assert records_in_use(e) == 0
 
 
 @pytest.mark.kills_workers
@@ -120,7 +110,7 @@ def test_owner_of_a_suspended_frame_killed_reruns_the_task():
         assert owner is not None
         os.kill(e.worker_pids()[owner], signal.SIGKILL)
         assert f.result(timeout=60) == sum(range(4))
-        assert _records_in_use(e) == 0
+        assert records_in_use(e) == 0
 
 
 @pytest.mark.kills_workers
@@ -137,7 +127,7 @@ def test_owner_killed_without_retries_fails_with_a_clear_message():
         os.kill(e.worker_pids()[owners[0]], signal.SIGKILL)
         with pytest.raises(stealer.WorkerCrashedError, match=f"worker {owners[0]}"):
             f.result(timeout=60)
-        assert _records_in_use(e) == 0
+        assert records_in_use(e) == 0
 
 
 def test_many_crashes_in_fork_join_leak_no_records():
@@ -149,7 +139,7 @@ def test_many_crashes_in_fork_join_leak_no_records():
             with pytest.raises(stealer.WorkerCrashedError):
                 f.result(timeout=60)
         assert e.submit(tasks.fib, 14, 8).result(timeout=60) == tasks.fib_seq(14)
-        assert _records_in_use(e) == 0
+        assert records_in_use(e) == 0
 
 
 def test_fork_start_method_replaces_from_a_forkserver():

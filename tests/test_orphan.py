@@ -15,6 +15,7 @@ import time
 
 import pytest
 import tasks
+from probes import alive, client_process
 
 import stealer
 from stealer import liveness
@@ -38,55 +39,18 @@ def test_idle_workers_keep_serving(method):
         assert e._pool.crashes == 0
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie child of the dead client, reparented to init, counts as gone
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.parametrize("method", METHODS)
 def test_killed_client_leaves_nothing_behind(tmp_path, method):
     """kill -9 the client: its workers notice, remove the segment and exit."""
-    script = tmp_path / "client.py"
-    script.write_text(
-        "import multiprocessing as mp, sys, time, stealer\n"
-        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
-        "import tasks\n"
-        "if __name__ == '__main__':\n"
-        f"    e = stealer.Executor(2, mp_context=mp.get_context({method!r}))\n"
-        "    assert e.submit(tasks.square, 2).result(timeout=30) == 4\n"
-        "    e.wait_ready(30)\n"
-        "    print(e.segment_name, *e.worker_pids(), flush=True)\n"
-        "    time.sleep(60)\n"
-    )
-    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
-    try:
-        line = p.stdout.readline().split()
-        assert line, "the client script did not start its executor"
-        name, pids = line[0], [int(x) for x in line[1:]]
+    with client_process(tmp_path, method, run_task=True) as client:
+        name, pids = client.segment, client.pids
         assert len(pids) == 2
         time.sleep(2 * PARK_TIMEOUT)  # idle workers went through park timeouts: still there
         assert os.path.exists(f"/dev/shm/{name}")
-        assert all(_alive(x) for x in pids)
-        p.kill()
-        p.wait(10)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and (
-            os.path.exists(f"/dev/shm/{name}") or any(_alive(x) for x in pids)
-        ):
-            time.sleep(0.05)
+        assert all(alive(x) for x in pids)
+        client.kill(timeout=20)
         assert not os.path.exists(f"/dev/shm/{name}")
-        assert not any(_alive(x) for x in pids)
-    finally:
-        p.kill()
-        p.wait()
-        p.stdout.close()
+        assert not any(alive(x) for x in pids)
 
 
 # -- stealer.liveness ------------------------------------------------------------

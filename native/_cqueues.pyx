@@ -686,7 +686,8 @@ cdef class HotPath:
         and wake a parked worker if nobody searches.
 
         The submit time is CLOCK_MONOTONIC (time.monotonic_ns()).  Returns the
-        handle, or -1 when no record is free.  ``len(data)`` must be <= INLINE.
+        handle, -1 when no record is free, or ``-2 - h`` when record ``h`` was set
+        up but the injector was full.  ``len(data)`` must be <= INLINE.
         """
         cdef timespec ts
         clock_gettime(CLOCK_MONOTONIC, &ts)
@@ -711,7 +712,8 @@ cdef class HotPath:
             memcpy(r + R_INLINE, &data[0], n)
         st_store_relaxed_u64(r, gen | (<uint64_t>S_QUEUED << STATE_SHIFT))  # alloc: published by the push below
         cdef uint64_t h = (gen << 32) | idx
-        self.injector.c_push(h)     # release (cell seq): the worker's pop acquires the record
+        if self.injector.c_push(h) != ST_SUCCESS:   # release (cell seq): the worker's pop acquires it
+            return -2 - <int64_t>h   # set up, not queued: the caller pushes it when there is room
         self.c_notify_one()
         return h
 

@@ -112,7 +112,7 @@ class Arena:
         self._counts = [count for _, count in L.block_classes]
         self._ov_prefix = seg.path + "-x"  # overflow files live beside the segment
         self.injector = (injector if injector is not None
-                         else Q.MPMCRing(seg.region, L.offsets["injector"], L.records))
+                         else Q.MPMCRing(seg.region, L.offsets["injector"], L.injector_cap))
         self.tr = Transitions(seg.region, self.off)
         self._idle: Any = None
         if getattr(Q, "HotPath", None) is not None and os.environ.get("STEALER_PY_HOTPATH") != "1":
@@ -196,7 +196,8 @@ class Arena:
 
     def submit_inline(self, kind: int, link: int, data: bytes, retries: int = 0) -> int:
         """Client: a fresh record with an inline payload, pushed on the injector, and a
-        parked worker woken if nobody searches; -1 if no record is free."""
+        parked worker woken if nobody searches; -1 if no record is free, ``-2 - h`` if
+        record ``h`` is set up but the injector was full (the caller pushes it later)."""
         if len(data) > INLINE:
             raise ValueError("payload too large for the inline path")
         h = self.alloc()
@@ -205,7 +206,8 @@ class Arena:
         off = self.setup(h, kind, link, time.monotonic_ns(), retries)
         self.mm[off + R_INLINE : off + R_INLINE + len(data)] = data
         _PCALL.pack_into(self.mm, off + R_PCLASS, 0, 0, 0, len(data))
-        self.injector.push(h)
+        if not self.injector.push(h):
+            return -2 - h
         self.notify_one()
         return h
 

@@ -262,6 +262,11 @@ class Executor(_fbase.Executor):
             if h >= 0:
                 f._st_handle = h
                 return f
+            if h < -1:  # set up, but the injector is full: the result thread pushes it
+                f._st_handle = h = -2 - h
+                pool.requeue.append(h)
+                pool.wake()
+                return f
         h = a.alloc()
         if h < 0:
             f._st_backlog = True  # (before it is visible there: cancel() may withdraw it)
@@ -276,7 +281,9 @@ class Executor(_fbase.Executor):
             a.free(h)
             raise
         f._st_handle = h
-        pool.injector.push(h)  # capacity == records: never full
+        if pool.requeue or not pool.injector.push(h):
+            pool.requeue.append(h)  # full (duplicates from a recovery): pushed when there is room
+            pool.wake()
         pool.idle.notify_one()
         return f
 

@@ -172,7 +172,7 @@ class _Pool:
         layout = self.layout
         n = self.n
         self.region = r = seg.region
-        self.injector = Q.MPMCRing(r, layout.offsets["injector"], layout.records)
+        self.injector = Q.MPMCRing(r, layout.offsets["injector"], layout.injector_cap)
         self.injector.init()
         self.arena = Arena(seg, self.injector)
         self.arena.init()
@@ -187,7 +187,10 @@ class _Pool:
         self.fns = serialize.FunctionTable(seg.mm, r, o["fn_table"], layout.fn_entries,
                                            o["fn_data"], layout.fn_data)
         self.idle = Idle(r, layout)
-        self.rec = Recovery(self.arena, self.inboxes, self.idle, 0)
+        self.rec = Recovery(self.arena, self.inboxes, self.idle, 0, self.push)
+        # Handles set up (QUEUED) that found the injector full: pushed by the result thread
+        # as room appears (deque append/popleft are atomic under the GIL).
+        self.requeue: collections.deque[int] = collections.deque()
         self.futures: dict[int, _Future] = {}
         self.ids = itertools.count()
         self.backlog: collections.deque[tuple[_Future, bytes, list, int]] = collections.deque()
@@ -429,6 +432,21 @@ class _Pool:
         else:
             self.resolve(f, status, value)
 
+    def push(self, h: int) -> None:
+        """Put a QUEUED handle on the injector, or on the requeue list if it is full."""
+        if self.requeue or not self.injector.push(h):
+            self.requeue.append(h)
+
+    def drain_requeue(self) -> None:
+        q = self.requeue
+        push = self.injector.push
+        moved = 0
+        while q and push(q[0]):
+            q.popleft()
+            moved += 1
+        if moved:
+            self.idle.notify_one()
+
     def drain_backlog(self) -> None:
         a = self.arena
         moved = 0
@@ -445,7 +463,7 @@ class _Pool:
                 a.put(off, data, bufs)
                 f._st_handle = h
                 f._st_backlog = False
-                self.injector.push(h)
+                self.push(h)
                 moved += 1
         if moved:
             self.idle.notify_one()
@@ -491,6 +509,8 @@ class _Pool:
                 if hs:
                     got += len(hs)
                     self.complete_batch(hs)
+            if self.requeue:
+                self.drain_requeue()
             if self.backlog:
                 self.drain_backlog()
             now = time.monotonic()

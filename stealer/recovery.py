@@ -90,11 +90,17 @@ def ping_parent(arena: Any, inboxes: list, idle: Any, parent: int, me: int = -1)
 class Recovery:
     """Recovery operations over one segment's records (client or worker side)."""
 
-    def __init__(self, arena: Any, inboxes: list, idle: Any, me: int) -> None:
+    def __init__(self, arena: Any, inboxes: list, idle: Any, me: int,
+                 push: Callable[[int], None] | None = None) -> None:
         self.a = arena
         self.inboxes = inboxes
         self.idle = idle
         self.me = me  # who: our worker index + 1, or 0 for the client
+        self.push = push or self._push  # puts a QUEUED handle where a worker will find it
+
+    def _push(self, h: int) -> None:
+        while not self.a.injector.push(h):
+            time.sleep(0.0001)
 
     # -- scans (crash paths only) ------------------------------------------------
     def _columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -136,8 +142,7 @@ class Recovery:
             return  # freed since: nothing of ours
         state, who = st
         if state == S_QUEUED:
-            while not a.injector.push(h):  # capacity == records
-                time.sleep(0.0001)
+            self.push(h)
             a.notify_one()
         elif state == S_CANCELLED:
             a.release(h, S_CANCELLED, 0, self.me)
@@ -173,8 +178,7 @@ class Recovery:
             _U32.pack_into(mm, off + R_TRIES, tries + 1)
             a.drop_result(off)
             a.region.store64(off, word(h >> 32, S_QUEUED))  # ours (claimed); published by the push
-            while not a.injector.push(h):
-                time.sleep(0.0001)
+            self.push(h)
             a.notify_one()
             return True
         n = tries + 1

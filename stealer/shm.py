@@ -146,7 +146,7 @@ class Layout:
         take("deques", Q.Deque.nbytes(cap) * n)
         take("inboxes", Q.MPMCRing.nbytes(cap) * n)
         take("completions", Q.SPSCRing.nbytes(cap) * n)
-        take("injector", Q.MPMCRing.nbytes(cap))
+        take("injector", Q.MPMCRing.nbytes(2 * cap))  # see injector_cap
         take("record_free", Q.MPMCRing.nbytes(cap))
         take("records", RECORD_BYTES * cap)
         for i, (size, count) in enumerate(self.block_classes):
@@ -159,6 +159,12 @@ class Layout:
         take("fn_data", self.fn_data)
         o["total"] = off
         object.__setattr__(self, "offsets", o)
+
+    @property
+    def injector_cap(self) -> int:
+        """The injector's capacity: every record once, plus room for the duplicate handles a
+        recovery may push (a re-pushed lease whose first copy was still queued)."""
+        return 2 * self.records
 
     @property
     def total(self) -> int:

@@ -119,7 +119,7 @@ def collect(seg: Segment, queues: Any | None = None) -> Stats:
         time=now,
         uptime_s=max(0.0, now - created) if created else 0.0,
         workers=workers,
-        injector_depth=len(Q.MPMCRing(r, L.offsets["injector"], L.records)),
+        injector_depth=len(Q.MPMCRing(r, L.offsets["injector"], L.injector_cap)),
         latency=latency,
     )
 

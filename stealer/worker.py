@@ -180,6 +180,9 @@ def _on_sigint(signum: int, frame: Any) -> None:
     so the interrupt can never lose or hang a task.  The client decides."""
     w = forkjoin._current
     if w is not None and getattr(w, "in_body", False):
+        if w.in_spawn:
+            w.interrupted = True  # raised at the end of spawn(), once the child is queued
+            return
         raise KeyboardInterrupt
 
 
@@ -226,7 +229,7 @@ class Worker:
         self.inboxes = [Q.MPMCRing(r, layout.inbox(i), layout.records) for i in range(n)]
         self.deque = self.deques[self.k]
         self.inbox = self.inboxes[self.k]
-        self.injector = Q.MPMCRing(r, layout.offsets["injector"], layout.records)
+        self.injector = Q.MPMCRing(r, layout.offsets["injector"], layout.injector_cap)
         self.completions = Q.SPSCRing(r, layout.completion(self.k), layout.records)
         o = layout.offsets
         self.fns = serialize.FunctionTable(seg.mm, r, o["fn_table"], layout.fn_entries,
@@ -241,7 +244,7 @@ class Worker:
         self.deque.repair()  # inherited from a predecessor killed inside a pop
         order = a.steal_order or [(self.k + i) % n for i in range(1, n)]
         self.victims = [self.deques[i] for i in order]
-        self.rec = Recovery(self.arena, self.inboxes, self.idle, self.who)
+        self.rec = Recovery(self.arena, self.inboxes, self.idle, self.who, self.push_any)
         # Metrics (metrics.py): local counters flushed to the shared block every
         # FLUSH_EVERY steps and before parking; histograms recorded per step.
         self.c = [0] * metrics.NCOUNTERS
@@ -254,6 +257,8 @@ class Worker:
         self.frame: _Frame | None = None
         self.cur: tuple[int, int, int] | None = None  # (handle, kind, link) of the running task
         self.in_body = False  # True only while user code runs (see _on_sigint)
+        self.in_spawn = False  # inside spawn(): Ctrl-C waits for its end
+        self.interrupted = False  # a Ctrl-C held back by spawn()
         self.tick = 0
 
     # -- main loop -----------------------------------------------------------
@@ -622,6 +627,11 @@ class Worker:
         if FP.ON:
             FP.hit("worker.after_publish")
 
+    def push_any(self, h: int) -> None:
+        """Recovery: a QUEUED handle onto the injector, else our own deque (never lost)."""
+        while not self.injector.push(h) and not self.deque.push(h):
+            time.sleep(0.0001)
+
     def publish_root(self, h: int) -> None:
         while not self.completions.push(h):  # capacity == records: cannot stay full
             time.sleep(0.0001)
@@ -646,28 +656,42 @@ class Worker:
                 raise RuntimeError("spawn() outside a running task")
             h0, kind0, link0 = self.cur
             frame = self.frame = self.new_frame(h0, kind0, link0)
-        h = a.alloc()
-        if h < 0:
-            return forkjoin.inline_child(fn, args, kwargs)  # arena exhausted: run it here
         fid = self.fns.id_known(fn)
+        data, bufs = serialize.dumps((fid if fid >= 0 else fn, args, kwargs or None),
+                                     "spawned task")
+        # From here to the push, Ctrl-C is held back (_on_sigint): a child set up but in
+        # no queue would hang its parent's join.
+        self.in_spawn = True
         try:
-            data, bufs = serialize.dumps((fid if fid >= 0 else fn, args, kwargs or None),
-                                         "spawned task")
-            off = a.setup(h, K_CHILD, frame.h, time.monotonic_ns(), frame.retries)
-            a.put(off, data, bufs)
-        except BaseException:
-            a.free(h)
-            raise
-        self.c[C_SPAWNS] += 1
-        c = Child(h)
-        frame.kids[h] = c
-        self.r.store64(self.lease_off, h + 1)  # leased until it is in a queue
-        if FP.ON:
-            FP.hit("worker.after_spawn")
-        if not self.deque.push(h):
-            while not self.injector.push(h):
-                time.sleep(0.0001)
-        self.arena.notify_one()
+            h = a.alloc()
+            if h < 0:
+                c = None
+            else:
+                # leased from the start: killed before the push, the recoverer finds it
+                # QUEUED and pushes it (or FREE, not yet set up, and leaves it)
+                self.r.store64(self.lease_off, h + 1)
+                try:
+                    off = a.setup(h, K_CHILD, frame.h, time.monotonic_ns(), frame.retries)
+                    a.put(off, data, bufs)
+                except BaseException:
+                    a.free(h)
+                    raise
+                self.c[C_SPAWNS] += 1
+                c = Child(h)
+                frame.kids[h] = c
+                if FP.ON:
+                    FP.hit("worker.after_spawn")
+                if not self.deque.push(h):
+                    while not self.injector.push(h):
+                        time.sleep(0.0001)
+                self.arena.notify_one()
+        finally:
+            self.in_spawn = False
+        if self.interrupted:
+            self.interrupted = False
+            raise KeyboardInterrupt
+        if c is None:
+            return forkjoin.inline_child(fn, args, kwargs)  # arena exhausted: run it here
         return c
 
 

@@ -250,3 +250,28 @@ def crash_tree(depth, kill=True):
     kids = [stealer.spawn(crash_tree, depth - 1, kill and i == 0) for i in range(2)]
     vals = yield kids
     return sum(vals)
+
+
+def tagged(i, blob=None, spin=0.0):
+    """``(i, i*i)`` (and ``blob`` back): a result that names its argument, so a result
+    delivered to the wrong future is caught.  ``spin`` busy-waits that many seconds first."""
+    if spin:
+        busy(spin)
+    return (i, i * i) if blob is None else (i, i * i, blob)
+
+
+def poison(run_dir):
+    """Leave one file per run in ``run_dir``, then SIGKILL the worker: it dies every time."""
+    name = os.path.join(run_dir, f"run-{os.getpid()}-{time.monotonic_ns()}")
+    with open(name, "x"):
+        pass
+    os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(10)
+
+
+def spawn_big(nbytes):
+    """Spawn one child whose argument is ``nbytes`` long (its record's payload goes to an
+    overflow file, which takes a while to write) and join it."""
+    c = stealer.spawn(nbytes_of, b"x" * nbytes)
+    n = yield c
+    return n

@@ -20,6 +20,40 @@ if TYPE_CHECKING:
 __all__ = ["_Future"]
 
 
+class _NoLock:
+    """The condition of a future that was settled before anybody asked for one.
+
+    Entering it excludes nothing and notifying it wakes nobody: the future's
+    state can no longer change, and every reader checks the state before it
+    would wait (``_waiters`` appends and removes are atomic under the GIL).
+    """
+
+    def __enter__(self) -> bool:
+        return True
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return True
+
+    def release(self) -> None:
+        return None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return True
+
+    def notify(self, n: int = 1) -> None:
+        return None
+
+    def notify_all(self) -> None:
+        return None
+
+
+_SETTLED = _NoLock()
+_SETTLED_STATES = frozenset((_fbase.CANCELLED, _fbase.CANCELLED_AND_NOTIFIED, _fbase.FINISHED))
+
+
 class _Future(Future):
     """A Future that withdraws its queued task on cancel() and is cheap to create.
 
@@ -39,10 +73,13 @@ class _Future(Future):
     Under the GIL these steps are sequentially consistent, so either the
     reader sees FINISHED or the resolver sees the condition (a Dekker
     handshake): nothing is missed.  A future that is already settled when
-    someone first asks gets its own condition too: ``wait`` and
-    ``as_completed`` lock their futures in ``id()`` order, and a lock shared
-    by several futures breaks that order (two threads waiting on overlapping
-    sets deadlock).
+    someone first asks for its condition gets :data:`_SETTLED`, a condition
+    that locks nothing: a settled future never changes again and is never
+    notified, so there is nothing to exclude (``wait`` and ``as_completed``
+    over many finished futures then create nothing).  It must not be a real
+    lock shared by several futures: ``wait`` and ``as_completed`` lock their
+    futures in ``id()`` order, and a shared lock breaks that order (two
+    threads waiting on overlapping sets deadlock).
 
     ``cancel()`` withdraws a queued task at once, so it also notifies at
     once: the future goes straight to CANCELLED_AND_NOTIFIED (the stdlib's
@@ -76,6 +113,8 @@ class _Future(Future):
         d = self.__dict__
         cond = d.get("_st_cond")
         if cond is None:
+            if self._state in _SETTLED_STATES:
+                return _SETTLED  # type: ignore[return-value]
             cond = d.setdefault("_st_cond", threading.Condition())  # atomic under the GIL
         return cond
 

@@ -39,6 +39,7 @@ import time
 from typing import Any
 
 import stealer
+from stealer.bench.workloads import fib, fib_seq
 from stealer.shm import H_SHUTDOWN, W_PID, W_STATE
 from stealer.worker import STATE_READY, STATE_STARTING
 
@@ -52,19 +53,6 @@ def tagged(i: int, blob: bytes | None = None, spin: float = 0.0) -> tuple:
     return (i, i * i) if blob is None else (i, i * i, blob)
 
 
-def fib_seq(n: int) -> int:
-    return n if n < 2 else fib_seq(n - 1) + fib_seq(n - 2)
-
-
-def fib(n: int, cutoff: int) -> Any:
-    if n <= cutoff:
-        return fib_seq(n)
-    a = stealer.spawn(fib, n - 1, cutoff)
-    b = stealer.spawn(fib, n - 2, cutoff)
-    x, y = yield [a, b]
-    return x + y
-
-
 def tree_sum(depth: int, fanout: int) -> Any:
     if depth == 0:
         return 1
@@ -73,19 +61,6 @@ def tree_sum(depth: int, fanout: int) -> Any:
 
 
 # -- instruments ----------------------------------------------------------------------------
-class CountingFutures(dict):
-    """The pool's fid -> future map; counts completions for fids it does not hold."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.strays = 0
-
-    def pop(self, fid: Any, *default: Any) -> Any:
-        if fid not in self:
-            self.strays += 1
-        return super().pop(fid, *default)
-
-
 class Killer(threading.Thread):
     """SIGKILL a random worker every ``interval`` seconds until stopped: with probability
     ``p_starting`` one still starting, else a ready one (a tick without one passes)."""
@@ -193,7 +168,6 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         kw["records"] = a.records
     ex = stealer.Executor(a.workers, **kw)
     pool = ex._pool
-    futures = pool.futures = CountingFutures()  # before the first submit
     t0 = time.monotonic()
     assert ex.wait_ready(60), "workers did not start"
     killer = Killer(ex, (a.interval[0] / 1e3, a.interval[1] / 1e3), a.p_starting, a.seed)
@@ -252,7 +226,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         counts[o] = counts.get(o, 0) + 1
     lat = kill_to_ready(killer.kills, watcher.ready)
     crashes = pool.crashes
-    strays = futures.strays  # before shutdown: cancelling and giving up pop futures too
+    strays = pool.stray  # completions that found no pending future
     # shut down without hanging on lost futures
     ex.shutdown(wait=False, cancel_futures=True)
     t.join(0.5 if counts.get("lost") else 30)
@@ -261,7 +235,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         for p in list(pool.procs):
             if p is not None:
                 p.kill()
-        futures.clear()
+        pool.futures.clear()
         pool.wake()
         deadline = time.monotonic() + 30
         while t.is_alive() and time.monotonic() < deadline:

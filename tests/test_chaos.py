@@ -9,7 +9,7 @@ hold:
   argument, so one delivered to another future is caught), or with WorkerCrashedError
   when its retries are used up (retries=0), or with KeyboardInterrupt raised in its body
   (SIGINT); none is lost (every wait has a deadline) and no completion arrives for a
-  future that is not pending (:class:`_CountingFutures`);
+  future that is not pending (the pool's ``stray`` count);
 * no worker dies from SIGINT, a kill from outside during start-up never breaks the pool,
   and the executor runs tasks afterwards;
 * after shutdown no worker process and no /dev/shm file of the executor remains.
@@ -51,26 +51,6 @@ STALL = 10  # seconds without kills and without any future done: the rest is los
 # -- instruments ------------------------------------------------------------------------
 class LostFutures(AssertionError):
     """Futures that never resolved."""
-
-
-class _CountingFutures(dict):
-    """The pool's fid -> future map, counting completions for fids it does not hold.
-
-    The result thread (stealer/pool.py) pops the future of every completion by its fid
-    and silently ignores a fid it does not hold: the pool keeps no count of such *stray*
-    completions, so a task completed twice, or a completion for a record nobody
-    submitted, would go unnoticed.  Installed as ``pool.futures`` before the first
-    submit, this counts them (nothing in these tests cancels, so every miss is a stray).
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.strays = 0
-
-    def pop(self, fid: Any, *default: Any) -> Any:
-        if fid not in self:
-            self.strays += 1
-        return super().pop(fid, *default)
 
 
 class _Killer(threading.Thread):
@@ -192,11 +172,9 @@ def _alive(pid: int) -> bool:
 
 @contextlib.contextmanager
 def _executor(*args: Any, **kw: Any) -> Iterator[stealer.Executor]:
-    """An Executor with a stray counter, shut down without hanging even if a future was
-    lost; afterwards no worker process and no /dev/shm file of it remains."""
+    """An Executor shut down without hanging even if a future was lost; afterwards no worker process and no /dev/shm file of it remains."""
     ex = stealer.Executor(*args, **kw)
     pool = ex._pool
-    pool.futures = _CountingFutures()  # before the first submit
     seen: set[int] = set()
     ex._chaos_pids = seen  # type: ignore[attr-defined]  # the killers add theirs
     try:
@@ -325,7 +303,7 @@ def test_sigkill_chaos_loses_nothing_duplicates_nothing(record_property):
         out, killer, jobs = _sigkill_chaos(ex, 20_000, min_kills=20, seed=1)
         kills = len(killer.hits)
         starting = sum(s == STATE_STARTING for _k, _p, s in killer.hits)
-        strays = ex._pool.futures.strays
+        strays = ex._pool.stray
         record_property("kills", kills)
         print(f"chaos: {out} kills={kills} (starting {starting}) strays={strays}")
         _check_not_lost(ex, jobs)
@@ -346,10 +324,10 @@ def test_sigkill_chaos_without_retries_fails_only_with_worker_crashed():
     with _executor(2, retries=0, records=32768) as ex:
         out, killer, jobs = _sigkill_chaos(ex, 5_000, min_kills=15, seed=2, chunks=chunks)
         kills = len(killer.hits)
-        print(f"chaos retries=0: {out} kills={kills} strays={ex._pool.futures.strays}")
+        print(f"chaos retries=0: {out} kills={kills} strays={ex._pool.stray}")
         _check_not_lost(ex, jobs)
         assert set(out) <= {"ok", "crashed"}, out
-        assert ex._pool.futures.strays == 0
+        assert ex._pool.stray == 0
         assert kills >= 15
         # a kill fails the one plain task its worker was running (and trees it held part of)
         plain = [(f, e) for f, e in jobs if not isinstance(e, int)]
@@ -381,7 +359,7 @@ def test_sigint_chaos_interrupts_only_task_bodies():
         print(f"sigint chaos: {out} signals={len(killer.hits)}")
         assert set(out) <= {"ok", "interrupted"}, out
         assert out.get("interrupted", 0) >= 1  # the bodies were hit
-        assert ex._pool.futures.strays == 0
+        assert ex._pool.stray == 0
         assert ex.stats().client["crashes"] == 0
         assert ex.worker_pids() == pids
         _assert_usable(ex)
@@ -432,7 +410,7 @@ def test_poison_pill_fails_after_retries_plus_one_runs(tmp_path, retries, per_ca
         runs = len(os.listdir(tmp_path))
         assert runs == (retries if per_call is None else per_call) + 1
         assert [f.result(timeout=60) for f in before + after] == [(i, i * i) for i in range(200)]
-        assert ex._pool.futures.strays == 0
+        assert ex._pool.stray == 0
         _assert_usable(ex)
 
 

@@ -184,3 +184,22 @@ def test_reference_queues_lock_names_a_dead_holder():
     p.join(30)
     assert p.exitcode == -signal.SIGKILL
     assert region.lock.holder() == p.pid
+
+
+def test_a_completion_for_no_pending_future_is_counted_as_stray():
+    """What the chaos tests' "0 duplicated" rests on: the pool counts completions that
+    find no pending future (a task completed twice, or delivered to the wrong id)."""
+    import pickle
+
+    with stealer.Executor(1) as e:
+        assert e.submit(tasks.square, 2).result(timeout=30) == 4
+        pool = e._pool
+        a = pool.arena
+        h = a.alloc()
+        off = a.setup(h, stealer.executor.K_ROOT, 10**9, 0)  # a future id nobody holds
+        a.put(off, pickle.dumps((None, (), None)), [])
+        a.put_result(off, pickle.dumps("x"), [])
+        assert pool.stray == 0
+        pool.complete_one(h)
+        assert pool.stray == 1
+        assert e.stats().client["stray_completions"] == 1

@@ -69,7 +69,10 @@ class _MapFeed:
 
     def __init__(self, executor: Executor, call: Callable[..., Any], items: Iterator[tuple],
                  buffersize: int) -> None:
-        self.executor = weakref.ref(executor)  # the iterator must not keep the executor alive
+        # The iterator must not keep the executor alive; a view made by options() is
+        # usually a temporary, so the map holds it (and through it, the executor).
+        self.executor = ((lambda: executor) if executor._parent is not None
+                         else weakref.ref(executor))
         self.call = call
         self.items: Iterator[tuple] | None = items  # None once exhausted or refused
         self.buffersize = buffersize

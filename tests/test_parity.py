@@ -423,3 +423,11 @@ def test_map_close_cancels_what_has_not_started(ex1, tmp_path):
     until(lambda: ex1.stats().client["pending"] == 0, "task 1")
     with pytest.raises(StopIteration):
         next(it)
+
+
+def test_lazy_map_through_an_options_view():
+    """ex.options(...) returns a temporary view: a lazy map over it must not lose it."""
+    with stealer.Executor(2) as e:
+        it = e.options(retries=0).map(tasks.square, range(50), buffersize=4)
+        gc.collect()
+        assert list(it) == [i * i for i in range(50)]

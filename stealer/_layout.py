@@ -43,6 +43,7 @@ S_RUNNING = 2  # claimed by worker who-1: running, or a suspended fork-join fram
 S_CANCELLED = 3  # withdrawn by the client while queued; whoever takes it frees it
 S_DONE = 4  # result stored; published or being published by worker who-1
 S_FREEING = 5  # claimed by who-1 (or the client) for release; payloads being dropped
+S_RECOVERING = 6  # claimed by who-1 (or the client) to re-run or fail it (its holder died)
 
 # -- kinds, flags, statuses ------------------------------------------------------
 K_ROOT = 1  # submitted by the client; R_LINK is the future id

@@ -36,6 +36,7 @@ POINTS = {
     "worker.in_join": "a fork-join frame is suspended, before the worker moves on",
     "worker.after_resume": "a frame was resumed from a ping, before it runs",
     "worker.in_collect": "a frame is collecting (freeing) its children's records",
+    "recovery.after_take_over": "a recoverer claimed a dead worker's task, before re-run/fail",
     # client side
     "client.result_thread": "the result thread, each loop",
     "client.after_drain": "worker death handling, after draining its completion ring",

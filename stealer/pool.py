@@ -32,6 +32,7 @@ from stealer._layout import (
     K_ROOT,
     S_DONE,
     S_FREEING,
+    S_RECOVERING,
     S_RUNNING,
     ST_ERROR,
     ST_OK,
@@ -213,6 +214,9 @@ class _Pool:
         r = self.region
         base = self.layout.worker(k)
         self.incarnations[k] += 1
+        # The slot's words start empty for the new process (its predecessor, if any, was
+        # recovered); release stores, read by the worker after it starts (process start
+        # orders them) and by recover() after its death.
         r.store64(base + W_CURRENT, 0)
         for i in range(LEASE_SLOTS):
             r.store64(base + W_LEASE + 8 * i, 0)
@@ -327,11 +331,12 @@ class _Pool:
         for h in rec.held_by(who, (S_FREEING,)):
             a.free(h)  # a release it began (payload fields are zeroed before they are dropped)
         # Tasks it was running, and fork-join frames it held.
-        for h in rec.held_by(who, (S_RUNNING,)):
-            if FP.ON:
-                FP.hit("client.recovery")
-            rec.orphan(h, who, desc, self.complete_failed_root)
-        r.store64(base + W_CURRENT, 0)
+        for state in (S_RUNNING, S_RECOVERING):  # RECOVERING: it died recovering another's
+            for h in rec.held_by(who, (state,)):
+                if FP.ON:
+                    FP.hit("client.recovery")
+                rec.orphan(h, who, desc, self.complete_failed_root, state)
+        r.store64(base + W_CURRENT, 0)  # settled: nobody may act on these words again
         for i in range(LEASE_SLOTS):
             r.store64(base + W_LEASE + 8 * i, 0)
 

@@ -22,7 +22,8 @@ and it gets a named outcome back instead.
       │          (worker k)▼  │                                                              │
       │                  RUNNING|k ── finish (worker k: result stored first) ──▶ DONE|k       │
       │                    │                                                      │           │
-      │                    └──── fail (recoverer: no retries left; error stored) ─┘           │
+      │          take_over (k died) ─▶ RECOVERING|me ── fail (no retries left) ───┘           │
+      │                                       └── requeue (a retry) ──▶ QUEUED                │
       │                                                                           │ consume   │
       │                                                       (client: root; parent: child)   │
       │                                                                           ▼           │
@@ -57,6 +58,7 @@ from stealer._layout import (
     S_FREE,
     S_FREEING,
     S_QUEUED,
+    S_RECOVERING,
     S_RUNNING,
     STATE_MASK,
     STATE_SHIFT,
@@ -66,7 +68,8 @@ from stealer._layout import (
 __all__ = ["Outcome", "word", "unpack", "STATE_NAMES", "Transitions"]
 
 STATE_NAMES = {S_FREE: "free", S_QUEUED: "queued", S_RUNNING: "running",
-               S_CANCELLED: "cancelled", S_DONE: "done", S_FREEING: "freeing"}
+               S_CANCELLED: "cancelled", S_DONE: "done", S_FREEING: "freeing",
+               S_RECOVERING: "recovering"}
 
 
 class Outcome(enum.IntEnum):
@@ -137,6 +140,11 @@ class Transitions:
     def fail(self, h: int, who: int) -> Outcome:
         """Recoverer: worker who-1 died holding ``h`` and no retry is left; an error is stored."""
         return self.cas(h, S_RUNNING, who, S_DONE, 0)
+
+    def take_over(self, h: int, state: int, who: int, me: int) -> Outcome:
+        """Recoverer: ``h`` is RUNNING (or RECOVERING) held by dead worker who-1; claim it
+        to re-run or fail it (RECOVERING|me); only one recoverer wins."""
+        return self.cas(h, state, who, S_RECOVERING, me)
 
     def claim(self, h: int, state: int, who: int, me: int) -> Outcome:
         """Take ``h`` (in ``state`` held by ``who``) for release: only one claimer wins."""

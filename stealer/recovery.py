@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from stealer import serialize
+from stealer import failpoints, serialize
 from stealer._layout import (
     GEN_MASK,
     K_CHILD,
@@ -149,9 +149,10 @@ class Recovery:
         elif state == S_FREEING and who == dead:
             a.free(h)  # its holder is dead: finish the release (payload fields zeroed first)
 
-    def orphan(self, h: int, dead: int, why: str, complete_root: Callable[[int, int, Any], None]
-               ) -> bool:
-        """``h`` is RUNNING|dead: re-run or fail it once its children are all done.
+    def orphan(self, h: int, dead: int, why: str, complete_root: Callable[[int, int, Any], None],
+               state: int = S_RUNNING) -> bool:
+        """``h`` is RUNNING|dead (or RECOVERING|dead: a recoverer died recovering it): re-run
+        or fail it once its children are all done.
 
         Returns False while children are still queued or running (the last
         one's ping brings the frame's owner back here).  ``complete_root(h,
@@ -162,8 +163,10 @@ class Recovery:
         kids = self.children(h)
         if any(s in (S_QUEUED, S_RUNNING) for _k, s, _w in kids):
             return False
-        if a.tr.claim(h, S_RUNNING, dead, self.me) is not Outcome.OK:
+        if a.tr.take_over(h, state, dead, self.me) is not Outcome.OK:
             return True  # somebody else recovered it, or it moved on
+        if failpoints.ON:
+            failpoints.hit("recovery.after_take_over")
         for k, s, w in kids:
             if s == S_DONE:
                 a.release(k, S_DONE, w, self.me)

@@ -203,3 +203,27 @@ def test_a_completion_for_no_pending_future_is_counted_as_stray():
         pool.complete_one(h)
         assert pool.stray == 1
         assert e.stats().client["stray_completions"] == 1
+
+
+@pytest.mark.kills_workers
+def test_recoverer_killed_mid_recovery(monkeypatch, tmp_path):
+    """A replacement worker takes over the frame its dead predecessor held (RECOVERING)
+    and is killed before it re-runs it: the client must recover it again, not free it."""
+    monkeypatch.setenv("STEALER_FAILPOINTS", "recovery.after_take_over=kill!once")
+    monkeypatch.setenv("STEALER_FAILPOINTS_DIR", str(tmp_path))
+    with stealer.Executor(2) as e:
+        assert e.wait_ready(30)
+        f = e.submit(tasks.spawn_and_wait, 4, 0.4)
+        rec = Recovery(e._pool.arena, [], None, 0)
+        deadline = time.monotonic() + 10
+        owner = None
+        while owner is None and time.monotonic() < deadline:
+            for k in range(2):
+                if any(rec.children(h) for h in rec.held_by(k + 1, (S_RUNNING,))):
+                    owner = k
+            time.sleep(0.005)
+        assert owner is not None
+        os.kill(e.worker_pids()[owner], signal.SIGKILL)
+        assert f.result(timeout=60) == sum(range(4))
+        assert (tmp_path / "recovery.after_take_over").exists()
+        assert records_in_use(e) == 0

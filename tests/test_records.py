@@ -44,13 +44,14 @@ from stealer._layout import (
     S_FREE,
     S_FREEING,
     S_QUEUED,
+    S_RECOVERING,
     S_RUNNING,
     ST_OK,
     STATE_MASK,
 )
 from stealer.records import STATE_NAMES, Outcome, Transitions, unpack, word
 
-STATES = (S_FREE, S_QUEUED, S_RUNNING, S_CANCELLED, S_DONE, S_FREEING)
+STATES = (S_FREE, S_QUEUED, S_RUNNING, S_CANCELLED, S_DONE, S_FREEING, S_RECOVERING)
 WHOS = (0, 1, 2, 3)
 GEN_WRAP = 0x7FFFFFFF  # Arena.free / HotPath.c_free: generation + 1 modulo 2**31
 
@@ -118,6 +119,10 @@ NAMED = {
     "finish": (lambda tr, h: tr.finish(h, K), (S_RUNNING, K), (S_DONE, K)),
     "requeue": (lambda tr, h: tr.requeue(h, K), (S_RUNNING, K), (S_QUEUED, 0)),
     "fail": (lambda tr, h: tr.fail(h, K), (S_RUNNING, K), (S_DONE, 0)),
+    "take_over-running": (lambda tr, h: tr.take_over(h, S_RUNNING, K, ME), (S_RUNNING, K),
+                          (S_RECOVERING, ME)),
+    "take_over-recovering": (lambda tr, h: tr.take_over(h, S_RECOVERING, K, ME),
+                             (S_RECOVERING, K), (S_RECOVERING, ME)),
 }
 for _s, _w in itertools.product(STATES, WHOS):
     NAMED[f"claim-{STATE_NAMES[_s]}-{_w}"] = (
@@ -125,7 +130,7 @@ for _s, _w in itertools.product(STATES, WHOS):
 
 
 @pytest.mark.parametrize("gen", [1, 5, GEN_WRAP - 1, GEN_MASK])
-@pytest.mark.parametrize("name", ["cancel", "finish", "requeue", "fail", "claim"])
+@pytest.mark.parametrize("name", ["cancel", "finish", "requeue", "fail", "claim", "take_over"])
 def test_transition_table(rig, name, gen):
     tr = rig.arena.tr
     idx = 3

@@ -5,11 +5,12 @@ tasks: 0 lost, 0 duplicated, 0 wrong).
 it goes through the block/overflow path), and 40 fork-join trees (fib with a cutoff,
 tree sums) are submitted in rounds paced by a killer thread that SIGKILLs a random
 worker every 20-50 ms (a ready one, or with probability --p-starting one still
-starting) until every future is done.  Then, without kills, futures get --stall seconds
-to finish before they count as lost.  Reported:
+starting) until every future is done (or --max-seconds after the last round).  Then,
+without kills, futures get --stall seconds to finish before they count as lost.
+Reported:
 
 * tasks, kills (of workers still starting), and the run's wall time;
-* lost (never resolved), duplicated (completions for a future that is not pending:
+* lost (never resolved; by task function), duplicated (completions for a future that is not pending:
   the pool ignores those without counting them, so this script counts them by
   wrapping its future map), wrong (another value than the task's own), crashed
   (WorkerCrashedError: should be 0 with retries high enough), other errors;
@@ -143,6 +144,20 @@ def kill_to_ready(kills: list, ready: list) -> list[float]:
     return out
 
 
+def where_pending(pool: Any) -> dict[str, int]:
+    """Where the work is once nothing moves: the client's backlog, the injector, records
+    by state (stealer/records.py), and the free-record ring."""
+    from stealer.records import STATE_NAMES
+
+    w = pool.rec._columns()[0]
+    states = (w >> 32) & 0xFF
+    out = {"backlog": len(pool.backlog), "injector": len(pool.injector),
+           "free_ring": len(pool.arena.rec_free)}
+    for s, name in STATE_NAMES.items():
+        out[f"records_{name}"] = int((states == s).sum())
+    return out
+
+
 def _stuck_in_recovery(t: threading.Thread) -> bool:
     """The result thread is in the push loop of a recovery (waiting for injector room)."""
     frame = sys._current_frames().get(t.ident)  # type: ignore[arg-type]
@@ -198,7 +213,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                     jobs.append((ex.submit(tagged, i, None, spin), (i, i * i)))
         pending = {f for f, _ in jobs}
         end = time.monotonic() + a.max_seconds
-        while pending and time.monotonic() < end:  # kills go on until all are done
+        while pending and time.monotonic() < end:  # kills go on until all are done (or end)
             pending = cf.wait(pending, timeout=0.2)[1]
     finally:
         killer.stop()
@@ -221,11 +236,16 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     watcher.stop()
     wall = time.monotonic() - t_start
     counts: dict[str, int] = {}
+    lost_kinds: dict[str, int] = {}
     for f, expected in jobs:
         o = outcome(f, expected)
         counts[o] = counts.get(o, 0) + 1
+        if o == "lost":
+            name = getattr(f, "_st_name", "?")
+            lost_kinds[name] = lost_kinds.get(name, 0) + 1
     lat = kill_to_ready(killer.kills, watcher.ready)
     crashes = pool.crashes
+    where = where_pending(pool) if counts.get("lost") else {}
     strays = pool.stray  # completions that found no pending future
     # shut down without hanging on lost futures
     ex.shutdown(wait=False, cancel_futures=True)
@@ -255,6 +275,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "result_thread_exited": not t.is_alive(),
         "ok": counts.pop("ok", 0),
         "lost": counts.pop("lost", 0),
+        "lost_by_function": lost_kinds,
+        "at_end": where,
         "duplicated": strays,
         "wrong": counts.pop("wrong", 0),
         "crashed": counts.pop("crashed", 0),
@@ -295,9 +317,10 @@ def main(argv: list[str] | None = None) -> int:
                         "the client's backlog)")
     p.add_argument("--spin-us", type=float, default=0.0,
                    help="busy-wait per plain task, microseconds (default 0)")
-    p.add_argument("--max-seconds", type=float, default=120,
-                   help="stop killing after this long even if tasks are pending (default 120)")
-    p.add_argument("--stall", type=float, default=15,
+    p.add_argument("--max-seconds", type=float, default=20,
+                   help="after the last round, stop killing after this long even if tasks "
+                        "are pending (default 20)")
+    p.add_argument("--stall", type=float, default=10,
                    help="seconds without kills and progress before pending tasks count as "
                         "lost (default 15)")
     p.add_argument("--poll-ms", type=float, default=1.0,
@@ -319,12 +342,15 @@ def main(argv: list[str] | None = None) -> int:
               "fork-join trees)")
         print(f"kills       {res['kills']} ({res['kills_of_starting_workers']} of workers "
               f"still starting; the pool saw {res['crashes_seen_by_pool']} deaths)")
-        print(f"lost        {res['lost']}")
+        print(f"lost        {res['lost']}"
+              + (f" {res['lost_by_function']}" if res["lost"] else ""))
         print(f"duplicated  {res['duplicated']} (stray completions)")
         print(f"wrong       {res['wrong']}")
         print(f"crashed     {res['crashed']} (WorkerCrashedError)")
         if res["other_errors"]:
             print(f"errors      {res['other_errors']}")
+        if res["at_end"]:
+            print(f"at the end  {res['at_end']}")
         if res["result_thread_stuck_in_recovery"]:
             print("STUCK       the result thread spins in a recovery (a push on a full "
                   "injector); no death is handled any more")

@@ -133,13 +133,13 @@ class Transitions:
         """Worker who-1: the result is stored; publish it next."""
         return self.cas(h, S_RUNNING, who, S_DONE, who)
 
-    def requeue(self, h: int, who: int) -> Outcome:
-        """Recoverer: worker who-1 died holding ``h``; make it runnable again."""
-        return self.cas(h, S_RUNNING, who, S_QUEUED, 0)
+    def requeue(self, h: int, me: int) -> Outcome:
+        """Recoverer ``me`` (after take_over): make ``h`` runnable again (a retry)."""
+        return self.cas(h, S_RECOVERING, me, S_QUEUED, 0)
 
-    def fail(self, h: int, who: int) -> Outcome:
-        """Recoverer: worker who-1 died holding ``h`` and no retry is left; an error is stored."""
-        return self.cas(h, S_RUNNING, who, S_DONE, 0)
+    def fail(self, h: int, me: int) -> Outcome:
+        """Recoverer ``me`` (after take_over): no retry is left; the error is stored."""
+        return self.cas(h, S_RECOVERING, me, S_DONE, me)
 
     def take_over(self, h: int, state: int, who: int, me: int) -> Outcome:
         """Recoverer: ``h`` is RUNNING (or RECOVERING) held by dead worker who-1; claim it

@@ -58,7 +58,7 @@ from stealer._layout import (
     WHO_SHIFT,
 )
 from stealer.errors import WorkerCrashedError
-from stealer.records import Outcome, word
+from stealer.records import Outcome
 
 __all__ = ["Recovery", "ping_parent"]
 
@@ -180,7 +180,7 @@ class Recovery:
         if tries < retries:
             _U32.pack_into(mm, off + R_TRIES, tries + 1)
             a.drop_result(off)
-            a.region.store64(off, word(h >> 32, S_QUEUED))  # ours (claimed); published by the push
+            a.tr.requeue(h, self.me)  # ours (taken over): cannot fail; published by the push
             self.push(h)
             a.notify_one()
             return True
@@ -203,7 +203,7 @@ class Recovery:
         data, bufs = serialize.dumps((exc, ""))
         a.put_result(off, data, bufs)
         _U32.pack_into(a.mm, off + R_STATUS, ST_ERROR)
-        a.region.store64(off, word(h >> 32, S_DONE, self.me))  # release: the result above
+        a.tr.fail(h, self.me)  # ours (taken over); seq_cst CAS releases the result above
         ping_parent(a, self.inboxes, self.idle, link, self.me - 1)
 
     def frame_owner(self, h: int) -> tuple[int, int]:

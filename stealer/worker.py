@@ -63,7 +63,7 @@ from stealer.errors import RemoteError, SerializationError, WorkerCrashedError
 from stealer.forkjoin import Child, children_of
 from stealer.idle import Idle
 from stealer.liveness import ProcessWatch
-from stealer.records import Outcome, word
+from stealer.records import Outcome
 from stealer.recovery import Recovery, ping_parent
 from stealer.shm import (
     H_SHUTDOWN,
@@ -644,7 +644,7 @@ class Worker:
         _st, data, bufs = encode_result(ST_OK, value)  # value is already (exc, tb)
         a.put_result(off, data, bufs)
         a.set_status(off, ST_ERROR)
-        self.r.store64(off, word(h >> 32, S_DONE, self.who))  # ours (claimed); release
+        a.tr.fail(h, self.who)  # ours (taken over); seq_cst CAS releases the result above
         self.publish_root(h)
 
     # -- fork-join -----------------------------------------------------------

@@ -117,8 +117,8 @@ ME = 3  # the claimer
 NAMED = {
     "cancel": (lambda tr, h: tr.cancel(h), (S_QUEUED, 0), (S_CANCELLED, 0)),
     "finish": (lambda tr, h: tr.finish(h, K), (S_RUNNING, K), (S_DONE, K)),
-    "requeue": (lambda tr, h: tr.requeue(h, K), (S_RUNNING, K), (S_QUEUED, 0)),
-    "fail": (lambda tr, h: tr.fail(h, K), (S_RUNNING, K), (S_DONE, 0)),
+    "requeue": (lambda tr, h: tr.requeue(h, K), (S_RECOVERING, K), (S_QUEUED, 0)),
+    "fail": (lambda tr, h: tr.fail(h, K), (S_RECOVERING, K), (S_DONE, K)),
     "take_over-running": (lambda tr, h: tr.take_over(h, S_RUNNING, K, ME), (S_RUNNING, K),
                           (S_RECOVERING, ME)),
     "take_over-recovering": (lambda tr, h: tr.take_over(h, S_RECOVERING, K, ME),
@@ -425,19 +425,26 @@ class RecordMachine(RuleBasedStateMachine):
             assert rc == -1
         assert comp.pop() < 0
 
-    @rule(h=handles, who=st.integers(1, 3))
-    def requeue(self, h: int, who: int) -> None:
+    @rule(h=handles, who=st.integers(1, 3), me=st.integers(0, 3))
+    def take_over(self, h: int, who: int, me: int) -> None:
         exp = self.expect(h, S_RUNNING, who)
-        assert self.rig.arena.tr.requeue(h, who) is exp
+        assert self.rig.arena.tr.take_over(h, S_RUNNING, who, me) is exp
+        if exp is Outcome.OK:
+            self.moved(h, S_RECOVERING, me)
+
+    @rule(h=handles, me=st.integers(0, 3))
+    def requeue(self, h: int, me: int) -> None:
+        exp = self.expect(h, S_RECOVERING, me)
+        assert self.rig.arena.tr.requeue(h, me) is exp
         if exp is Outcome.OK:
             self.moved(h, S_QUEUED, 0)
 
-    @rule(h=handles, who=st.integers(1, 3))
-    def fail(self, h: int, who: int) -> None:
-        exp = self.expect(h, S_RUNNING, who)
-        assert self.rig.arena.tr.fail(h, who) is exp
+    @rule(h=handles, me=st.integers(0, 3))
+    def fail(self, h: int, me: int) -> None:
+        exp = self.expect(h, S_RECOVERING, me)
+        assert self.rig.arena.tr.fail(h, me) is exp
         if exp is Outcome.OK:
-            self.moved(h, S_DONE, 0)
+            self.moved(h, S_DONE, me)
 
     @rule(h=handles, me=st.integers(0, 3), believed=st.booleans(),
           state=st.sampled_from((S_QUEUED, S_RUNNING, S_CANCELLED, S_DONE)),

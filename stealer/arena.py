@@ -186,10 +186,6 @@ class Arena:
             self.free(h)
         return out
 
-    def cas_state(self, h: int, old: int, new: int) -> bool:
-        """CAS the record's state from ``old`` to ``new`` (no holder) if ``h`` is still current."""
-        return self.tr.cas(h, old, 0, new, 0) is Outcome.OK
-
     # -- composite hot-path operations --------------------------------------
     # Reference implementations; HotPath in native/_cqueues.pyx does the same
     # in one native call each and replaces these when the extension loads.

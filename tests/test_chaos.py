@@ -199,7 +199,7 @@ def _executor(*args: Any, **kw: Any) -> Iterator[stealer.Executor]:
             deadline = time.monotonic() + 30
             while t.is_alive() and time.monotonic() < deadline:
                 # a recovery pushing on a full injector spins until there is room
-                # (test_recovery_spins_for_ever_on_a_full_injector): make some
+                # (test_recovery_on_a_full_injector_does_not_spin; a safety net since then): make some
                 pool.injector.pop()
                 t.join(0.05)
         assert not t.is_alive(), "the result thread did not exit"
@@ -218,7 +218,7 @@ def _assert_usable(ex: stealer.Executor) -> None:
 def _lost_in_spawn_window(ex: stealer.Executor, lost: list[cf.Future]) -> bool:
     """True if every lost future is a fork-join root whose tree holds a child that is
     QUEUED and never started under a frame of a dead worker incarnation: the signature of
-    the spawn() bug (test_worker_killed_inside_spawn_loses_the_tree)."""
+    the spawn() bug (test_worker_killed_inside_spawn_keeps_the_tree, since fixed)."""
     pool = ex._pool
     mm = pool.arena.mm
 
@@ -298,7 +298,7 @@ def test_sigkill_chaos_loses_nothing_duplicates_nothing(record_property):
     (ready ones and ones still starting); retries=50 is more than any task can use here,
     so every future must get its own right value, exactly once."""
     # records > tasks: the client-side backlog stays unused; with it, kills lose tasks
-    # (test_backlog_task_lost_when_recovery_refills_the_injector)
+    # (test_backlog_task_survives_recovery_refilling_the_injector)
     with _executor(2, retries=50, records=32768) as ex:
         out, killer, jobs = _sigkill_chaos(ex, 20_000, min_kills=20, seed=1)
         kills = len(killer.hits)
@@ -343,7 +343,7 @@ def test_sigint_chaos_interrupts_only_task_bodies():
     if its body was hit (as in ProcessPoolExecutor), any other moment ignores it; no worker
     dies, every future resolves exactly once, the executor stays usable.  (Plain tasks
     only: an interrupt inside spawn() loses the tree, see
-    test_interrupt_inside_spawn_loses_the_tree.)"""
+    test_interrupt_inside_spawn_keeps_the_tree.)"""
     with _executor(2) as ex:
         assert ex.wait_ready(60)
         pids = ex.worker_pids()

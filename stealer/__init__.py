@@ -3,15 +3,21 @@
 Public names only; each lives in its own module.
 """
 
+from stealer.agents import Agent, AgentRef, Ctx
 from stealer.errors import (
     AffinityError,
+    AgentError,
+    AgentStopped,
     BrokenExecutor,
+    DeadlineExceeded,
     ExecutorShutdownError,
+    MailboxFull,
     NotInTaskError,
     RemoteError,
     SerializationError,
     SharedMemoryFullError,
     StealerError,
+    StepTimeout,
     WorkerCrashedError,
 )
 from stealer.executor import Executor
@@ -21,6 +27,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AffinityError",
+    "Agent",
+    "AgentError",
+    "AgentRef",
+    "AgentStopped",
+    "Ctx",
+    "DeadlineExceeded",
+    "MailboxFull",
+    "StepTimeout",
     "BrokenExecutor",
     "Child",
     "Executor",

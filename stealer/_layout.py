@@ -18,6 +18,8 @@ R_LINK = 16  # u64 future id (root) or parent handle (child): the producer, befo
 R_TRIES = 24  # u32 runs started so far minus one: bumped by whoever re-queues after a death
 R_RETRIES = 28  # u32 re-runs allowed after worker deaths: the producer, before the push
 R_OWNER = 32  # u32 worker holding this task's fork-join frame: that worker, at its first spawn
+R_NEXT = 32  # u64 (K_MSG records only, aliasing R_OWNER/R_INCARNATION): handle + 1 of the next
+#              older message of the same mailbox; the sender, before the CAS that pushes it
 R_INCARNATION = 36  # u32 that worker's incarnation: same writer/ordering as R_OWNER
 R_PCLASS = 40  # u32 call payload storage: 0 inline, i+1 block class i, OVERFLOW
 R_RCLASS = 44  # u32 result payload storage, same codes; written before the DONE CAS
@@ -49,6 +51,10 @@ S_RECOVERING = 6  # claimed by who-1 (or the client) to re-run or fail it (its h
 K_ROOT = 1  # submitted by the client; R_LINK is the future id
 K_CHILD = 2  # spawned inside a task; R_LINK is the parent's handle
 K_MASK = 0xFF
+K_MSG = 3  # a message in an agent's mailbox (stealer/agents/mailbox.py); never on a queue
+K_REPLY = 4  # the reply slot of a call made by an agent; R_LINK is the calling agent's handle
+K_CKPT = 5  # an agent's checkpoint (its pickled state); R_LINK is the mailbox mark it covers
+F_AGENT = 0x400  # with K_ROOT: an agent record (its call payload is the spawn; RUNNING|k on its owner)
 F_BUFFERS = 0x100  # the call payload is a frame with out-of-band buffers
 F_RBUFFERS = 0x200  # the result payload is a frame with out-of-band buffers
 OVERFLOW = 0xFFFF  # payload class of an overflow file
@@ -60,3 +66,19 @@ ST_LOST = 2  # the worker could not store the result; the inline result is a sho
 # -- park words (stealer/idle.py) ---------------------------------------------------
 PARKED = 1
 NOTIFIED = 2
+
+# -- agent directory (stealer/agents/mailbox.py): one entry per record slot ---------
+DIR_BYTES = 64  # one cache line per agent: senders of different agents never share a line
+D_HEAD = 0  # u64 handle + 1 of the newest message (0: none; all ones: closed): senders CAS
+D_DONE = 8  # u64 handle + 1 of the newest message the agent has handled: its owner stores
+D_CKPT = 16  # u64 handle + 1 of the agent's latest K_CKPT record (0: none): its owner stores
+D_COUNT = 24  # u32 messages accepted and not yet handled: senders add, the owner subtracts
+D_CAP = 28  # u32 mailbox capacity: the spawner, before the agent record is pushed
+D_FLAGS = 32  # u64 AF_* bits: or64/and64 by senders, stoppers and the owner
+D_GEN = 40  # u32 agent generation (restarts and stops): its owner stores
+D_OWNER = 44  # u32 worker index + 1 running the agent now (0: none), for stats: its owner stores
+AF_NOTIFIED = 1  # a notification is on its way to the owner's inbox (cleared by the owner)
+AF_STOP = 2  # ref.stop(): finish at the next step boundary
+D_CPU_NS = 48  # u64 CPU ns the agent's steps and handlers used so far: its owner stores (stats)
+D_STEPS = 56  # u32 steps run so far: its owner stores (stats)
+D_MSGS = 60  # u32 messages handled so far: its owner stores (stats)

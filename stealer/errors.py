@@ -12,7 +12,12 @@ written for :class:`~concurrent.futures.ProcessPoolExecutor` keeps working:
      ├── AffinityError         (also ValueError)
      ├── SharedMemoryFullError (also OSError) /dev/shm has no room for a new executor
      ├── NotInTaskError        (also RuntimeError)
-     └── RemoteError           a task's exception that could not be sent back as itself
+     ├── RemoteError           a task's exception that could not be sent back as itself
+     └── AgentError            names the agent (agent_id) and its generation
+          ├── MailboxFull      a send found the mailbox full (block=False, or timed out)
+          ├── StepTimeout      a step ran past its step_timeout
+          ├── AgentStopped     a message to an agent that was stopped, finished or failed
+          └── DeadlineExceeded a call or an agent missed its deadline
 
 Errors on the hot path are values (queue operations return EMPTY / RETRY);
 exceptions appear only at the API boundary.
@@ -23,6 +28,9 @@ from __future__ import annotations
 import pickle
 from concurrent.futures import BrokenExecutor as _StdBrokenExecutor
 from concurrent.futures.process import BrokenProcessPool as _StdBrokenProcessPool
+from typing import Any
+
+from stealer._layout import ST_ERROR, ST_LOST
 
 __all__ = [
     "StealerError",
@@ -35,6 +43,11 @@ __all__ = [
     "NotInTaskError",
     "RemoteError",
     "RemoteTraceback",
+    "AgentError",
+    "MailboxFull",
+    "StepTimeout",
+    "AgentStopped",
+    "DeadlineExceeded",
 ]
 
 
@@ -87,3 +100,52 @@ class RemoteTraceback(Exception):
 
     def __str__(self) -> str:
         return self.tb
+
+
+class AgentError(StealerError):
+    """Base of the agent errors; names the agent (its id) and its generation.
+
+    They survive pickling (a worker raises them, the client re-raises them).
+    """
+
+    def __init__(self, message: str, agent_id: int = -1, generation: int = 0) -> None:
+        super().__init__(message)
+        self.agent_id = agent_id
+        self.generation = generation
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (str(self), self.agent_id, self.generation))
+
+
+class MailboxFull(AgentError):
+    """The agent's mailbox is full (``send(..., block=False)``, or a send timed out)."""
+
+
+class StepTimeout(AgentError):
+    """An agent step ran longer than its ``step_timeout``."""
+
+
+class AgentStopped(AgentError):
+    """The agent was stopped, finished or failed: it takes no more messages."""
+
+
+class DeadlineExceeded(AgentError):
+    """A call or an agent missed its deadline."""
+
+
+def result_value(status: int, value: Any) -> tuple[int, Any]:
+    """Normalise a stored outcome: an ST_LOST reason becomes an error payload."""
+    if status == ST_LOST:
+        reason = bytes(value).decode("utf-8", "replace") if value else "unknown"
+        return ST_ERROR, (SerializationError(
+            f"the worker could not store the task's result ({reason}); free space in "
+            "/dev/shm or make the result smaller"), "")
+    return status, value
+
+
+def with_remote_tb(payload: Any) -> BaseException:
+    """The exception of an (exception, traceback text) payload, the text chained as its cause."""
+    exc, tb = payload
+    if tb:
+        exc.__cause__ = RemoteTraceback(tb)
+    return exc

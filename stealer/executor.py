@@ -39,6 +39,7 @@ from typing import Any
 
 from stealer import affinity, serialize
 from stealer import pool as _poolmod
+from stealer.agents.api import AgentRef
 from stealer.arena import INLINE, K_ROOT
 from stealer.errors import BrokenExecutor, ExecutorShutdownError, SerializationError
 from stealer.futures import _Future
@@ -361,10 +362,40 @@ class Executor(_fbase.Executor):
                     break
                 pool.futures.pop(f._st_fid, None)
                 f.cancel()
-        pool.wake()
+        pool.begin_shutdown()  # also: agents stop at their next step boundary
         t = pool.thread
         if wait and t is not None and t is not threading.current_thread():
             t.join()
+
+    # -- agents ----------------------------------------------------------------
+    def spawn_agent(self, cls: type, /, *args: Any, init_kwargs: dict | None = None,
+                    retries: int | None = None, **options: Any) -> AgentRef:
+        """Start an agent: ``cls(*args, **init_kwargs)`` is built on a worker, where it lives.
+
+        Options: ``tier`` ("control" > "interactive" > "bulk", default
+        "interactive"), ``mailbox`` (capacity, default 64), ``deadline``
+        (seconds from now; earliest deadline first within the tier; missed:
+        the agent fails with DeadlineExceeded), ``step_timeout`` (seconds;
+        a longer step raises StepTimeout inside it; one stuck in C gets its
+        worker killed and replaced), ``restart`` ("never" or "on-failure",
+        with ``max_restarts`` per ``restart_window`` seconds),
+        ``checkpoint_every`` (steps + messages) and ``checkpoint_seconds``
+        between in-memory checkpoints, ``cpu_share`` (fraction of one worker
+        before the agent is demoted to bulk), ``retries`` (restarts after
+        worker deaths, default the executor's).  Returns an
+        :class:`~stealer.AgentRef`.  See stealer/agents/ and README.md.
+        """
+        from stealer.agents.options import AgentOptions
+
+        pool = self._pool
+        if pool.shutdown or pool.broken or _poolmod._exiting:
+            self._refuse()
+        if not isinstance(cls, type) or not hasattr(cls, "__init__"):
+            raise TypeError(f"spawn_agent() takes an agent class, not {cls!r}")
+        r = self._retries if retries is None else retries
+        _check_retries(r)
+        opts = AgentOptions.parse(options)
+        return pool.agents.spawn(cls, args, init_kwargs or {}, opts, r)
 
     # -- extras --------------------------------------------------------------
     def wait_ready(self, timeout: float | None = None) -> bool:

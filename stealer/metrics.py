@@ -46,6 +46,10 @@ COUNTERS = (
     "resumes",          # suspended tasks resumed after their children
     "errors",           # tasks that raised
     "busy_ns",          # time spent running task code
+    "agent_steps",      # agent steps run
+    "agent_messages",   # agent messages handled
+    "migrations",       # agents this worker published for an idle peer (state pickled once)
+    "throttled",        # agent turns demoted or delayed for using more than their cpu_share
 )
 NCOUNTERS = 16
 TIERS = 3

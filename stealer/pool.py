@@ -29,6 +29,7 @@ from stealer import liveness, serialize
 from stealer._layout import (
     F_RBUFFERS,
     K_MASK,
+    K_REPLY,
     K_ROOT,
     S_DONE,
     S_FREEING,
@@ -46,10 +47,12 @@ from stealer.recovery import Recovery, ping_parent
 from stealer.shm import (
     H_CLIENT_PARK,
     H_SHUTDOWN,
+    H_STOP_AGENTS,
     LEASE_SLOTS,
     W_CURRENT,
     W_LEASE,
     W_STATE,
+    W_STEP_DEADLINE,
     Layout,
     Segment,
     cleanup_stale,
@@ -189,6 +192,9 @@ class _Pool:
                                            o["fn_data"], layout.fn_data)
         self.idle = Idle(r, layout)
         self.rec = Recovery(self.arena, self.inboxes, self.idle, 0, self.push)
+        from stealer.agents.client import AgentClient
+
+        self.agents = AgentClient(self)  # spawn/send/call/stop and agents' final values
         # Handles set up (QUEUED) that found the injector full: pushed by the result thread
         # as room appears (deque append/popleft are atomic under the GIL).
         self.requeue: collections.deque[int] = collections.deque()
@@ -324,6 +330,8 @@ class _Pool:
             kind, _status, link = a.kind_link(a.off(h))
             if kind & K_MASK == K_ROOT:
                 self.complete_one(h)
+            elif kind & K_MASK == K_REPLY:
+                self.agents.dir.notify(link)  # a reply its caller may not have heard of
             else:
                 parents.add(link)
         for parent in parents:
@@ -354,6 +362,8 @@ class _Pool:
             exc, _tb = value
             exc = WorkerCrashedError(f"{exc} The task was {f._st_name}.")
             self.resolve(f, status, (exc, ""))
+        else:
+            self.agents.settle(fid, status, value)  # an agent nobody asked about yet
 
     def set_broken(self, msg: str) -> None:
         self.broken = msg
@@ -401,7 +411,7 @@ class _Pool:
                     f._st_resolve(value, None)
                 except _fbase.InvalidStateError:
                     pass  # cancelled meanwhile
-            elif not self.broken:
+            elif not self.agents.settle(fid, ST_OK, value) and not self.broken:
                 self.stray += 1
 
     def complete_taken(self, h: int, kind: int, status: int, fid: int, data: Any) -> None:
@@ -427,7 +437,7 @@ class _Pool:
                 f"{exc})"), "")
         f = self.futures.pop(fid, None)
         if f is None:
-            if not self.broken:
+            if not self.agents.settle(fid, status, value) and not self.broken:
                 self.stray += 1  # a completion for no pending future: a delivery bug
         elif status == ST_OK:
             try:
@@ -522,14 +532,46 @@ class _Pool:
             if not got or now - last_check > MONITOR_INTERVAL:
                 last_check = now
                 self.check_workers()
-            if self.shutdown and not self.futures and not self.backlog:
+                self.check_steps()
+            if (self.shutdown and not self.futures and not self.backlog
+                    and not self.agents.alive()):
                 return
             if not got:
                 self.idle.client_park(self.has_completions, MONITOR_INTERVAL)
 
+    def check_steps(self) -> None:
+        """Kill a worker whose agent step ran far past its step_timeout (stuck in C code,
+        deaf to the StepTimeout signal): its agents restart elsewhere from checkpoints."""
+        now = time.monotonic_ns()
+        r = self.region
+        for k, p in enumerate(self.procs):
+            if p is None:
+                continue
+            dl = r.load64(self.layout.worker(k) + W_STEP_DEADLINE)  # pairs with Host.arm's store
+            if dl and now > dl:
+                import sys
+
+                print(f"stealer: an agent step on worker {k} (pid {p.pid}) ignored its "
+                      "step_timeout (stuck in C code?); killing the worker, its agents "
+                      "restart from their checkpoints", file=sys.stderr)
+                r.store64(self.layout.worker(k) + W_STEP_DEADLINE, 0)
+                p.kill()
+
+    def check_open(self) -> None:
+        """Raise if the executor takes no more work (agents' sends, spawns)."""
+        if self.broken:
+            raise BrokenExecutor(self.broken)
+        if self.shutdown or _exiting:
+            from stealer.errors import ExecutorShutdownError
+
+            raise ExecutorShutdownError("the executor is shut down; it takes no more agents "
+                                        "or messages")
+
     def begin_shutdown(self) -> None:
         with self.shutdown_lock:
             self.shutdown = True
+        self.region.store32(H_STOP_AGENTS, 1)  # seq_cst: workers stop their agents
+        self.idle.notify_all()
         self.wake()
 
     def wake(self) -> None:
@@ -554,5 +596,6 @@ class _Pool:
             if p.exitcode is None:
                 p.kill()
                 p.join(1.0)
+        self.agents.close()
         self.seg.unlink()
         _live.discard(self)

@@ -50,7 +50,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from stealer._layout import RECORD_BYTES
+from stealer._layout import DIR_BYTES, RECORD_BYTES
 from stealer._queues import impl as Q
 from stealer.errors import SharedMemoryFullError, StealerError
 
@@ -76,6 +76,8 @@ H_LOCKED = 520  # u32 1: the creator holds flock(LOCK_SH) on the file while it l
 #                 before H_MAGIC; read (pread) by cleanup_stale to trust a free lock as "creator gone"
 H_LOCK_HOLDER = 576  # u32 pid holding the pure-Python reference's lock (0: free): its holder,
 #                     under the lock; read by the client after a worker death
+H_STOP_AGENTS = 640  # u32 1: the client is shutting down; workers stop their agents at the next
+#                     step boundary: client store32 (seq_cst) in begin_shutdown, workers load32
 # Worker sets (stealer/idle.py): bit k % 64 of u64 word k // 64 is worker k. Each transition of
 # a worker is one atomic RMW on its own bit, so a worker killed at any point leaves a state the
 # client's Idle.forget (one idempotent and64) repairs; a count is a popcount.
@@ -93,6 +95,9 @@ W_INCARNATION = 72  # u32 bumped by the client before starting a (replacement) w
 W_STATE = 76  # u32 0 starting, 1 ready, 2 exiting, 3 retired, 4 init failed: worker store32, client load32
 W_PID = 84  # u32 pid of the current incarnation: worker store32 at start; read by stats/top
 W_CPU = 88  # u32 CPU the worker is pinned to + 1 (0: not pinned): worker store32 at start
+W_STEP_DEADLINE = 96  # u64 monotonic ns by which the agent step running now must end (0: none):
+#                      worker store64 (release) around a step with a step_timeout; the client
+#                      load64s it in its monitor and kills a worker stuck past it
 W_LEASE = 128  # 16 x u64 handle+1 a worker is taking off a queue (records.py): slot 0 for single
 #               takes, slot i for the i-th of an injector batch; the worker writes each before the
 #               CAS that takes the handle (relaxed), the client reads them after the worker's death
@@ -149,6 +154,7 @@ class Layout:
         take("injector", Q.MPMCRing.nbytes(2 * cap))  # see injector_cap
         take("record_free", Q.MPMCRing.nbytes(cap))
         take("records", RECORD_BYTES * cap)
+        take("agents", DIR_BYTES * cap)  # the agent directory: one entry per record slot
         for i, (size, count) in enumerate(self.block_classes):
             take(f"block_free{i}", Q.MPMCRing.nbytes(_pow2(count)))
             take(f"blocks{i}", size * count)

@@ -45,9 +45,11 @@ from typing import Any
 
 from stealer import failpoints, forkjoin, metrics, serialize
 from stealer._layout import (
+    F_AGENT,
     F_BUFFERS,
     K_CHILD,
     K_MASK,
+    K_REPLY,
     K_ROOT,
     R_OWNER,
     R_RETRIES,
@@ -59,7 +61,13 @@ from stealer._layout import (
     ST_OK,
 )
 from stealer.arena import Arena
-from stealer.errors import RemoteError, SerializationError, WorkerCrashedError
+from stealer.errors import (
+    RemoteError,
+    SerializationError,
+    WorkerCrashedError,
+    result_value,
+)
+from stealer.errors import with_remote_tb as _with_remote_tb
 from stealer.forkjoin import Child, children_of
 from stealer.idle import Idle
 from stealer.liveness import ProcessWatch
@@ -68,6 +76,7 @@ from stealer.recovery import Recovery, ping_parent
 from stealer.shm import (
     H_SHUTDOWN,
     H_STARTED,
+    H_STOP_AGENTS,
     LEASE_SLOTS,
     W_CPU,
     W_CURRENT,
@@ -95,7 +104,8 @@ FAIR_TICK = 61
 FLUSH_MASK = 63  # publish counters every 64 steps (and before parking)
 _COUNTERS = struct.Struct(f"={metrics.NCOUNTERS}Q")
 (C_TASKS, C_STEALS, C_STEAL_ATTEMPTS, C_PARKS, C_WAKEUPS, C_INJECTOR_TAKES, C_SPAWNS, C_RESUMES,
- C_ERRORS, C_BUSY_NS) = range(len(metrics.COUNTERS))
+ C_ERRORS, C_BUSY_NS, C_AGENT_STEPS, C_AGENT_MSGS, C_MIGRATIONS, C_THROTTLED
+ ) = range(len(metrics.COUNTERS))
 
 FP = failpoints  # `if FP.ON:` costs one attribute load when no failpoint is armed
 
@@ -161,16 +171,6 @@ def encode_result(status: int, value: Any) -> tuple[int, bytes, list]:
         except BaseException:
             data = pickle.dumps((RemoteError("the task's outcome could not be pickled"), ""))
             return ST_ERROR, data, []
-
-
-def result_value(status: int, value: Any) -> tuple[int, Any]:
-    """Normalise a stored outcome: an ST_LOST reason becomes an error payload."""
-    if status == ST_LOST:
-        reason = bytes(value).decode("utf-8", "replace") if value else "unknown"
-        return ST_ERROR, (SerializationError(
-            f"the worker could not store the task's result ({reason}); free space in "
-            "/dev/shm or make the result smaller"), "")
-    return status, value
 
 
 def _on_sigint(signum: int, frame: Any) -> None:
@@ -253,6 +253,9 @@ class Worker:
         t = metrics.DEFAULT_TIER
         self.wait_off = self.mbase + metrics.hist_offset(t, 0) if a.metrics else -1
         self.run_off = self.mbase + metrics.hist_offset(t, 1)
+        # per-tier histograms of agent turns (queue wait, run time)
+        self.mbase_tier_wait = [self.mbase + metrics.hist_offset(i, 0) for i in range(3)]
+        self.mbase_tier_run = [self.mbase + metrics.hist_offset(i, 1) for i in range(3)]
         self.conts: dict[int, _Frame] = {}  # suspended frames by handle
         self.frame: _Frame | None = None
         self.cur: tuple[int, int, int] | None = None  # (handle, kind, link) of the running task
@@ -260,23 +263,39 @@ class Worker:
         self.in_spawn = False  # inside spawn(): Ctrl-C waits for its end
         self.interrupted = False  # a Ctrl-C held back by spawn()
         self.tick = 0
+        from stealer.agents.host import Host
+
+        self.host = Host(self)  # the agents living on this worker (stealer/agents/host.py)
 
     # -- main loop -----------------------------------------------------------
     def loop(self) -> int:
         inbox_pop = self.inbox.pop
         deque_pop = self.deque.pop
+        host = self.host
+        rq = host.rq
         while True:
             h = inbox_pop()
             if h >= 0:
                 self.on_ping(h)
                 continue
             self.tick += 1
+            if host.timers or host.blocked:
+                host.poll()
+            # Agents' turns and tasks alternate; a runnable control-tier agent goes first.
+            if rq.n and (self.tick & 1 or rq.top_tier() == 0):
+                host.run_next()
+                continue
             if self.tick % FAIR_TICK == 0:
                 h = self.injector.pop()
                 if h < 0:
                     h = deque_pop()
             else:
                 h = deque_pop()
+            if h < 0 and rq.n:
+                h = self.take_injector()  # new submissions and agents are not starved
+                if h < 0:
+                    host.run_next()
+                    continue
             if h < 0:
                 h = self.search()
                 if h is None:
@@ -288,7 +307,7 @@ class Worker:
                 return STATE_RETIRED
 
     def has_work(self) -> bool:
-        if len(self.inbox) or len(self.injector) or len(self.deque):
+        if len(self.inbox) or len(self.injector) or len(self.deque) or self.host.has_work():
             return True
         return any(len(d) for d in self.victims)
 
@@ -336,7 +355,8 @@ class Worker:
         searching = idle.try_search(self.k)
         rounds = 0
         while True:
-            if len(self.inbox):
+            host = self.host
+            if len(self.inbox) or host.has_work():
                 if searching:
                     idle.stop_search(self.k, False)
                 return -1
@@ -347,7 +367,10 @@ class Worker:
                 if searching:
                     idle.stop_search(self.k, True)
                 return h
-            if r.load32(H_SHUTDOWN) and not self.conts:
+            if host.agents and not host.stopping and r.load32(H_STOP_AGENTS):
+                host.stop_all()  # shutdown: agents stop at their next step boundary
+                continue
+            if r.load32(H_SHUTDOWN) and not self.conts and not host.agents:
                 if searching:
                     idle.stop_search(self.k, False)
                 return None
@@ -362,9 +385,16 @@ class Worker:
                 searching = False
             self.c[C_PARKS] += 1
             self.flush()
-            woke = idle.park(self.k, self.has_work, PARK_TIMEOUT)
+            timeout = PARK_TIMEOUT
+            if host.timers:
+                timeout = min(timeout, max(0.0, host.timers[0][0] - time.monotonic()))
+            if host.blocked:
+                timeout = min(timeout, 0.001)  # sends waiting for room in a peer's mailbox
+            woke = idle.park(self.k, self.has_work, timeout)
             if woke:
                 self.c[C_WAKEUPS] += 1
+            if host.timers or host.blocked:
+                host.poll()
             if not woke and self.client.gone():  # the client itself, not our parent (forkserver)
                 self.orphaned()
             rounds = 0
@@ -394,6 +424,10 @@ class Worker:
         if FP.ON:
             FP.hit("worker.after_start")
         kind, link, data = t
+        if kind & F_AGENT:
+            self.r.store64(self.cur_off, 0)
+            self.host.adopt(h, kind, link)  # it lives here now (stealer/agents/host.py)
+            return
         c = self.c
         c[C_TASKS] += 1
         self.cur = (h, kind, link)
@@ -537,6 +571,8 @@ class Worker:
         a = self.arena
         if (h & 0xFFFFFFFF) >= a.nrecords:
             return
+        if self.host.agents and self.host.notify(h):
+            return  # an agent of ours: messages, a reply, children, a stop
         frame = self.conts.get(h)
         if frame is None:
             st = a.tr.state(h)
@@ -602,7 +638,7 @@ class Worker:
             if done == 1 or done == -1:
                 return
             if done == 2:
-                ping_parent(a, self.inboxes, self.idle, link, self.k)
+                self.publish_child(kind, link)
                 return
         off = a.off(h)
         try:
@@ -623,9 +659,16 @@ class Worker:
         if kind & K_MASK == K_ROOT:
             self.publish_root(h)
         else:
-            ping_parent(a, self.inboxes, self.idle, link, self.k)
+            self.publish_child(kind, link)
         if FP.ON:
             FP.hit("worker.after_publish")
+
+    def publish_child(self, kind: int, link: int) -> None:
+        """A child's result (ping its parent's owner) or an agent's reply (notify the caller)."""
+        if kind & K_MASK == K_REPLY:
+            self.host.dir.notify(link, self.k)
+        else:
+            ping_parent(self.arena, self.inboxes, self.idle, link, self.k)
 
     def push_any(self, h: int) -> None:
         """Recovery: a QUEUED handle onto the injector, else our own deque (never lost)."""
@@ -693,15 +736,6 @@ class Worker:
         if c is None:
             return forkjoin.inline_child(fn, args, kwargs)  # arena exhausted: run it here
         return c
-
-
-def _with_remote_tb(payload: Any) -> BaseException:
-    exc, tb = payload
-    if tb:
-        from stealer.errors import RemoteTraceback
-
-        exc.__cause__ = RemoteTraceback(tb)
-    return exc
 
 
 def main(a: WorkerArgs) -> None:

@@ -1,0 +1,229 @@
+"""What agent authors write and hold: Agent, the step context, step outcomes, refs.
+
+::
+
+    class Walker(stealer.Agent):
+        def __init__(self, seed): ...          # runs on a worker; state = the attributes
+        def step(self, ctx): ...               # optional: self-driven agents step until done
+        def observe(self, k): return ...       # any public method is a message handler
+
+    ref = ex.spawn_agent(Walker, 7, tier="interactive", mailbox=64)
+    ref.call("observe", 3).result()            # request/reply: a concurrent.futures.Future
+    ref.send("observe", 3)                     # one-way; blocks while the mailbox is full
+    ref.stop(); ref.result(timeout)            # stop at the next step boundary; final value
+
+``step(ctx)`` returns what happens next: ``None`` (step again, after the
+other runnable agents of its tier had their turn), ``ctx.sleep(s)``,
+``ctx.wait()`` (until a message), ``ctx.done(value)``; raising fails the
+agent (its ``restart`` policy decides).  Messages are handled between
+steps, never during one.  A step or handler may be a generator: it
+``yield``\\ s what it waits for (``ref.call(...)`` made inside an agent,
+``ctx.run_blocking(fn, ...)``, children from :func:`stealer.spawn`) and is
+resumed with the value, as fork-join tasks are; the worker runs other
+agents meanwhile.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from stealer.errors import NotInTaskError
+
+__all__ = ["Agent", "AgentRef", "Ctx", "TIERS", "Sleep", "Wait", "Done", "Pending"]
+
+TIERS = {"control": 0, "interactive": 1, "bulk": 2}
+TIER_NAMES = {v: k for k, v in TIERS.items()}
+_clients: dict[str, Any] = {}  # segment name -> weakref of its AgentClient (client.py)
+
+
+class Agent:
+    """Base class of agents: subclass it; its attributes are its state.
+
+    The state is pickled only when the agent moves to another worker or is
+    checkpointed (numpy arrays travel out-of-band).  Public methods (names
+    not starting with ``_``, other than ``step`` and ``on_stop``) are
+    message handlers.  ``on_stop(self)``, if defined, gives the final value
+    of an agent stopped by ``ref.stop()``.
+    """
+
+
+class Sleep:
+    __slots__ = ("until",)
+
+    def __init__(self, until: float) -> None:
+        self.until = until
+
+
+class Wait:
+    __slots__ = ()
+
+
+class Done:
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+_WAIT = Wait()
+
+
+class Pending:
+    """Something an agent waits for by ``yield``: a reply, a blocking call."""
+
+    __slots__ = ("done", "exc", "value")
+
+    def __init__(self) -> None:
+        self.done = False
+        self.value: Any = None
+        self.exc: BaseException | None = None
+
+
+class Ctx:
+    """The context a step or handler gets: what to do next, and the agent's services."""
+
+    __slots__ = ("_e", "_host")
+
+    def __init__(self, host: Any, entry: Any) -> None:
+        self._host = host
+        self._e = entry
+
+    @property
+    def agent_id(self) -> int:
+        return self._e.h
+
+    @property
+    def generation(self) -> int:
+        """How many times this agent was restarted (by its supervisor or a worker death)."""
+        return self._e.gen
+
+    @property
+    def self_ref(self) -> AgentRef:
+        return AgentRef(self._e.h, self._host.name, self._host)
+
+    @property
+    def tier(self) -> str:
+        return TIER_NAMES[self._e.tier]
+
+    def sleep(self, seconds: float) -> Sleep:
+        """Step again after ``seconds`` (messages still wake it to be handled)."""
+        return Sleep(time.monotonic() + max(0.0, float(seconds)))
+
+    def wait(self) -> Wait:
+        """Step again once a message has been handled."""
+        return _WAIT
+
+    def done(self, value: Any = None) -> Done:
+        """Finish: ``value`` becomes ``ref.result()``."""
+        return Done(value)
+
+    def spawn_agent(self, cls: type, /, *args: Any, **options: Any) -> AgentRef:
+        """Spawn another agent (same options as ``Executor.spawn_agent``)."""
+        return self._host.spawn_agent(cls, args, options)
+
+    def run_blocking(self, fn: Any, /, *args: Any, **kwargs: Any) -> Pending:
+        """Run a blocking call on the worker's small thread pool; ``yield`` the result.
+
+        The worker runs other agents meanwhile; the agent resumes with the
+        call's return value (or its exception raised at the ``yield``).
+        """
+        return self._host.run_blocking(fn, args, kwargs)
+
+
+def _runtime(seg: str) -> Any:
+    from stealer import forkjoin
+
+    w = forkjoin._current
+    if w is not None and getattr(w, "name", None) == seg:
+        return w.host
+    ref = _clients.get(seg)
+    rt = ref() if ref is not None else None
+    if rt is None:
+        raise NotInTaskError(
+            "this agent ref belongs to an executor that is not running here (it was shut "
+            "down, or the ref was sent to another process that does not host it)")
+    return rt
+
+
+def _rebuild(h: int, seg: str, deadline: float | None) -> AgentRef:
+    ref = AgentRef(h, seg, None)
+    ref._deadline = deadline
+    return ref
+
+
+class AgentRef:
+    """A handle on an agent: send it messages, call it, stop it, get its result.
+
+    Refs pickle: pass them to other agents and tasks of the same executor.
+    Inside an agent, ``ref.call`` returns something to ``yield`` (the
+    caller is resumed with the reply); in the client it returns a
+    ``concurrent.futures.Future``.
+    """
+
+    __slots__ = ("_deadline", "_h", "_rt", "_seg")
+
+    def __init__(self, h: int, seg: str, rt: Any) -> None:
+        self._h = h
+        self._seg = seg
+        self._rt = rt
+        self._deadline: float | None = None
+
+    def __reduce__(self) -> tuple:
+        return (_rebuild, (self._h, self._seg, self._deadline))
+
+    def __repr__(self) -> str:
+        return f"<stealer.AgentRef {self._h:#x}>"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, AgentRef) and (other._h, other._seg) == (self._h, self._seg)
+
+    def __hash__(self) -> int:
+        return hash((self._h, self._seg))
+
+    @property
+    def id(self) -> int:
+        """The agent id (unique among the live agents of its executor)."""
+        return self._h
+
+    def _runtime(self) -> Any:
+        rt = self._rt
+        if rt is None:
+            rt = self._rt = _runtime(self._seg)
+        return rt
+
+    def options(self, *, deadline: float | None = None) -> AgentRef:
+        """A ref whose calls carry a deadline ``deadline`` seconds from each call: a call
+        still in the mailbox then fails with DeadlineExceeded instead of running."""
+        ref = AgentRef(self._h, self._seg, self._rt)
+        ref._deadline = deadline
+        return ref
+
+    def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
+        """Request/reply: run handler ``method`` and get its return value.
+
+        From the client: a Future.  From inside an agent: ``yield`` the
+        returned object; the agent is resumed with the reply.
+        """
+        dl = None if self._deadline is None else time.monotonic() + self._deadline
+        return self._runtime().call(self._h, method, args, kwargs, dl)
+
+    def send(self, method: str, /, *args: Any, block: bool = True,
+             timeout: float | None = None, **kwargs: Any) -> None:
+        """One-way message.  A full mailbox blocks the client (up to ``timeout``) or,
+        with ``block=False``, raises MailboxFull; from inside an agent, the send is
+        queued and the sending agent waits (no step, no message) until it is delivered."""
+        self._runtime().send(self._h, method, args, kwargs, block, timeout)
+
+    def stop(self) -> None:
+        """Stop the agent at its next step boundary; queued messages fail with AgentStopped."""
+        self._runtime().stop(self._h)
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The agent's final value (``ctx.done(value)``, or ``on_stop()`` after stop)."""
+        return self._runtime().future(self._h).result(timeout)
+
+    @property
+    def future(self) -> Any:
+        """The Future of the agent's final value (client only; works with asyncio)."""
+        return self._runtime().future(self._h)

@@ -1,0 +1,955 @@
+"""The worker's side of agents: the agents a worker holds, their turns, their moves.
+
+An agent record (``K_ROOT | F_AGENT``) that a worker starts (QUEUED ->
+RUNNING|k, the core's ordinary ``start``) becomes an agent living in that
+worker's heap: :meth:`Host.adopt` builds it (``__init__`` from the spawn
+payload, or the latest checkpoint plus a replay of the mailbox chain above
+its mark, see mailbox.py) and the record stays RUNNING|k while it lives
+here.  No second scheduler: the worker loop (stealer/worker.py) gives a
+*turn* to the next runnable agent of :class:`RunQueue` between its other
+work, and an agent that leaves (migration, done) goes back through the
+record's transitions:
+
+* migrate: checkpoint (state pickled once, numpy out-of-band) ->
+  RUNNING|k -> QUEUED -> pushed on this worker's deque, only while a peer
+  is idle (private deques: nothing is published or pickled otherwise).
+  Whoever starts it next owns it; if that is us, the object in our heap is
+  used again without unpickling.
+* done / stopped / failed: the mailbox is closed, unhandled calls get
+  AgentStopped, the final value is stored and RUNNING|k -> DONE|k
+  publishes it like any root task's result.
+* worker death: the record is RUNNING|dead; the client's recovery re-queues
+  it (retries) and the next worker adopts it from its checkpoint.
+
+A turn: the agent's new messages are handled (FIFO, up to MSG_BATCH per
+turn), then one step if it wants one.  Handlers and steps may be
+generators that yield what they wait for (a reply, a blocking call,
+fork-join children); the agent is then *suspended* (not in the run queue)
+until a notification (inbox) says it may go on.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import signal
+import struct
+import sys
+import time
+from types import GeneratorType
+from typing import Any
+
+from stealer import metrics, serialize
+from stealer._layout import (
+    AF_STOP,
+    D_CKPT,
+    D_CPU_NS,
+    D_GEN,
+    D_MSGS,
+    D_OWNER,
+    D_STEPS,
+    F_AGENT,
+    K_CKPT,
+    K_MSG,
+    K_REPLY,
+    K_ROOT,
+    R_TRIES,
+    S_CANCELLED,
+    S_DONE,
+    S_QUEUED,
+    S_RUNNING,
+    ST_ERROR,
+    ST_OK,
+)
+from stealer.agents.api import TIER_NAMES, AgentRef, Ctx, Done, Pending, Sleep, Wait
+from stealer.agents.client import AGENT_FID, encode_message
+from stealer.agents.mailbox import Directory
+from stealer.agents.options import AgentOptions
+from stealer.agents.runqueue import RunQueue
+from stealer.errors import (
+    AgentStopped,
+    DeadlineExceeded,
+    MailboxFull,
+    NotInTaskError,
+    StepTimeout,
+    WorkerCrashedError,
+    result_value,
+    with_remote_tb,
+)
+from stealer.forkjoin import children_of
+from stealer.records import Outcome
+from stealer.shm import H_STOP_AGENTS, W_STEP_DEADLINE
+
+__all__ = ["Host"]
+
+MSG_BATCH = 16  # messages an agent handles per turn before the others get theirs
+THROTTLE_WINDOW = 0.1  # seconds over which an agent's CPU share is measured
+_U32 = struct.Struct("=I")
+_C = {name: i for i, name in enumerate(metrics.COUNTERS)}  # the worker's counter indices
+C_BUSY_NS, C_STEPS, C_MSGS = _C["busy_ns"], _C["agent_steps"], _C["agent_messages"]
+C_MIGRATIONS, C_THROTTLED, C_RESUMES = _C["migrations"], _C["throttled"], _C["resumes"]
+
+# what an entry is doing
+RUNNABLE, WAITING, SLEEPING, SUSPENDED, FINISHED = range(5)
+
+
+class _Entry:
+    """One agent living in this worker's heap."""
+
+    __slots__ = ("blocked", "ckpt_time", "cls", "cpu_ns", "ctx", "deadline", "events", "frame", "gen",
+                 "h", "handled", "it", "it_msg", "last_ckpt", "link", "msgs", "obj", "opts",
+                 "outbox", "pending", "queued", "ready_at", "replay", "restarts", "seen",
+                 "spawn_args", "state", "steps", "tier", "waiting", "wake_at", "want_step",
+                 "win_cpu", "win_start")
+
+    def __init__(self, h: int, link: int) -> None:
+        self.h = h
+        self.link = link
+        self.obj: Any = None
+        self.cls: Any = None
+        self.spawn_args: tuple = ((), None)
+        self.opts = AgentOptions()
+        self.tier = 1
+        self.deadline: float | None = None
+        self.gen = 0
+        self.state = RUNNABLE
+        self.want_step = True
+        self.queued = False
+        self.pending: collections.deque[int] = collections.deque()
+        self.replay = 0  # the first `replay` pending messages were handled before a restore
+        self.seen = 0  # the mailbox head value walked up to
+        self.it: Any = None  # a suspended generator (step or handler)
+        self.it_msg: tuple[int, int] | None = None  # (message, reply) of a suspended handler
+        self.waiting: Any = None
+        self.frame: Any = None  # fork-join frame of children spawned in this agent
+        self.wake_at = 0.0
+        self.ready_at = 0
+        self.outbox: collections.deque[tuple[int, int]] = collections.deque()
+        self.blocked = False
+        self.events = 0  # steps + messages since the last checkpoint
+        self.last_ckpt = 0  # D_CKPT value of our latest checkpoint
+        self.ckpt_time = time.monotonic()
+        self.steps = 0
+        self.msgs = 0
+        self.handled = 0  # messages handled in the current turn
+        self.cpu_ns = 0
+        self.win_start = 0.0
+        self.win_cpu = 0
+        self.restarts: list[float] = []
+        self.ctx: Ctx | None = None
+
+
+class CallPending(Pending):
+    """A call made by an agent: the reply arrives in record ``rh`` (K_REPLY)."""
+
+    __slots__ = ("rh",)
+
+    def __init__(self, rh: int) -> None:
+        super().__init__()
+        self.rh = rh
+
+
+class Host:
+    """The agents of one worker (created by stealer.worker.Worker)."""
+
+    def __init__(self, w: Any) -> None:
+        self.w = w
+        self.a = w.arena
+        self.r = w.r
+        self.name = w.name
+        self.who = w.who
+        self.k = w.k
+        self.dir = Directory(w.r, w.arena, w.seg.layout.offsets["agents"], w.inboxes, w.idle)
+        self.agents: dict[int, _Entry] = {}
+        self.away: dict[int, _Entry] = {}  # published for a thief; ours again if we start it
+        self.rq = RunQueue()
+        self.timers: list[tuple[float, int, _Entry]] = []
+        self.tseq = 0
+        self.blocked: list[_Entry] = []  # agents whose sends wait for room
+        self.blocking: Any = None  # thread pool of run_blocking, made on first use
+        self.current: _Entry | None = None
+        self.in_step = False
+        self.turns = 0
+        self.step_deadline_off = w.wbase + W_STEP_DEADLINE
+        self.stopping = False
+        self._alarm = False
+
+    # -- the worker loop's questions -------------------------------------------------
+    def next_timer(self) -> float | None:
+        return self.timers[0][0] if self.timers else None
+
+    def poll(self) -> None:
+        """Wake due sleepers and retry blocked sends (cheap when there are none)."""
+        if self.timers:
+            now = time.monotonic()
+            timers = self.timers
+            while timers and timers[0][0] <= now:
+                _t, _s, e = heapq.heappop(timers)
+                if e.state == SLEEPING and e.wake_at <= now:
+                    e.state = RUNNABLE
+                    e.want_step = True
+                    self.schedule(e)
+                elif e.state == WAITING and e.deadline is not None and e.deadline <= now:
+                    self.schedule(e)  # its turn fails it with DeadlineExceeded
+        if self.blocked:
+            self.flush_outboxes()
+
+    def has_work(self) -> bool:
+        return bool(self.rq.n) or (bool(self.timers) and self.timers[0][0] <= time.monotonic())
+
+    # -- adopting an agent (its record was just started by this worker) -----------------
+    def adopt(self, h: int, kind: int, link: int) -> None:
+        d = self.dir
+        d.clear_notified(h)  # before the walk (mailbox.py); a dead owner may have left it set
+        self.r.store32(d.entry(h) + D_OWNER, self.who)
+        e = self.away.pop(h, None)
+        ck = self.r.load64(d.entry(h) + D_CKPT)
+        if e is not None and e.last_ckpt == ck:  # we published it and took it back
+            e.pending.clear()
+            e.replay = 0
+            e.seen = self._ckpt_mark(ck)
+            self.agents[h] = e
+            self.take(e)
+            self.schedule(e)
+            return
+        e = _Entry(h, link)
+        self.agents[h] = e
+        e.ctx = Ctx(self, e)
+        try:
+            cls, args, kwargs, opts, deadline_at = self.a.read_call(self.a.off(h))
+            e.cls = cls
+            e.spawn_args = (args, kwargs)
+            e.opts = AgentOptions.from_worker(opts)
+            e.tier = e.opts.tier
+            e.deadline = deadline_at
+            if ck:
+                obj, gen, steps, msgs = self.a.read_call(self.a.off(ck - 1))
+                e.obj = obj
+                e.gen = gen + 1  # restored after its worker died (or moved): a new generation
+                e.steps, e.msgs = steps, msgs
+                e.last_ckpt = ck
+                mark = self._ckpt_mark(ck)
+            else:
+                mark = 0
+                e.gen = _U32.unpack_from(self.a.mm, self.a.off(h) + R_TRIES)[0]  # re-runs
+                self.w.in_body = True
+                try:
+                    e.obj = cls(*args, **kwargs) if kwargs else cls(*args)
+                finally:
+                    self.w.in_body = False
+            self.r.store32(d.entry(h) + D_GEN, e.gen)
+        except BaseException as exc:
+            e.seen = self.dir.done_mark(h)
+            self.finish(e, ST_ERROR, exc)
+            return
+        e.seen = mark
+        e.want_step = hasattr(e.obj, "step")
+        e.state = RUNNABLE if e.want_step else WAITING
+        self.take(e)
+        done = d.done_mark(h)
+        if done and done != mark:  # messages handled before a restore: replayed first
+            for i, m in enumerate(e.pending):
+                if m + 1 == done:
+                    e.replay = i + 1
+                    break
+        e.win_start = time.monotonic()
+        self.schedule(e)
+
+    def _ckpt_mark(self, ck: int) -> int:
+        if not ck:
+            return 0
+        return self.a.kind_link(self.a.off(ck - 1))[2]
+
+    # -- notifications (inbox) ----------------------------------------------------------
+    def notify(self, h: int) -> bool:
+        """An inbox entry for ``h``: new messages, a reply, a child, a stop. False if ``h``
+        is not an agent of ours."""
+        e = self.agents.get(h)
+        if e is None:
+            return False
+        self.dir.clear_notified(h)
+        self.take(e)
+        if e.state == SUSPENDED:
+            if self.ready(e):
+                self.schedule(e)
+        elif e.pending or e.outbox or self.dir.flags(h) & AF_STOP:
+            self.schedule(e)
+        return True
+
+    def take(self, e: _Entry) -> None:
+        got, e.seen = self.dir.take(e.h, e.seen)
+        if got:
+            e.pending.extend(got)
+
+    def schedule(self, e: _Entry) -> None:
+        if e.queued or e.state == FINISHED or e.blocked:
+            return
+        e.queued = True
+        e.ready_at = time.monotonic_ns()
+        self.rq.push(e, self._tier(e))
+
+    def _tier(self, e: _Entry) -> int:
+        share = e.opts.cpu_share
+        if share is not None and e.win_cpu > 0:
+            dt = time.monotonic() - e.win_start
+            if dt > 0 and e.win_cpu / 1e9 / dt > share:
+                self.w.c[C_THROTTLED] += 1
+                return 2  # over its share: demoted to bulk
+        return e.tier
+
+    # -- a turn -----------------------------------------------------------------------
+    def run_next(self) -> None:
+        e = self.rq.pop()
+        if e is None:
+            return
+        e.queued = False
+        if e.state == FINISHED:
+            return
+        self.turns += 1
+        if self.rq.n and self.w.idle.searching() | self.w.idle.parked():
+            self.publish_one()
+        if self.turns & 63 == 0:
+            self.w.flush()  # counters reach stats() while agents keep the worker busy
+            if not self.stopping and self.r.load32(H_STOP_AGENTS):
+                self.stop_all()
+        self.turn(e)
+
+    def turn(self, e: _Entry) -> None:
+        w = self.w
+        r = self.r
+        r.store64(w.cur_off, e.h + 1)
+        w.cur = (e.h, K_ROOT | F_AGENT, e.link)
+        w.frame = e.frame
+        self.current = e
+        t0 = time.monotonic_ns()
+        if w.wait_off >= 0:
+            r.hist_record(w.mbase_tier_wait[e.tier], t0 - e.ready_at)
+        e.handled = 0
+        try:
+            if self.dir.flags(e.h) & AF_STOP:
+                self.stop_entry(e)
+                return
+            if e.deadline is not None and time.monotonic() > e.deadline:
+                self.finish(e, ST_ERROR, DeadlineExceeded(
+                    f"agent {e.h:#x} missed its deadline", e.h, e.gen))
+                return
+            if e.state == SUSPENDED:
+                if not self.ready(e):
+                    return
+                self.resume(e)
+            while e.pending and e.state not in (SUSPENDED, FINISHED) and not e.blocked:
+                if e.handled >= MSG_BATCH:
+                    break
+                self.deliver(e, e.pending.popleft())
+            if e.state in (SUSPENDED, FINISHED) or e.blocked:
+                return
+            if e.want_step and e.state in (RUNNABLE, WAITING):
+                self.step(e)
+        finally:
+            self.current = None
+            w.frame = None
+            w.cur = None
+            r.store64(w.cur_off, 0)
+            dt = time.monotonic_ns() - t0
+            e.cpu_ns += dt
+            e.win_cpu += dt
+            w.c[C_BUSY_NS] += dt
+            if w.metrics_on:
+                r.hist_record(w.mbase_tier_run[e.tier], dt)
+            if e.state != FINISHED:
+                self.after_turn(e)
+
+    def after_turn(self, e: _Entry) -> None:
+        now = time.monotonic()
+        if now - e.win_start > THROTTLE_WINDOW:
+            e.win_start = now
+            e.win_cpu = 0
+        ent = self.dir.entry(e.h)
+        r = self.r
+        r.store64(ent + D_CPU_NS, e.cpu_ns)  # stats only: relaxed enough (single writer)
+        r.store32(ent + D_STEPS, e.steps & 0xFFFFFFFF)
+        r.store32(ent + D_MSGS, e.msgs & 0xFFFFFFFF)
+        if e.frame is not None and not e.frame.kids and e.state != SUSPENDED:
+            e.frame = None
+        if e.outbox:
+            if e not in self.blocked:
+                self.blocked.append(e)
+            e.blocked = True
+            return
+        if e.state == SUSPENDED:
+            return
+        if (e.events >= e.opts.checkpoint_every
+                or (e.events and now - e.ckpt_time > e.opts.checkpoint_seconds)):
+            self.checkpoint(e)
+        if e.state == SLEEPING and not e.pending:
+            self.tseq += 1
+            heapq.heappush(self.timers, (e.wake_at, self.tseq, e))
+            return
+        if e.pending or (e.want_step and e.state in (RUNNABLE, WAITING)):
+            self.schedule(e)
+        elif e.deadline is not None:
+            self.tseq += 1
+            heapq.heappush(self.timers, (e.deadline, self.tseq, e))
+
+    # -- steps ---------------------------------------------------------------------------
+    def step(self, e: _Entry) -> None:
+        w = self.w
+        e.steps += 1
+        e.events += 1
+        w.c[C_STEPS] += 1
+        st = e.opts.step_timeout
+        if st is not None:
+            self.arm(st)
+        self.in_step = True
+        w.in_body = True
+        try:
+            out = e.obj.step(e.ctx)
+        except BaseException as exc:
+            w.in_body = False
+            self.in_step = False
+            if st is not None:
+                self.disarm()
+            self.failed(e, exc)
+            return
+        w.in_body = False
+        self.in_step = False
+        if st is not None:
+            self.disarm()
+        self.outcome(e, out)
+
+    def arm(self, seconds: float) -> None:
+        if not self._alarm:
+            signal.signal(signal.SIGALRM, self._on_alarm)
+            self._alarm = True
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        # a step stuck in C ignores the signal: the client kills us past this (2x + 1 s)
+        self.r.store64(self.step_deadline_off,
+                       time.monotonic_ns() + int((2 * seconds + 1.0) * 1e9))
+
+    def disarm(self) -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        self.r.store64(self.step_deadline_off, 0)
+
+    def _on_alarm(self, signum: int, frame: Any) -> None:
+        e = self.current
+        if self.in_step and e is not None:
+            raise StepTimeout(f"a step of agent {e.h:#x} ran longer than its step_timeout "
+                              f"({e.opts.step_timeout} s)", e.h, e.gen)
+
+    def outcome(self, e: _Entry, out: Any) -> None:
+        if out is None:
+            e.state = RUNNABLE
+            e.want_step = True
+        elif type(out) is GeneratorType:
+            e.it = out
+            e.it_msg = None
+            self.drive(e, None, None)
+        elif isinstance(out, Sleep):
+            e.state = SLEEPING
+            e.want_step = False
+            e.wake_at = out.until
+        elif isinstance(out, Wait):
+            e.state = WAITING
+            e.want_step = False
+        elif isinstance(out, Done):
+            self.finish(e, ST_OK, out.value)
+        else:
+            self.failed(e, TypeError(
+                f"{type(e.obj).__qualname__}.step() must return None, ctx.sleep(s), ctx.wait() "
+                f"or ctx.done(value), not {type(out).__name__}"))
+
+    # -- messages --------------------------------------------------------------------------
+    def deliver(self, e: _Entry, m: int) -> None:
+        a = self.a
+        w = self.w
+        replay = e.replay > 0
+        if replay:
+            e.replay -= 1
+        e.handled += 1
+        try:
+            target, method, args, kwargs, reply, deadline = a.read_call(a.off(m))
+        except BaseException as exc:  # a message that does not unpickle here
+            self.handled(e, m, replay)
+            self.failed_message(e, -1, exc)
+            return
+        if target != e.h:  # pushed into a recycled slot's mailbox by a stale ref
+            self.handled(e, m, replay)
+            self.reply(reply, ST_ERROR, AgentStopped(
+                f"agent {target:#x} was stopped, finished or failed", target, 0))
+            return
+        if deadline is not None and time.monotonic() > deadline:
+            self.handled(e, m, replay)
+            self.reply(reply, ST_ERROR, DeadlineExceeded(
+                f"the call {method!r} to agent {e.h:#x} waited past its deadline", e.h, e.gen))
+            return
+        fn = None if method in ("step", "on_stop") else getattr(e.obj, method, None)
+        if fn is None or not callable(fn):
+            self.handled(e, m, replay)
+            self.reply(reply, ST_ERROR, AttributeError(
+                f"{type(e.obj).__qualname__} has no message handler {method!r} (handlers are "
+                "its public methods)"))
+            return
+        e.msgs += 1
+        e.events += 1
+        w.c[C_MSGS] += 1
+        w.in_body = True
+        try:
+            res = fn(*args, **kwargs) if kwargs else fn(*args)
+        except BaseException as exc:
+            w.in_body = False
+            self.handled(e, m, replay)
+            self.reply(reply, ST_ERROR, exc)  # the caller gets it; the agent goes on
+            return
+        w.in_body = False
+        if type(res) is GeneratorType:
+            e.it = res
+            e.it_msg = (m, -1 if replay else reply, replay)
+            self.drive(e, None, None)
+            return
+        self.handled(e, m, replay)
+        self.reply(reply, ST_OK, res)
+        if e.state == WAITING and e.want_step is False and hasattr(e.obj, "step"):
+            e.want_step = True  # ctx.wait(): step again once a message was handled
+
+    def handled(self, e: _Entry, m: int, replay: bool) -> None:
+        self.dir.mark_done(e.h, m)
+        if not replay:
+            self.dir.give_back(e.h)
+
+    def failed_message(self, e: _Entry, reply: int, exc: BaseException) -> None:
+        self.reply(reply, ST_ERROR, exc)
+
+    def reply(self, rh: int, status: int, value: Any) -> None:
+        """Store a reply in slot ``rh`` (QUEUED, made by the caller) and publish it."""
+        if rh < 0:
+            return
+        a = self.a
+        tr = a.tr
+        if tr.cas(rh, S_QUEUED, 0, S_RUNNING, self.who) is not Outcome.OK:
+            st = tr.state(rh)
+            if st is not None and st[0] == S_CANCELLED:
+                a.release(rh, S_CANCELLED, 0, self.who)  # the caller gave up on it
+            return  # stale: a replayed message whose reply was sent before
+        kind, _status, link = a.kind_link(a.off(rh))
+        self.w.report(rh, kind, link, status, value)
+
+    # -- generators ---------------------------------------------------------------------
+    def drive(self, e: _Entry, send: Any, exc: BaseException | None) -> None:
+        it = e.it
+        w = self.w
+        while True:
+            w.in_body = True
+            try:
+                y = it.throw(exc) if exc is not None else it.send(send)
+            except StopIteration as stop:
+                w.in_body = False
+                self.it_done(e, ST_OK, stop.value)
+                return
+            except BaseException as err:
+                w.in_body = False
+                self.it_done(e, ST_ERROR, err)
+                return
+            w.in_body = False
+            exc = None
+            send = None
+            if isinstance(y, Pending):
+                if y.done:
+                    send, exc = self.collect_pending(y)
+                    continue
+                e.waiting = y
+            else:
+                try:
+                    _kids, _single = children_of(y)
+                except TypeError:
+                    exc = TypeError(
+                        "an agent may yield what ref.call(), ctx.run_blocking() or "
+                        f"stealer.spawn() returned, not {type(y).__name__}")
+                    continue
+                e.waiting = y
+                e.frame = w.frame
+            e.state = SUSPENDED
+            if self.ready(e):
+                self.schedule(e)
+            return
+
+    def ready(self, e: _Entry) -> bool:
+        y = e.waiting
+        if isinstance(y, CallPending):
+            st = self.a.tr.state(y.rh)
+            return st is not None and st[0] == S_DONE
+        if isinstance(y, Pending):
+            return y.done
+        frame = e.frame
+        return frame is None or self.w.kids_done(frame)
+
+    def collect_pending(self, y: Pending) -> tuple[Any, BaseException | None]:
+        if isinstance(y, CallPending):
+            a = self.a
+            off = a.off(y.rh)
+            status = a.kind_link(off)[1]
+            try:
+                status, value = result_value(status, a.take(off))
+            except BaseException as exc:
+                status, value = ST_ERROR, (exc, "")
+            a.free(y.rh)
+            y.done = True
+            if status == ST_OK:
+                return value, None
+            return None, with_remote_tb(value)
+        return (y.value, None) if y.exc is None else (None, y.exc)
+
+    def resume(self, e: _Entry) -> None:
+        y = e.waiting
+        e.waiting = None
+        e.state = RUNNABLE
+        w = self.w
+        w.c[C_RESUMES] += 1
+        if isinstance(y, Pending):
+            send, exc = self.collect_pending(y)
+        else:
+            frame = e.frame
+            kids, single = children_of(y)
+            frame.waiting = (kids, single)
+            send, exc = w.collect(frame)
+        self.drive(e, send, exc)
+
+    def it_done(self, e: _Entry, status: int, value: Any) -> None:
+        """A generator step or handler finished."""
+        e.it = None
+        msg = e.it_msg
+        e.it_msg = None
+        if e.state == SUSPENDED:
+            e.state = RUNNABLE
+        if msg is None:  # a step
+            if status == ST_OK:
+                self.outcome(e, value)
+            else:
+                self.failed(e, value)
+            return
+        m, reply, replay = msg
+        self.handled(e, m, replay)
+        self.reply(reply, status, value)
+
+    # -- sends and calls from inside a worker ------------------------------------------
+    def send(self, h: int, method: str, args: tuple, kwargs: dict, block: bool,
+             timeout: float | None) -> None:
+        data, bufs = encode_message(h, method, args, kwargs, -1, None)
+        self._send(h, data, bufs, block)
+
+    def _send(self, h: int, data: bytes, bufs: list, block: bool) -> None:
+        a = self.a
+        st = a.tr.state(h)
+        if st is None or st[0] == S_DONE:
+            raise AgentStopped(f"agent {h:#x} was stopped, finished or failed", h)
+        m = self.alloc()
+        off = a.setup(m, K_MSG, 0, time.monotonic_ns())
+        a.put(off, data, bufs)
+        e = self.current
+        if e is not None:
+            if e.outbox or not self.dir.reserve(h):
+                if not block and not e.outbox:
+                    a.free(m)
+                    raise MailboxFull(f"the mailbox of agent {h:#x} is full", h)
+                e.outbox.append((h, m))  # sent when there is room; this agent waits for it
+                return
+        else:
+            while not self.dir.reserve(h):  # a plain task: wait here (it has no turn to yield)
+                if not block:
+                    a.free(m)
+                    raise MailboxFull(f"the mailbox of agent {h:#x} is full", h)
+                time.sleep(0.0005)
+        self.deliver_to(h, m)
+
+    def deliver_to(self, h: int, m: int) -> None:
+        if not self.dir.push(h, m):
+            self.a.free(m)  # closed: the agent is gone (the send is dropped, as to a dead pid)
+            return
+        self.dir.notify(h, self.k)
+
+    def flush_outboxes(self) -> None:
+        still = []
+        for e in self.blocked:
+            ob = e.outbox
+            while ob:
+                h, m = ob[0]
+                st = self.a.tr.state(h)
+                if st is None or st[0] == S_DONE:
+                    ob.popleft()
+                    self.a.free(m)
+                    continue
+                if not self.dir.reserve(h):
+                    break
+                ob.popleft()
+                self.deliver_to(h, m)
+            if ob:
+                still.append(e)
+            else:
+                e.blocked = False
+                if e.state != FINISHED:
+                    self.after_turn(e)
+        self.blocked = still
+
+    def call(self, h: int, method: str, args: tuple, kwargs: dict,
+             deadline: float | None) -> CallPending:
+        e = self.current
+        if e is None:
+            raise NotInTaskError("ref.call() on a worker must be made from inside an agent "
+                                 "(and yielded); a plain task can ref.send()")
+        a = self.a
+        rh = self.alloc()
+        a.setup(rh, K_REPLY, e.h, time.monotonic_ns())  # QUEUED on no queue: the reply slot
+        data, bufs = encode_message(h, method, args, kwargs, rh, deadline)
+        try:
+            self._send(h, data, bufs, True)
+        except AgentStopped as exc:
+            a.free(rh)
+            p = CallPending(-1)
+            p.done, p.exc = True, exc
+            return p
+        return CallPending(rh)
+
+    def stop(self, h: int) -> None:
+        from stealer._layout import D_FLAGS
+
+        if self.a.tr.state(h) is None:
+            return
+        self.r.or64(self.dir.entry(h) + D_FLAGS, AF_STOP)
+        self.dir.notify(h, self.k)
+
+    def future(self, h: int) -> Any:
+        raise NotInTaskError("ref.result() is for the client; inside an agent, call() the "
+                             "agent and yield the reply")
+
+    def alloc(self) -> int:
+        a = self.a
+        h = a.alloc()
+        delay = 0.0001
+        while h < 0:  # every record in use: wait for one (the client frees results)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+            h = a.alloc()
+        return h
+
+    def spawn_agent(self, cls: type, args: tuple, options: dict) -> AgentRef:
+        opts = dict(options)
+        retries = opts.pop("retries", 3)
+        ao = AgentOptions.parse(opts)
+        deadline_at = None if ao.deadline is None else time.monotonic() + ao.deadline
+        data, bufs = serialize.dumps((cls, args, None, ao.to_worker(), deadline_at),
+                                     f"agent {getattr(cls, '__qualname__', cls)!r}")
+        a = self.a
+        h = self.alloc()
+        off = a.setup(h, K_ROOT | F_AGENT, AGENT_FID | h, time.monotonic_ns(), retries)
+        a.put(off, data, bufs)
+        self.dir.init(h, ao.mailbox)
+        w = self.w
+        if not w.deque.push(h):
+            w.push_any(h)
+        a.notify_one()
+        return AgentRef(h, self.name, self)
+
+    def run_blocking(self, fn: Any, args: tuple, kwargs: dict) -> Pending:
+        e = self.current
+        if e is None:
+            raise NotInTaskError("ctx.run_blocking() is for agents")
+        if self.blocking is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.blocking = ThreadPoolExecutor(4, thread_name_prefix="stealer-blocking")
+        p = Pending()
+        h = e.h
+        inbox = self.w.inbox
+        idle = self.w.idle
+        k = self.k
+
+        def done(f: Any) -> None:
+            exc = f.exception()
+            if exc is None:
+                p.value = f.result()
+            else:
+                p.exc = exc
+            p.done = True
+            while not inbox.push(h):  # our own inbox: the loop wakes and resumes the agent
+                time.sleep(0.0001)
+            idle.notify_worker(k)
+
+        self.blocking.submit(fn, *args, **kwargs).add_done_callback(done)
+        return p
+
+    # -- leaving -------------------------------------------------------------------------
+    def stop_entry(self, e: _Entry) -> None:
+        """ref.stop(): the final value is ``on_stop()`` (None if the agent has none)."""
+        fn = getattr(e.obj, "on_stop", None)
+        if fn is None:
+            self.finish(e, ST_OK, None)
+            return
+        self.w.in_body = True
+        try:
+            value = fn()
+        except BaseException as exc:
+            self.w.in_body = False
+            self.finish(e, ST_ERROR, exc)
+            return
+        self.w.in_body = False
+        self.finish(e, ST_OK, value)
+
+    def failed(self, e: _Entry, exc: BaseException) -> None:
+        """A step raised: restart by policy (OTP's restart intensity), else fail."""
+        o = e.opts
+        if o.restart == "on-failure":
+            now = time.monotonic()
+            e.restarts = [t for t in e.restarts if now - t < o.restart_window]
+            if len(e.restarts) < o.max_restarts:
+                e.restarts.append(now)
+                args, kwargs = e.spawn_args
+                try:
+                    self.w.in_body = True
+                    try:
+                        obj = e.cls(*args, **kwargs) if kwargs else e.cls(*args)
+                    finally:
+                        self.w.in_body = False
+                except BaseException as exc2:
+                    self.finish(e, ST_ERROR, exc2)
+                    return
+                e.obj = obj
+                e.gen += 1
+                self.r.store32(self.dir.entry(e.h) + D_GEN, e.gen)
+                e.it = None
+                e.waiting = None
+                e.state = RUNNABLE
+                e.want_step = hasattr(obj, "step")
+                if not e.want_step:
+                    e.state = WAITING
+                print(f"stealer: agent {e.h:#x} ({type(obj).__qualname__}) failed with "
+                      f"{type(exc).__name__}: {exc}; restarted (generation {e.gen})",
+                      file=sys.stderr)
+                return
+        self.finish(e, ST_ERROR, exc)
+
+    def finish(self, e: _Entry, status: int, value: Any) -> None:
+        """The agent is done (or stopped, or failed for good): close, drain, publish."""
+        a = self.a
+        d = self.dir
+        h = e.h
+        e.state = FINISHED
+        self.agents.pop(h, None)
+        head = d.close(h)
+        # Unhandled messages: the pending ones and any pushed since our last walk.
+        new = d.older(head, e.seen) if head else []
+        stopped = AgentStopped(f"agent {h:#x} ({type(e.obj).__qualname__}) stopped before "
+                               "handling this message", h, e.gen)
+        for m in list(e.pending) + new:
+            try:
+                msg = a.read_call(a.off(m))
+                self.reply(msg[4], ST_ERROR, stopped)
+            except BaseException:
+                pass
+        if e.it_msg is not None:
+            self.reply(e.it_msg[1], ST_ERROR, stopped)
+        for _h, m in e.outbox:
+            a.free(m)
+        e.outbox.clear()
+        if e in self.blocked:
+            self.blocked.remove(e)
+        # Free the whole chain (handled or not) and the checkpoint.
+        ck = self.r.load64(d.entry(h) + D_CKPT)
+        stop_at = self._ckpt_mark(ck)
+        for m in d.older(head, stop_at):
+            a.free(m)
+        if ck:
+            self.r.store64(d.entry(h) + D_CKPT, 0)
+            a.free(ck - 1)
+        if e.frame is not None and e.frame.kids:
+            for kh in list(e.frame.kids):
+                if a.tr.state(kh) is not None and a.tr.state(kh)[0] == S_DONE:
+                    a.free(kh)
+        self.w.report(h, K_ROOT | F_AGENT, e.link, status, value)
+
+    # -- checkpoints and migration ---------------------------------------------------------
+    def checkpoint(self, e: _Entry) -> bool:
+        """Pickle the agent's state into a fresh K_CKPT record and switch D_CKPT to it; then
+        free the previous checkpoint and the messages the new one covers."""
+        e.events = 0
+        if e.state in (SUSPENDED, FINISHED) or e.it is not None or (e.frame and e.frame.kids):
+            return False
+        d = self.dir
+        a = self.a
+        try:
+            data, bufs = serialize.dumps((e.obj, e.gen, e.steps, e.msgs), "agent state")
+        except BaseException as exc:
+            e.opts = _replace(e.opts, checkpoint_every=1 << 30, checkpoint_seconds=1e12)
+            print(f"stealer: agent {e.h:#x} ({type(e.obj).__qualname__}) cannot be "
+                  f"checkpointed or moved: {exc}", file=sys.stderr)
+            return False
+        ch = a.alloc()
+        if ch < 0:
+            return False
+        mark = d.done_mark(e.h)
+        off = a.setup(ch, K_CKPT, mark, time.monotonic_ns())
+        a.put(off, data, bufs)
+        ent = d.entry(e.h)
+        old = self.r.load64(ent + D_CKPT)
+        old_mark = self._ckpt_mark(old)
+        self.r.store64(ent + D_CKPT, ch + 1)  # release: the checkpoint is complete before
+        e.last_ckpt = ch + 1
+        e.ckpt_time = time.monotonic()
+        if old:
+            a.free(old - 1)
+        if mark and mark != old_mark:
+            for m in d.older(mark, old_mark):
+                a.free(m)
+        return True
+
+    def publish_one(self) -> None:
+        """A peer is idle and we have more runnable agents than this turn: publish one."""
+        e = self.rq.candidate()
+        if e is None or e.frame is not None or e.outbox or e.it is not None:
+            return
+        if not self.checkpoint(e):
+            return
+        self.rq.remove(e)
+        e.queued = False
+        h = e.h
+        self.agents.pop(h, None)
+        self.away[h] = e
+        if len(self.away) > 64:
+            self._prune_away()
+        self.r.store32(self.dir.entry(h) + D_OWNER, 0)
+        if self.a.tr.cas(h, S_RUNNING, self.who, S_QUEUED, 0) is not Outcome.OK:
+            raise WorkerCrashedError(f"agent {h:#x}: its record left RUNNING|{self.who}")
+        w = self.w
+        w.c[C_MIGRATIONS] += 1
+        if not w.deque.push(h):
+            w.push_any(h)
+        self.a.notify_one()
+
+    def _prune_away(self) -> None:
+        tr = self.a.tr
+        for h in list(self.away):
+            st = tr.state(h)
+            if st is None or st[0] != S_QUEUED:
+                del self.away[h]
+
+    def stop_all(self) -> None:
+        """Shutdown: every agent here stops at its next step boundary."""
+        self.stopping = True
+        from stealer._layout import D_FLAGS
+
+        for h, e in list(self.agents.items()):
+            self.r.or64(self.dir.entry(h) + D_FLAGS, AF_STOP)
+            self.schedule(e)
+
+    @property
+    def live(self) -> int:
+        return len(self.agents)
+
+    def describe(self) -> str:
+        return ", ".join(f"{h:#x}:{TIER_NAMES[e.tier]}" for h, e in self.agents.items())
+
+
+def _replace(opts: AgentOptions, **kw: Any) -> AgentOptions:
+    import dataclasses
+
+    return dataclasses.replace(opts, **kw)
+
+

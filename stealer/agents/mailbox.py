@@ -1,0 +1,203 @@
+"""Agent mailboxes: the directory entry of each agent in shared memory.
+
+An agent *is* a record (kind ``K_ROOT | F_AGENT``): its handle is the agent
+id, its state word says where it lives (RUNNING|k: in worker k's heap;
+QUEUED: on a queue, migrating or not started yet; DONE: finished).  The
+directory has one entry (DIR_BYTES, layout in stealer/_layout.py) per
+record slot; the entry of an agent is its record's slot.
+
+The mailbox is a lock-free multi-producer stack of message records (kind
+K_MSG), linked newest to oldest through R_NEXT, with its head in D_HEAD.
+Senders push with one CAS; nobody ever pops.  The owner *walks* from the
+head down to the newest message it has already seen, and reverses: FIFO
+per sender, since a sender's pushes are ordered by its own CASes.  Messages
+stay in the chain after they are handled, until a checkpoint covers them
+(its record names the newest message whose effect it contains, the *mark*;
+the owner then frees the mark and everything older).  So after a worker
+dies, the agent restarts from its latest checkpoint and replays the chain
+above the mark: every message accepted by a send or call is applied
+(D_DONE tells which of them had been handled before, so only the others
+give back their mailbox slot).
+
+Closing (the agent finished or was stopped): the owner CASes D_HEAD to
+CLOSED; a sender's push then fails and it raises AgentStopped.
+
+Notification (as tokio's NOTIFIED bit): after pushing, a sender sets
+AF_NOTIFIED; the one that set it first reads the agent's state word and,
+if it is RUNNING|k, pushes the agent's handle onto worker k's inbox and
+wakes k.  A starting worker (QUEUED -> RUNNING) and an owner taking a
+notification clear the bit *before* walking the chain, so a push is either
+seen by the walk or followed by a fresh notification (all seq_cst).
+
+Backpressure: D_COUNT counts messages accepted and not yet handled; a
+sender reserves a slot (add32) before it pushes and gives it back if that
+overshot D_CAP.  The owner gives slots back as it handles messages and
+futex-wakes blocked client senders when the count falls from the cap.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from typing import Any
+
+from stealer._layout import (
+    AF_NOTIFIED,
+    D_CAP,
+    D_COUNT,
+    D_DONE,
+    D_FLAGS,
+    D_HEAD,
+    DIR_BYTES,
+    GEN_MASK,
+    R_NEXT,
+    S_RUNNING,
+    STATE_MASK,
+    STATE_SHIFT,
+    WHO_SHIFT,
+)
+
+__all__ = ["CLOSED", "Directory"]
+
+CLOSED = (1 << 64) - 1  # D_HEAD of a closed mailbox
+_U64 = struct.Struct("=Q")
+
+
+class Directory:
+    """The agent directory of one segment (usable from the client and from workers)."""
+
+    def __init__(self, region: Any, arena: Any, base: int, inboxes: list, idle: Any) -> None:
+        self.r = region
+        self.a = arena
+        self.mm = arena.mm
+        self.base = base
+        self.inboxes = inboxes
+        self.idle = idle
+
+    def entry(self, h: int) -> int:
+        """Byte offset of agent ``h``'s directory entry."""
+        return self.base + DIR_BYTES * (h & 0xFFFFFFFF)
+
+    def init(self, h: int, capacity: int) -> None:
+        """Spawner: a fresh entry for agent ``h`` (before its record is pushed; the push
+        publishes these stores)."""
+        e = self.entry(h)
+        self.mm[e : e + DIR_BYTES] = bytes(DIR_BYTES)
+        self.r.store32(e + D_CAP, capacity)
+
+    # -- senders ----------------------------------------------------------------
+    def reserve(self, h: int) -> bool:
+        """Take one mailbox slot of agent ``h``; False if the mailbox is full."""
+        e = self.entry(h)
+        cap = self.r.load32(e + D_CAP)
+        # seq_cst RMW: pairs with the owner's add32 in give_back
+        if self.r.add32(e + D_COUNT, 1) >= cap:
+            self.r.add32(e + D_COUNT, -1)  # overshot: give it back (the owner never sees it)
+            return False
+        return True
+
+    def count(self, h: int) -> tuple[int, int]:
+        """(messages waiting, capacity) of agent ``h``'s mailbox."""
+        e = self.entry(h)
+        return self.r.load32(e + D_COUNT), self.r.load32(e + D_CAP)
+
+    def wait_room(self, h: int, timeout: float) -> None:
+        """Client: sleep until the count of ``h`` may have dropped (or ``timeout``)."""
+        e = self.entry(h)
+        c = self.r.load32(e + D_COUNT)
+        if c >= self.r.load32(e + D_CAP):
+            self.r.futex_wait(e + D_COUNT, c, timeout)  # woken by give_back
+
+    def push(self, h: int, m: int) -> bool:
+        """Push message record ``m`` onto agent ``h``'s mailbox; False if it is closed."""
+        e = self.entry(h)
+        r = self.r
+        moff = self.a.off(m)
+        while True:
+            old = r.load64(e + D_HEAD)  # acquire: pairs with other senders' CAS
+            if old == CLOSED:
+                return False
+            _U64.pack_into(self.mm, moff + R_NEXT, old)  # ours until the CAS publishes it
+            # seq_cst CAS: publishes the message and its link; pairs with the owner's
+            # load of D_HEAD in take() and its closing CAS
+            if r.cas64(e + D_HEAD, old, m + 1):
+                return True
+
+    def notify(self, h: int, me: int = -1) -> None:
+        """After a push (or a stop): make sure agent ``h``'s owner looks at it."""
+        r = self.r
+        # seq_cst RMW: pairs with the owner's and64 that clears it before its walk
+        if r.or64(self.entry(h) + D_FLAGS, AF_NOTIFIED) & AF_NOTIFIED:
+            return  # a notification is already on its way
+        w = r.load64(self.a.off(h))  # the agent's state word (seq_cst after the or64)
+        if w & GEN_MASK != h >> 32 or (w >> STATE_SHIFT) & STATE_MASK != S_RUNNING:
+            return  # gone, or QUEUED: whoever starts it walks the mailbox after its start CAS
+        owner = (w >> WHO_SHIFT) - 1
+        if not 0 <= owner < len(self.inboxes):
+            return
+        while not self.inboxes[owner].push(h):  # one notification per agent at a time
+            time.sleep(0.0001)
+        if owner != me:
+            self.idle.notify_worker(owner)
+
+    # -- the owner ----------------------------------------------------------------
+    def clear_notified(self, h: int) -> None:
+        self.r.and64(self.entry(h) + D_FLAGS, ~AF_NOTIFIED & CLOSED)  # seq_cst: see notify
+
+    def flags(self, h: int) -> int:
+        return self.r.load64(self.entry(h) + D_FLAGS)
+
+    def take(self, h: int, seen: int) -> tuple[list[int], int]:
+        """Messages pushed since ``seen`` (a head value), oldest first, and the new head."""
+        head = self.r.load64(self.entry(h) + D_HEAD)  # acquire: pairs with push's CAS
+        if head in (seen, CLOSED):
+            return [], seen
+        out = []
+        v = head
+        mm = self.mm
+        off = self.a.off
+        while v and v != seen:
+            m = v - 1
+            out.append(m)
+            v = _U64.unpack_from(mm, off(m) + R_NEXT)[0]
+        out.reverse()
+        return out, head
+
+    def older(self, mark: int, stop: int) -> list[int]:
+        """Message handles from ``mark`` (a handle + 1) down to, not including, ``stop``."""
+        out = []
+        v = mark
+        mm = self.mm
+        off = self.a.off
+        while v and v != stop:
+            m = v - 1
+            out.append(m)
+            v = _U64.unpack_from(mm, off(m) + R_NEXT)[0]
+        return out
+
+    def mark_done(self, h: int, m: int) -> None:
+        """Owner: message ``m`` is handled (release: read by a recoverer after our death)."""
+        self.r.store64(self.entry(h) + D_DONE, m + 1)
+
+    def done_mark(self, h: int) -> int:
+        return self.r.load64(self.entry(h) + D_DONE)
+
+    def give_back(self, h: int, n: int = 1) -> None:
+        """Owner: ``n`` messages handled; wake blocked client senders if it was full."""
+        e = self.entry(h)
+        # seq_cst RMW: pairs with the senders' reserve
+        old = self.r.add32(e + D_COUNT, -n)
+        if old >= self.r.load32(e + D_CAP):
+            self.r.futex_wake(e + D_COUNT, 1 << 30)
+
+    def close(self, h: int) -> int:
+        """Owner: no more messages; returns the last head (the chain to drain)."""
+        e = self.entry(h)
+        r = self.r
+        while True:
+            old = r.load64(e + D_HEAD)
+            if old == CLOSED:
+                return 0
+            if r.cas64(e + D_HEAD, old, CLOSED):  # seq_cst: pairs with push's CAS
+                r.futex_wake(e + D_COUNT, 1 << 30)  # blocked senders see it closed
+                return old

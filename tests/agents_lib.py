@@ -1,0 +1,242 @@
+"""Agent classes for the agent tests (importable by spawn-started workers)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+import stealer
+
+
+def busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+class Counter(stealer.Agent):
+    """Message-only: add/get; records every (sender, seq) it saw."""
+
+    def __init__(self, start: int = 0, delay: float = 0.0) -> None:
+        self.n = start
+        self.delay = delay
+        self.seen: list[tuple[Any, int]] = []
+
+    def add(self, k: int) -> int:
+        if self.delay:
+            busy(self.delay)
+        self.n += k
+        return self.n
+
+    def note(self, sender: Any, seq: int) -> None:
+        if self.delay:
+            busy(self.delay)
+        self.seen.append((sender, seq))
+
+    def get(self) -> int:
+        return self.n
+
+    def log(self) -> list:
+        return self.seen
+
+    def boom(self) -> None:
+        raise ValueError("boom in a handler")
+
+    def on_stop(self) -> str:
+        return f"stopped at {self.n}"
+
+
+class Stepper(stealer.Agent):
+    """Self-driven: ``steps`` steps of ``work`` seconds; its state is a counter and an array."""
+
+    def __init__(self, steps: int, work: float = 0.0, size: int = 1000) -> None:
+        self.left = steps
+        self.count = 0
+        self.arr = np.zeros(size)
+        self.work = work
+        self.got = 0
+
+    def step(self, ctx: stealer.Ctx) -> Any:
+        if not np.all(self.arr == self.count):
+            raise AssertionError(f"state corrupted: arr != {self.count}")
+        if self.work:
+            busy(self.work)
+        self.count += 1
+        self.arr += 1
+        self.left -= 1
+        if self.left <= 0:
+            return ctx.done((self.count, float(self.arr.sum()), self.got))
+        return None
+
+    def poke(self, k: int) -> None:
+        self.got += k
+
+
+class Sleeper(stealer.Agent):
+    def __init__(self) -> None:
+        self.phase = 0
+
+    def step(self, ctx: stealer.Ctx) -> Any:
+        self.phase += 1
+        if self.phase == 1:
+            return ctx.sleep(0.05)
+        if self.phase == 2:
+            return ctx.wait()
+        return ctx.done(self.phase)
+
+    def ping(self) -> str:
+        return "pong"
+
+
+class Caller(stealer.Agent):
+    """Calls another agent from its step (yield) and adds the replies."""
+
+    def __init__(self, other: stealer.AgentRef, n: int) -> None:
+        self.other = other
+        self.n = n
+        self.total = 0
+
+    def step(self, ctx: stealer.Ctx) -> Any:
+        for i in range(self.n):
+            self.total = yield self.other.call("add", i)
+        return ctx.done(self.total)
+
+
+class Relay(stealer.Agent):
+    """A handler that calls another agent (a generator handler)."""
+
+    def __init__(self, other: stealer.AgentRef) -> None:
+        self.other = other
+
+    def relay(self, k: int) -> Any:
+        v = yield self.other.call("add", k)
+        return v * 10
+
+
+class Flaky(stealer.Agent):
+    instances = 0
+
+    def __init__(self, fail_at: int) -> None:
+        self.fail_at = fail_at
+        self.count = 0
+
+    def step(self, ctx: stealer.Ctx) -> Any:
+        self.count += 1
+        if self.count == self.fail_at:
+            raise RuntimeError(f"flaky at {self.count} (generation {ctx.generation})")
+        if self.count >= self.fail_at + 3:
+            return ctx.done((self.count, ctx.generation))
+        return None
+
+
+class Looper(stealer.Agent):
+    """A step that never returns by itself (a Python loop)."""
+
+    def step(self, ctx: stealer.Ctx) -> Any:
+        while True:
+            pass
+
+
+class Hog(stealer.Agent):
+    """Steps of ``work`` seconds forever; counts them."""
+
+    def __init__(self, work: float) -> None:
+        self.work = work
+        self.steps = 0
+
+    def step(self, ctx: stealer.Ctx) -> Any:
+        busy(self.work)
+        self.steps += 1
+        return None
+
+    def count(self) -> int:
+        return self.steps
+
+    def on_stop(self) -> int:
+        return self.steps
+
+
+class Quick(stealer.Agent):
+    """A light agent answering calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def hit(self, t_sent: float) -> float:
+        self.calls += 1
+        busy(0.0002)
+        return time.monotonic() - t_sent
+
+
+class Blocker(stealer.Agent):
+    """Waits for a blocking call off the CPU path while returning its result."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def step(self, ctx: stealer.Ctx) -> Any:
+        t0 = time.monotonic()
+        v = yield ctx.run_blocking(_sleep_and_return, self.seconds, "slept")
+        return ctx.done((v, time.monotonic() - t0, time.monotonic()))
+
+
+def _sleep_and_return(seconds: float, value: Any) -> Any:
+    time.sleep(seconds)
+    return value
+
+
+class Finisher(stealer.Agent):
+    """Steps ``n`` times (``work`` each), then reports the time it finished."""
+
+    def __init__(self, n: int, work: float) -> None:
+        self.n = n
+        self.work = work
+
+    def step(self, ctx: stealer.Ctx) -> Any:
+        busy(self.work)
+        self.n -= 1
+        if self.n <= 0:
+            return ctx.done(time.monotonic())
+        return None
+
+
+class Forker(stealer.Agent):
+    """A step that forks children with stealer.spawn and joins them by yield."""
+
+    def step(self, ctx: stealer.Ctx) -> Any:
+        kids = [stealer.spawn(_square, i) for i in range(10)]
+        vals = yield kids
+        return ctx.done(sum(vals))
+
+
+def _square(x: int) -> int:
+    return x * x
+
+
+class Spawner(stealer.Agent):
+    """Spawns child agents from its step and collects their replies."""
+
+    def step(self, ctx: stealer.Ctx) -> Any:
+        refs = [ctx.spawn_agent(Counter, i) for i in range(5)]
+        total = 0
+        for r in refs:
+            total += yield r.call("add", 1)
+        for r in refs:
+            r.stop()
+        return ctx.done(total)
+
+
+class Unpicklable(stealer.Agent):
+    def __init__(self) -> None:
+        import threading
+
+        self.lock = threading.Lock()
+        self.n = 0
+
+    def step(self, ctx: stealer.Ctx) -> Any:
+        self.n += 1
+        if self.n >= 100:
+            return ctx.done(self.n)
+        return None

@@ -27,6 +27,7 @@ from typing import Any
 from stealer import failpoints as FP
 from stealer import liveness, serialize
 from stealer._layout import (
+    F_AGENT,
     F_RBUFFERS,
     K_MASK,
     K_REPLY,
@@ -40,9 +41,18 @@ from stealer._layout import (
 )
 from stealer._queues import impl as _default_queues
 from stealer.arena import Arena
-from stealer.errors import BrokenExecutor, RemoteTraceback, SerializationError, WorkerCrashedError
+from stealer.errors import (
+    AgentError,
+    AgentStopped,
+    BrokenExecutor,
+    RemoteTraceback,
+    SerializationError,
+    StepTimeout,
+    WorkerCrashedError,
+)
 from stealer.futures import _Future
 from stealer.idle import NOTIFIED, Idle
+from stealer.records import Outcome
 from stealer.recovery import Recovery, ping_parent
 from stealer.shm import (
     H_CLIENT_PARK,
@@ -207,6 +217,7 @@ class _Pool:
         self.incarnations = [0] * n
         self.early_deaths = [0] * n
         self.crashes = 0
+        self.step_killed: dict[int, int] = {}  # worker -> agent killed for a stuck step
         self.stray = 0  # completions that found no pending future (must stay 0)
         self.closed = False
         for k in range(n):
@@ -338,6 +349,13 @@ class _Pool:
             ping_parent(a, self.inboxes, self.idle, parent)
         for h in rec.held_by(who, (S_FREEING,)):
             a.free(h)  # a release it began (payload fields are zeroed before they are dropped)
+        # An agent whose step ignored its step_timeout: we killed the worker for it; it
+        # fails with StepTimeout (running it again would get stuck again).
+        stuck = self.step_killed.pop(k, None)
+        if stuck is not None and a.tr.take_over(stuck, S_RUNNING, who, 0) is Outcome.OK:
+            rec.fail(stuck, StepTimeout(
+                f"a step of agent {stuck:#x} ignored its step_timeout (stuck in C code?); "
+                f"its worker was killed and replaced", stuck), self.complete_failed_root)
         # Tasks it was running, and fork-join frames it held.
         for state in (S_RUNNING, S_RECOVERING):  # RECOVERING: it died recovering another's
             for h in rec.held_by(who, (state,)):
@@ -355,12 +373,16 @@ class _Pool:
     def complete_failed_root(self, h: int, status: int, value: Any) -> None:
         """Recovery gave up on root task ``h`` (claimed by us): fail its future, free it."""
         a = self.arena
-        fid = a.kind_link(a.off(h))[2]
+        kind, _st, fid = a.kind_link(a.off(h))
+        exc, _tb = value
+        if kind & F_AGENT:
+            self.agents.abandon(h, AgentStopped(
+                f"agent {h:#x} failed: {exc}", h) if not isinstance(exc, AgentError) else exc)
         a.free(h)
         f = self.futures.pop(fid, None)
         if f is not None:
-            exc, _tb = value
-            exc = WorkerCrashedError(f"{exc} The task was {f._st_name}.")
+            if not isinstance(exc, AgentError):
+                exc = WorkerCrashedError(f"{exc} The task was {f._st_name}.")
             self.resolve(f, status, (exc, ""))
         else:
             self.agents.settle(fid, status, value)  # an agent nobody asked about yet
@@ -555,6 +577,9 @@ class _Pool:
                       "step_timeout (stuck in C code?); killing the worker, its agents "
                       "restart from their checkpoints", file=sys.stderr)
                 r.store64(self.layout.worker(k) + W_STEP_DEADLINE, 0)
+                cur = r.load64(self.layout.worker(k) + W_CURRENT)
+                if cur:
+                    self.step_killed[k] = cur - 1  # recover() fails it with StepTimeout
                 p.kill()
 
     def check_open(self) -> None:

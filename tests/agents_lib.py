@@ -240,3 +240,12 @@ class Unpicklable(stealer.Agent):
         if self.n >= 100:
             return ctx.done(self.n)
         return None
+
+
+class StuckInC(stealer.Agent):
+    """A step stuck in C code: sum() over a huge iterator never checks for signals."""
+
+    def step(self, ctx: stealer.Ctx) -> Any:
+        import itertools
+
+        return ctx.done(sum(itertools.repeat(1, 10**11)))

@@ -80,3 +80,37 @@ def test_numpy_state_checkpoint_roundtrip_shapes():
         ref.stop()
         ref.result(T)
     assert np.float32  # (numpy is a dependency of the agents' state in these tests)
+
+
+@pytest.mark.kills_workers
+def test_step_stuck_in_c_gets_its_worker_killed_and_fails_with_step_timeout():
+    with stealer.Executor(2) as ex:
+        ok = ex.spawn_agent(L.Counter, 0, checkpoint_every=1)
+        ok.call("add", 1).result(T)
+        ref = ex.spawn_agent(L.StuckInC, step_timeout=0.1)
+        with pytest.raises(stealer.StepTimeout, match="ignored its step_timeout") as ei:
+            ref.result(T)
+        assert ei.value.agent_id == ref.id
+        assert ok.call("add", 1).result(T) == 2  # the other agents go on
+        assert ex.submit(sum, [1, 2]).result(T) == 3
+
+
+@pytest.mark.kills_workers
+def test_agent_out_of_retries_fails_its_waiting_calls_instead_of_hanging():
+    with stealer.Executor(1) as ex:
+        ref = ex.spawn_agent(L.Counter, 0, 0.05, retries=0)
+        ref.call("add", 1).result(T)
+        futs = [ref.call("add", 1) for _ in range(20)]  # ~1 s of work queued
+        time.sleep(0.1)
+        os.kill(ex.worker_pids()[0], signal.SIGKILL)
+        with pytest.raises(stealer.WorkerCrashedError):
+            ref.result(T)
+        outcomes = []
+        for f in futs:
+            try:
+                outcomes.append(f.result(T))
+            except stealer.AgentStopped:
+                outcomes.append("stopped")
+        assert "stopped" in outcomes  # the ones still queued were failed, none hangs
+        with pytest.raises(stealer.AgentStopped):
+            ref.send("add", 1)

@@ -70,12 +70,13 @@ def test_missing_extension_falls_back_with_one_warning():
 
 
 def test_executor_suites_on_the_reference_queues():
-    """The executor, lifecycle and fork-join suites again, on the pure-Python queues (less
+    """The executor, lifecycle, fork-join and agents suites again, on the pure-Python queues (less
     the tests that SIGKILL workers from outside: one lock guards every operation there, so
     a worker killed holding it stops the executor, with a clear error, by design)."""
     env = dict(os.environ, STEALER_NO_EXTENSIONS="1")
     suites = [os.path.join(HERE, f) for f in
-              ("test_executor.py", "test_lifecycle.py", "test_forkjoin.py")]
+              ("test_executor.py", "test_lifecycle.py", "test_forkjoin.py", "test_agents.py",
+               "test_agents_faults.py")]
     r = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:randomly", "-m", "not kills_workers",
          "-W", "ignore::RuntimeWarning", *suites],

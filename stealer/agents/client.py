@@ -16,12 +16,25 @@ import weakref
 from typing import Any
 
 from stealer import serialize
-from stealer._layout import F_AGENT, K_MSG, K_ROOT, S_DONE
+from stealer._layout import (
+    D_CKPT,
+    F_AGENT,
+    K_MASK,
+    K_MSG,
+    K_REPLY,
+    K_ROOT,
+    S_CANCELLED,
+    S_DONE,
+    S_QUEUED,
+    S_RECOVERING,
+    ST_ERROR,
+)
 from stealer.agents.api import AgentRef, _clients
 from stealer.agents.mailbox import CLOSED, Directory
 from stealer.agents.options import AgentOptions
 from stealer.errors import AgentStopped, MailboxFull, StealerError
 from stealer.futures import _Future
+from stealer.records import Outcome
 
 __all__ = ["AgentClient", "AGENT_FID", "lookup", "encode_message"]
 
@@ -226,6 +239,57 @@ class AgentClient:
         except (AgentStopped, MailboxFull, ValueError, StealerError) as exc:
             f.set_exception(exc)
         return f
+
+    # -- agents that failed outside their worker ---------------------------------------
+    def abandon(self, h: int, exc: BaseException) -> None:
+        """Agent ``h`` failed for good outside its worker (its worker died more often than
+        ``retries`` allows, or was killed for a step stuck past its step_timeout): close
+        its mailbox, fail the calls waiting there with ``exc``, free its messages and its
+        checkpoint.  The caller then publishes the agent's own failure."""
+        a = self.a
+        d = self.dir
+        r = self.pool.region
+        head = d.close(h)
+        ent = d.entry(h)
+        ck = r.load64(ent + D_CKPT)
+        mark = a.kind_link(a.off(ck - 1))[2] if ck else 0
+        for m in d.older(head, mark) if head else []:
+            try:
+                reply = a.read_call(a.off(m))[4]
+            except BaseException:
+                reply = -1
+            if reply >= 0:
+                self.fail_reply(reply, exc)  # a handled call's slot is gone: the CAS fails
+            a.free(m)
+        if ck:
+            r.store64(ent + D_CKPT, 0)
+            a.free(ck - 1)
+
+    def fail_reply(self, rh: int, exc: BaseException) -> None:
+        """The client answers reply slot ``rh`` (still QUEUED) with ``exc``."""
+        a = self.a
+        tr = a.tr
+        st = tr.state(rh)
+        if st is None:
+            return
+        kind, _status, link = a.kind_link(a.off(rh))
+        if st[0] == S_CANCELLED:
+            a.release(rh, S_CANCELLED, 0, 0)
+            return
+        if kind & K_MASK == K_ROOT:  # a client's call: its future, here
+            if a.release(rh, S_QUEUED, 0, 0) is Outcome.OK:
+                f = self.pool.futures.pop(link, None)
+                if f is not None:
+                    self.pool.resolve(f, ST_ERROR, (exc, ""))
+            return
+        if kind & K_MASK == K_REPLY and tr.cas(rh, S_QUEUED, 0, S_RECOVERING, 0) is Outcome.OK:
+            data, bufs = serialize.dumps((exc, ""))
+            off = a.off(rh)
+            a.put_result(off, data, bufs)
+            a.set_status(off, ST_ERROR)
+            tr.fail(rh, 0)  # RECOVERING|0 -> DONE|0; seq_cst releases the result
+            d = self.dir
+            d.notify(link)  # the calling agent collects it
 
     def stop(self, h: int) -> None:
         from stealer._layout import AF_STOP, D_FLAGS

@@ -44,6 +44,7 @@ from stealer._layout import (
     AF_STOP,
     D_CKPT,
     D_CPU_NS,
+    D_FLAGS,
     D_GEN,
     D_MSGS,
     D_OWNER,
@@ -83,6 +84,7 @@ from stealer.shm import H_STOP_AGENTS, W_STEP_DEADLINE
 __all__ = ["Host"]
 
 MSG_BATCH = 16  # messages an agent handles per turn before the others get theirs
+FLUSH_NS = 50_000_000  # publish the worker's counters at least this often while agents run
 THROTTLE_WINDOW = 0.1  # seconds over which an agent's CPU share is measured
 _U32 = struct.Struct("=I")
 _C = {name: i for i, name in enumerate(metrics.COUNTERS)}  # the worker's counter indices
@@ -115,7 +117,8 @@ class _Entry:
         self.state = RUNNABLE
         self.want_step = True
         self.queued = False
-        self.pending: collections.deque[int] = collections.deque()
+        # made on first use: a million idle agents hold no deques (see Host.take, _send)
+        self.pending: collections.deque[int] | None = None
         self.replay = 0  # the first `replay` pending messages were handled before a restore
         self.seen = 0  # the mailbox head value walked up to
         self.it: Any = None  # a suspended generator (step or handler)
@@ -124,7 +127,7 @@ class _Entry:
         self.frame: Any = None  # fork-join frame of children spawned in this agent
         self.wake_at = 0.0
         self.ready_at = 0
-        self.outbox: collections.deque[tuple[int, int]] = collections.deque()
+        self.outbox: collections.deque[tuple[int, int]] | None = None
         self.blocked = False
         self.events = 0  # steps + messages since the last checkpoint
         self.last_ckpt = 0  # D_CKPT value of our latest checkpoint
@@ -135,8 +138,8 @@ class _Entry:
         self.cpu_ns = 0
         self.win_start = 0.0
         self.win_cpu = 0
-        self.restarts: list[float] = []
-        self.ctx: Ctx | None = None
+        self.restarts: list[float] | None = None
+        self.ctx: Ctx | None = None  # made at the first step or handler
 
 
 class CallPending(Pending):
@@ -173,6 +176,8 @@ class Host:
         self.step_deadline_off = w.wbase + W_STEP_DEADLINE
         self.stopping = False
         self._alarm = False
+        self.opts_cache: dict[tuple, AgentOptions] = {}
+        self.flushed = 0  # monotonic ns of the last counter flush
 
     # -- the worker loop's questions -------------------------------------------------
     def next_timer(self) -> float | None:
@@ -201,11 +206,13 @@ class Host:
     def adopt(self, h: int, kind: int, link: int) -> None:
         d = self.dir
         d.clear_notified(h)  # before the walk (mailbox.py); a dead owner may have left it set
+        if self.stopping:  # shutting down: it stops at its first turn here
+            self.r.or64(d.entry(h) + D_FLAGS, AF_STOP)
         self.r.store32(d.entry(h) + D_OWNER, self.who)
         e = self.away.pop(h, None)
         ck = self.r.load64(d.entry(h) + D_CKPT)
         if e is not None and e.last_ckpt == ck:  # we published it and took it back
-            e.pending.clear()
+            e.pending = None
             e.replay = 0
             e.seen = self._ckpt_mark(ck)
             self.agents[h] = e
@@ -214,12 +221,11 @@ class Host:
             return
         e = _Entry(h, link)
         self.agents[h] = e
-        e.ctx = Ctx(self, e)
         try:
             cls, args, kwargs, opts, deadline_at = self.a.read_call(self.a.off(h))
             e.cls = cls
             e.spawn_args = (args, kwargs)
-            e.opts = AgentOptions.from_worker(opts)
+            e.opts = self.options(opts)
             e.tier = e.opts.tier
             e.deadline = deadline_at
             if ck:
@@ -247,7 +253,7 @@ class Host:
         e.state = RUNNABLE if e.want_step else WAITING
         self.take(e)
         done = d.done_mark(h)
-        if done and done != mark:  # messages handled before a restore: replayed first
+        if done and done != mark and e.pending:  # handled before a restore: replayed first
             for i, m in enumerate(e.pending):
                 if m + 1 == done:
                     e.replay = i + 1
@@ -259,6 +265,19 @@ class Host:
         if not ck:
             return 0
         return self.a.kind_link(self.a.off(ck - 1))[2]
+
+    def new_ctx(self, e: _Entry) -> Ctx:
+        e.ctx = Ctx(self, e)
+        return e.ctx
+
+    def options(self, t: tuple) -> AgentOptions:
+        """One shared (frozen) AgentOptions per distinct option tuple."""
+        o = self.opts_cache.get(t)
+        if o is None:
+            if len(self.opts_cache) > 1024:
+                self.opts_cache.clear()
+            o = self.opts_cache[t] = AgentOptions.from_worker(t)
+        return o
 
     # -- notifications (inbox) ----------------------------------------------------------
     def notify(self, h: int) -> bool:
@@ -279,7 +298,10 @@ class Host:
     def take(self, e: _Entry) -> None:
         got, e.seen = self.dir.take(e.h, e.seen)
         if got:
-            e.pending.extend(got)
+            if e.pending is None:
+                e.pending = collections.deque(got)
+            else:
+                e.pending.extend(got)
 
     def schedule(self, e: _Entry) -> None:
         if e.queued or e.state == FINISHED or e.blocked:
@@ -309,9 +331,10 @@ class Host:
         if self.rq.n and self.w.idle.searching() | self.w.idle.parked():
             self.publish_one()
         if self.turns & 63 == 0:
-            self.w.flush()  # counters reach stats() while agents keep the worker busy
             if not self.stopping and self.r.load32(H_STOP_AGENTS):
                 self.stop_all()
+            if self.turns & 1023 == 0 and self.w.client.gone():
+                self.w.orphaned()  # our client died while agents kept us busy: exit
         self.turn(e)
 
     def turn(self, e: _Entry) -> None:
@@ -356,6 +379,9 @@ class Host:
             w.c[C_BUSY_NS] += dt
             if w.metrics_on:
                 r.hist_record(w.mbase_tier_run[e.tier], dt)
+                if t0 - self.flushed > FLUSH_NS:
+                    self.flushed = t0
+                    w.flush()  # counters reach stats() while agents keep the worker busy
             if e.state != FINISHED:
                 self.after_turn(e)
 
@@ -403,7 +429,7 @@ class Host:
         self.in_step = True
         w.in_body = True
         try:
-            out = e.obj.step(e.ctx)
+            out = e.obj.step(e.ctx or self.new_ctx(e))
         except BaseException as exc:
             w.in_body = False
             self.in_step = False
@@ -650,6 +676,8 @@ class Host:
                 if not block and not e.outbox:
                     a.free(m)
                     raise MailboxFull(f"the mailbox of agent {h:#x} is full", h)
+                if e.outbox is None:
+                    e.outbox = collections.deque()
                 e.outbox.append((h, m))  # sent when there is room; this agent waits for it
                 return
         else:
@@ -709,8 +737,6 @@ class Host:
         return CallPending(rh)
 
     def stop(self, h: int) -> None:
-        from stealer._layout import D_FLAGS
-
         if self.a.tr.state(h) is None:
             return
         self.r.or64(self.dir.entry(h) + D_FLAGS, AF_STOP)
@@ -798,7 +824,7 @@ class Host:
         o = e.opts
         if o.restart == "on-failure":
             now = time.monotonic()
-            e.restarts = [t for t in e.restarts if now - t < o.restart_window]
+            e.restarts = [t for t in e.restarts or () if now - t < o.restart_window]
             if len(e.restarts) < o.max_restarts:
                 e.restarts.append(now)
                 args, kwargs = e.spawn_args
@@ -838,7 +864,7 @@ class Host:
         new = d.older(head, e.seen) if head else []
         stopped = AgentStopped(f"agent {h:#x} ({type(e.obj).__qualname__}) stopped before "
                                "handling this message", h, e.gen)
-        for m in list(e.pending) + new:
+        for m in list(e.pending or ()) + new:
             try:
                 msg = a.read_call(a.off(m))
                 self.reply(msg[4], ST_ERROR, stopped)
@@ -846,9 +872,9 @@ class Host:
                 pass
         if e.it_msg is not None:
             self.reply(e.it_msg[1], ST_ERROR, stopped)
-        for _h, m in e.outbox:
+        for _h, m in e.outbox or ():
             a.free(m)
-        e.outbox.clear()
+        e.outbox = None
         if e in self.blocked:
             self.blocked.remove(e)
         # Free the whole chain (handled or not) and the checkpoint.
@@ -933,8 +959,6 @@ class Host:
     def stop_all(self) -> None:
         """Shutdown: every agent here stops at its next step boundary."""
         self.stopping = True
-        from stealer._layout import D_FLAGS
-
         for h, e in list(self.agents.items()):
             self.r.or64(self.dir.entry(h) + D_FLAGS, AF_STOP)
             self.schedule(e)

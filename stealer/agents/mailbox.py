@@ -152,14 +152,7 @@ class Directory:
         head = self.r.load64(self.entry(h) + D_HEAD)  # acquire: pairs with push's CAS
         if head in (seen, CLOSED):
             return [], seen
-        out = []
-        v = head
-        mm = self.mm
-        off = self.a.off
-        while v and v != seen:
-            m = v - 1
-            out.append(m)
-            v = _U64.unpack_from(mm, off(m) + R_NEXT)[0]
+        out = self.older(head, seen)
         out.reverse()
         return out, head
 

@@ -14,7 +14,26 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from stealer import metrics
+from stealer._layout import (
+    D_COUNT,
+    D_CPU_NS,
+    D_GEN,
+    D_STEPS,
+    DIR_BYTES,
+    F_AGENT,
+    GEN_MASK,
+    K_MASK,
+    K_ROOT,
+    R_KIND,
+    RECORD_BYTES,
+    S_QUEUED,
+    S_RUNNING,
+    STATE_MASK,
+    STATE_SHIFT,
+)
 from stealer.shm import (
     H_CREATED_NS,
     SHM_DIR,
@@ -27,7 +46,7 @@ from stealer.shm import (
     client_pid,
 )
 
-__all__ = ["Stats", "WorkerStats", "collect", "executor_gone"]
+__all__ = ["AgentStats", "Stats", "WorkerStats", "collect", "executor_gone"]
 
 STATE_NAMES = ("starting", "ready", "exiting", "retired", "init-failed")
 
@@ -45,6 +64,19 @@ class WorkerStats:
 
 
 @dataclass
+class AgentStats:
+    """One live agent, as its owner last published it (stealer/agents/host.py)."""
+
+    id: int
+    worker: int | None  # index of the worker holding it (None: moving, or not started)
+    generation: int
+    cpu_ms: float  # CPU time of its steps and handlers so far
+    steps: int
+    messages: int
+    mailbox: int  # messages waiting
+
+
+@dataclass
 class Stats:
     """One snapshot: per-worker counters and queue depths, latency histograms per tier."""
 
@@ -55,6 +87,8 @@ class Stats:
     injector_depth: int
     latency: dict[str, dict[str, metrics.Histogram]]  # tier -> {"wait"|"run": Histogram}
     client: dict[str, int] = field(default_factory=dict)  # backlog, pending, crashes (client only)
+    agents_live: int = 0  # agents started and not finished
+    busiest_agents: list[AgentStats] = field(default_factory=list)  # by CPU time, top first
 
     def totals(self) -> dict[str, int]:
         """Counters summed over workers."""
@@ -76,7 +110,44 @@ class Stats:
             "workers": [w.__dict__ for w in self.workers],
             "latency": {tier: {k: h.summary_ms() for k, h in kinds.items()}
                         for tier, kinds in self.latency.items()},
+            "agents_live": self.agents_live,
+            "busiest_agents": [a.__dict__ for a in self.busiest_agents],
         }
+
+
+def agent_stats(seg: Segment, top: int = 10) -> tuple[int, list[AgentStats]]:
+    """(live agents, the ``top`` busiest by CPU time): one scan of records and directory."""
+    L = seg.layout
+    n = L.records
+    mm = seg.mm
+    recs = np.frombuffer(mm, np.uint64, n * (RECORD_BYTES // 8),
+                         L.offsets["records"]).reshape(n, RECORD_BYTES // 8)
+    word0 = recs[:, 0].copy()  # racy reads of single words: a snapshot, never torn
+    kind = recs[:, R_KIND // 8] & np.uint64(0xFFFFFFFF)
+    st = (word0 >> np.uint64(STATE_SHIFT)) & np.uint64(STATE_MASK)
+    live = ((kind & np.uint64(F_AGENT | K_MASK)) == np.uint64(F_AGENT | K_ROOT)) & (
+        (st == np.uint64(S_RUNNING)) | (st == np.uint64(S_QUEUED)))
+    idx = np.nonzero(live)[0]
+    if not len(idx):
+        return 0, []
+    d = np.frombuffer(mm, np.uint64, n * (DIR_BYTES // 8),
+                      L.offsets["agents"]).reshape(n, DIR_BYTES // 8)[idx]
+    cpu = d[:, D_CPU_NS // 8]
+    order = np.argsort(-cpu.astype(np.int64), kind="stable")[:top]
+    out = []
+    for j in order:
+        i = int(idx[j])
+        w0 = int(word0[i])
+        gen_owner = int(d[j, D_GEN // 8])
+        steps_msgs = int(d[j, D_STEPS // 8])
+        count_cap = int(d[j, D_COUNT // 8])
+        owner = gen_owner >> 32
+        out.append(AgentStats(
+            id=((w0 & GEN_MASK) << 32) | i, worker=owner - 1 if owner else None,
+            generation=gen_owner & 0xFFFFFFFF, cpu_ms=int(cpu[j]) / 1e6,
+            steps=steps_msgs & 0xFFFFFFFF, messages=steps_msgs >> 32,
+            mailbox=count_cap & 0xFFFFFFFF))
+    return len(idx), out
 
 
 def collect(seg: Segment, queues: Any | None = None) -> Stats:
@@ -114,8 +185,11 @@ def collect(seg: Segment, queues: Any | None = None) -> Stats:
         for t in range(metrics.TIERS)
         if any(h.total for h in tiers[t])
     }
+    agents_live, busiest = agent_stats(seg)
     return Stats(
         id=seg.name,
+        agents_live=agents_live,
+        busiest_agents=busiest,
         time=now,
         uptime_s=max(0.0, now - created) if created else 0.0,
         workers=workers,

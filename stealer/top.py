@@ -11,6 +11,8 @@ process of the same user can map it read-side and take snapshots with
 * one row per worker: pid, CPU, state, whether a task runs on it now, deque
   and inbox depths, and steps/s, steals/s, parks/s and busy % over the last
   interval (since the start for the first frame), with a totals row;
+* live agents, their steps, messages, migrations and throttled turns, and the
+  busiest agents by CPU time (worker, generation, steps, messages, mailbox);
 * queue wait and run time per tier (p50/p99/p99.9/max in ms) over the last
   interval (cumulative for the first frame);
 * the busiest workers of the interval.
@@ -276,6 +278,20 @@ def render(prev: Stats | None, cur: Stats, width: int = 100) -> str:
     for w, d in ranked:
         lines.append(f"  worker {w.index:<4} pid {w.pid or '-':<8} busy {busy_pct(d['busy_ns']):>5}%"
                      f"   {_fmt_int(d['tasks'])} steps   {_fmt_int(d['steals'])} steals")
+    if cur.agents_live or cur.busiest_agents:
+        lines.append("")
+        lines.append(f"agents: {_fmt_int(cur.agents_live)} live   "
+                     f"{_fmt_int(totals['agent_steps'])} steps   "
+                     f"{_fmt_int(totals['agent_messages'])} messages   "
+                     f"{_fmt_int(totals['migrations'])} migrations   "
+                     f"{_fmt_int(totals['throttled'])} throttled turns")
+        lines.append(f"busiest agents (CPU since start)   {'worker':>6} {'gen':>4} "
+                     f"{'cpu ms':>10} {'steps':>9} {'msgs':>9} {'mailbox':>7}")
+        for ag in cur.busiest_agents:
+            where = "-" if ag.worker is None else str(ag.worker)
+            lines.append(f"  agent {ag.id:#018x}           {where:>6} {ag.generation:>4} "
+                         f"{ag.cpu_ms:>10.1f} {_fmt_int(ag.steps):>9} "
+                         f"{_fmt_int(ag.messages):>9} {ag.mailbox:>7}")
     return "\n".join(line[:width].rstrip() for line in lines) + "\n"
 
 

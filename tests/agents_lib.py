@@ -249,3 +249,20 @@ class StuckInC(stealer.Agent):
         import itertools
 
         return ctx.done(sum(itertools.repeat(1, 10**11)))
+
+
+class GenReporter(stealer.Agent):
+    """Steps ``n`` times; reports the generations it saw."""
+
+    def __init__(self, n: int, work: float) -> None:
+        self.n = n
+        self.work = work
+        self.gens: set[int] = set()
+
+    def step(self, ctx: stealer.Ctx) -> Any:
+        self.gens.add(ctx.generation)
+        busy(self.work)
+        self.n -= 1
+        if self.n <= 0:
+            return ctx.done(sorted(self.gens))
+        return None

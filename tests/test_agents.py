@@ -292,3 +292,25 @@ def test_shutdown_stops_agents():
         counter = ex.spawn_agent(L.Counter, 7)
     assert [isinstance(h.result(T), int) for h in hogs] == [True] * 3
     assert counter.result(T) == "stopped at 7"
+
+
+def test_stats_and_top_show_agents(ex):
+    from stealer import top
+
+    busy = ex.spawn_agent(L.Hog, 0.002)
+    idle = ex.spawn_agent(L.Counter, 0)
+    idle.call("add", 1).result(T)
+    time.sleep(0.2)
+    st = ex.stats()
+    assert st.agents_live >= 2
+    assert st.busiest_agents[0].id == busy.id and st.busiest_agents[0].steps > 0
+    assert st.busiest_agents[0].cpu_ms > 0
+    ids = {a.id: a for a in st.busiest_agents}
+    assert ids[idle.id].messages == 1 and ids[idle.id].worker in (0, 1)
+    assert st.totals()["agent_steps"] > 0
+    frame = top.render(None, st, width=200)
+    assert "busiest agents" in frame and f"{busy.id:#018x}" in frame
+    assert st.as_dict()["busiest_agents"][0]["id"] == busy.id
+    for r in (busy, idle):
+        r.stop()
+        r.result(T)

@@ -114,3 +114,14 @@ def test_agent_out_of_retries_fails_its_waiting_calls_instead_of_hanging():
         assert "stopped" in outcomes  # the ones still queued were failed, none hangs
         with pytest.raises(stealer.AgentStopped):
             ref.send("add", 1)
+
+
+def test_migration_keeps_the_generation():
+    with stealer.Executor(2) as ex:
+        for _attempt in range(3):
+            refs = [ex.spawn_agent(L.GenReporter, 20, 0.001, checkpoint_every=2)
+                    for _ in range(40)]
+            assert [r.result(T) for r in refs] == [[0]] * 40
+            if ex.stats().totals()["migrations"]:
+                break
+        assert ex.stats().totals()["migrations"] > 0

@@ -229,15 +229,16 @@ class Host:
             e.tier = e.opts.tier
             e.deadline = deadline_at
             if ck:
-                obj, gen, steps, msgs = self.a.read_call(self.a.off(ck - 1))
+                obj, gen, steps, msgs, tries = self.a.read_call(self.a.off(ck - 1))
                 e.obj = obj
-                e.gen = gen + 1  # restored after its worker died (or moved): a new generation
+                # a new generation per worker death since the checkpoint, not per move
+                e.gen = gen + self.tries(h) - tries
                 e.steps, e.msgs = steps, msgs
                 e.last_ckpt = ck
                 mark = self._ckpt_mark(ck)
             else:
                 mark = 0
-                e.gen = _U32.unpack_from(self.a.mm, self.a.off(h) + R_TRIES)[0]  # re-runs
+                e.gen = self.tries(h)  # re-run from the spawn after worker deaths
                 self.w.in_body = True
                 try:
                     e.obj = cls(*args, **kwargs) if kwargs else cls(*args)
@@ -265,6 +266,10 @@ class Host:
         if not ck:
             return 0
         return self.a.kind_link(self.a.off(ck - 1))[2]
+
+    def tries(self, h: int) -> int:
+        """Times the agent's record was re-queued after a worker death (R_TRIES)."""
+        return _U32.unpack_from(self.a.mm, self.a.off(h) + R_TRIES)[0]
 
     def new_ctx(self, e: _Entry) -> Ctx:
         e.ctx = Ctx(self, e)
@@ -901,7 +906,8 @@ class Host:
         d = self.dir
         a = self.a
         try:
-            data, bufs = serialize.dumps((e.obj, e.gen, e.steps, e.msgs), "agent state")
+            data, bufs = serialize.dumps((e.obj, e.gen, e.steps, e.msgs, self.tries(e.h)),
+                                         "agent state")
         except BaseException as exc:
             e.opts = _replace(e.opts, checkpoint_every=1 << 30, checkpoint_seconds=1e12)
             print(f"stealer: agent {e.h:#x} ({type(e.obj).__qualname__}) cannot be "

@@ -175,6 +175,7 @@ class AgentClient:
     def _deliver(self, h: int, m: int) -> None:
         if not self.dir.push(h, m):
             self.a.free(m)
+            self.dir.give_back(h)  # the slot reserved for it
             raise AgentStopped(f"agent {h:#x} was stopped, finished or failed before the "
                                "message arrived", h)
         self.dir.notify(h)

@@ -696,6 +696,7 @@ class Host:
     def deliver_to(self, h: int, m: int) -> None:
         if not self.dir.push(h, m):
             self.a.free(m)  # closed: the agent is gone (the send is dropped, as to a dead pid)
+            self.dir.give_back(h)
             return
         self.dir.notify(h, self.k)
 

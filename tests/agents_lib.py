@@ -266,3 +266,13 @@ class GenReporter(stealer.Agent):
         if self.n <= 0:
             return ctx.done(sorted(self.gens))
         return None
+
+
+class LockedCounter(Counter):
+    """A counter whose state holds a lock: it cannot be pickled."""
+
+    def __init__(self, start: int = 0) -> None:
+        import threading
+
+        super().__init__(start)
+        self.lock = threading.Lock()

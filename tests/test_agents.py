@@ -314,3 +314,14 @@ def test_stats_and_top_show_agents(ex):
     for r in (busy, idle):
         r.stop()
         r.result(T)
+
+
+def test_unpicklable_agent_frees_its_handled_messages():
+    # a stateless checkpoint covers the handled messages: 2,000 messages through 256 records
+    with stealer.Executor(1, records=256) as ex:
+        ref = ex.spawn_agent(L.LockedCounter, 0, checkpoint_every=16)
+        for _ in range(2000):
+            ref.send("add", 1)
+        assert ref.call("get").result(T) == 2000
+        ref.stop()
+        assert ref.result(T) == "stopped at 2000"

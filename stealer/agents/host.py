@@ -100,7 +100,7 @@ class _Entry:
 
     __slots__ = ("blocked", "ckpt_time", "cls", "cpu_ns", "ctx", "deadline", "events", "frame", "gen",
                  "h", "handled", "it", "it_msg", "last_ckpt", "link", "msgs", "obj", "opts",
-                 "outbox", "pending", "queued", "ready_at", "replay", "restarts", "seen",
+                 "outbox", "pending", "pinned", "queued", "ready_at", "replay", "restarts", "seen",
                  "spawn_args", "state", "steps", "tier", "waiting", "wake_at", "want_step",
                  "win_cpu", "win_start")
 
@@ -129,6 +129,7 @@ class _Entry:
         self.ready_at = 0
         self.outbox: collections.deque[tuple[int, int]] | None = None
         self.blocked = False
+        self.pinned = False  # its state does not pickle: it never moves
         self.events = 0  # steps + messages since the last checkpoint
         self.last_ckpt = 0  # D_CKPT value of our latest checkpoint
         self.ckpt_time = time.monotonic()
@@ -228,16 +229,17 @@ class Host:
             e.opts = self.options(opts)
             e.tier = e.opts.tier
             e.deadline = deadline_at
-            if ck:
-                obj, gen, steps, msgs, tries = self.a.read_call(self.a.off(ck - 1))
+            saved = self.a.read_call(self.a.off(ck - 1)) if ck else None
+            if saved is not None:
+                obj, gen, steps, msgs, tries = saved
                 e.obj = obj
                 # a new generation per worker death since the checkpoint, not per move
                 e.gen = gen + self.tries(h) - tries
                 e.steps, e.msgs = steps, msgs
                 e.last_ckpt = ck
                 mark = self._ckpt_mark(ck)
-            else:
-                mark = 0
+            else:  # from the spawn (the messages a stateless checkpoint covered are gone)
+                mark = self._ckpt_mark(ck)
                 e.gen = self.tries(h)  # re-run from the spawn after worker deaths
                 self.w.in_body = True
                 try:
@@ -906,14 +908,17 @@ class Host:
             return False
         d = self.dir
         a = self.a
-        try:
-            data, bufs = serialize.dumps((e.obj, e.gen, e.steps, e.msgs, self.tries(e.h)),
-                                         "agent state")
-        except BaseException as exc:
-            e.opts = _replace(e.opts, checkpoint_every=1 << 30, checkpoint_seconds=1e12)
-            print(f"stealer: agent {e.h:#x} ({type(e.obj).__qualname__}) cannot be "
-                  f"checkpointed or moved: {exc}", file=sys.stderr)
-            return False
+        state: Any = None  # None: the state does not pickle; a restore starts from the spawn
+        if not e.pinned:
+            try:
+                state = serialize.dumps((e.obj, e.gen, e.steps, e.msgs, self.tries(e.h)),
+                                        "agent state")
+            except BaseException as exc:
+                e.pinned = True
+                print(f"stealer: agent {e.h:#x} ({type(e.obj).__qualname__}) cannot be "
+                      f"pickled, so it never moves and a worker death restarts it from its "
+                      f"spawn arguments: {exc}", file=sys.stderr)
+        data, bufs = state if state is not None else serialize.dumps(None)
         ch = a.alloc()
         if ch < 0:
             return False
@@ -931,12 +936,12 @@ class Host:
         if mark and mark != old_mark:
             for m in d.older(mark, old_mark):
                 a.free(m)
-        return True
+        return state is not None
 
     def publish_one(self) -> None:
         """A peer is idle and we have more runnable agents than this turn: publish one."""
         e = self.rq.candidate()
-        if e is None or e.frame is not None or e.outbox or e.it is not None:
+        if (e is None or e.frame is not None or e.outbox or e.it is not None or e.pinned):
             return
         if not self.checkpoint(e):
             return
@@ -976,11 +981,5 @@ class Host:
 
     def describe(self) -> str:
         return ", ".join(f"{h:#x}:{TIER_NAMES[e.tier]}" for h, e in self.agents.items())
-
-
-def _replace(opts: AgentOptions, **kw: Any) -> AgentOptions:
-    import dataclasses
-
-    return dataclasses.replace(opts, **kw)
 
 

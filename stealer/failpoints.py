@@ -37,6 +37,16 @@ POINTS = {
     "worker.after_resume": "a frame was resumed from a ping, before it runs",
     "worker.in_collect": "a frame is collecting (freeing) its children's records",
     "recovery.after_take_over": "a recoverer claimed a dead worker's task, before re-run/fail",
+    # agents (stealer/agents/host.py)
+    "agent.adopt": "an agent record was started here, before its mailbox is walked",
+    "agent.after_step": "an agent step returned, before its outcome is applied",
+    "agent.after_handler": "a message handler returned, before the message is marked done",
+    "agent.after_mark_done": "a message is marked done, before its mailbox slot is given back",
+    "agent.ckpt_before_switch": "a checkpoint record is written, before D_CKPT points to it",
+    "agent.ckpt_after_switch": "D_CKPT switched, before the old checkpoint and messages are freed",
+    "agent.migrate_after_ckpt": "a migrating agent is checkpointed, before RUNNING -> QUEUED",
+    "agent.migrate_after_cas": "a migrating agent is QUEUED (leased), before its push",
+    "agent.finish_after_close": "a finishing agent's mailbox is closed, before calls are failed",
     # client side
     "client.result_thread": "the result thread, each loop",
     "client.after_drain": "worker death handling, after draining its completion ring",

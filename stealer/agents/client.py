@@ -114,9 +114,9 @@ class AgentClient:
         h = self.alloc("a new agent")
         a = self.a
         try:
+            self.dir.init(h, opts.mailbox)  # before the record is QUEUED
             off = a.setup(h, K_ROOT | F_AGENT, AGENT_FID | h, time.monotonic_ns(), retries)
             a.put(off, data, bufs)
-            self.dir.init(h, opts.mailbox)
         except BaseException:
             a.free(h)
             raise

@@ -39,6 +39,7 @@ import time
 from types import GeneratorType
 from typing import Any
 
+from stealer import failpoints as FP
 from stealer import metrics, serialize
 from stealer._layout import (
     AF_STOP,
@@ -206,6 +207,8 @@ class Host:
     # -- adopting an agent (its record was just started by this worker) -----------------
     def adopt(self, h: int, kind: int, link: int) -> None:
         d = self.dir
+        if FP.ON:
+            FP.hit("agent.adopt")
         d.clear_notified(h)  # before the walk (mailbox.py); a dead owner may have left it set
         if self.stopping:  # shutting down: it stops at its first turn here
             self.r.or64(d.entry(h) + D_FLAGS, AF_STOP)
@@ -448,6 +451,8 @@ class Host:
         self.in_step = False
         if st is not None:
             self.disarm()
+        if FP.ON:
+            FP.hit("agent.after_step")
         self.outcome(e, out)
 
     def arm(self, seconds: float) -> None:
@@ -545,7 +550,11 @@ class Host:
             e.want_step = True  # ctx.wait(): step again once a message was handled
 
     def handled(self, e: _Entry, m: int, replay: bool) -> None:
+        if FP.ON:
+            FP.hit("agent.after_handler")
         self.dir.mark_done(e.h, m)
+        if FP.ON:
+            FP.hit("agent.after_mark_done")
         if not replay:
             self.dir.give_back(e.h)
 
@@ -773,10 +782,11 @@ class Host:
                                      f"agent {getattr(cls, '__qualname__', cls)!r}")
         a = self.a
         h = self.alloc()
+        w = self.w
+        self.dir.init(h, ao.mailbox)  # before the record is QUEUED (a recoverer may push it)
+        self.r.store64(w.lease_off, h + 1)  # leased: killed before the push, it is pushed again
         off = a.setup(h, K_ROOT | F_AGENT, AGENT_FID | h, time.monotonic_ns(), retries)
         a.put(off, data, bufs)
-        self.dir.init(h, ao.mailbox)
-        w = self.w
         if not w.deque.push(h):
             w.push_any(h)
         a.notify_one()
@@ -868,6 +878,8 @@ class Host:
         e.state = FINISHED
         self.agents.pop(h, None)
         head = d.close(h)
+        if FP.ON:
+            FP.hit("agent.finish_after_close")
         # Unhandled messages: the pending ones and any pushed since our last walk.
         new = d.older(head, e.seen) if head else []
         stopped = AgentStopped(f"agent {h:#x} ({type(e.obj).__qualname__}) stopped before "
@@ -928,7 +940,11 @@ class Host:
         ent = d.entry(e.h)
         old = self.r.load64(ent + D_CKPT)
         old_mark = self._ckpt_mark(old)
+        if FP.ON:
+            FP.hit("agent.ckpt_before_switch")
         self.r.store64(ent + D_CKPT, ch + 1)  # release: the checkpoint is complete before
+        if FP.ON:
+            FP.hit("agent.ckpt_after_switch")
         e.last_ckpt = ch + 1
         e.ckpt_time = time.monotonic()
         if old:
@@ -953,9 +969,14 @@ class Host:
         if len(self.away) > 64:
             self._prune_away()
         self.r.store32(self.dir.entry(h) + D_OWNER, 0)
+        w = self.w
+        if FP.ON:
+            FP.hit("agent.migrate_after_ckpt")
+        self.r.store64(w.lease_off, h + 1)  # leased: killed before the push, it is pushed again
         if self.a.tr.cas(h, S_RUNNING, self.who, S_QUEUED, 0) is not Outcome.OK:
             raise WorkerCrashedError(f"agent {h:#x}: its record left RUNNING|{self.who}")
-        w = self.w
+        if FP.ON:
+            FP.hit("agent.migrate_after_cas")
         w.c[C_MIGRATIONS] += 1
         if not w.deque.push(h):
             w.push_any(h)

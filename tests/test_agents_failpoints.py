@@ -1,0 +1,56 @@
+"""Every agent failpoint armed in turn (SIGKILL once, mid-run): every agent still reaches
+the final state of a run without the crash, every call is answered, nothing hangs.
+
+The load: a slow agent that keeps one worker busy (so the other runs out of work and its
+peer publishes agents for it: migrations), 24 self-driven agents whose state is a counter
+and a numpy array, checkpointed every 3 events and poked with messages, counters taking
+sends and calls, and agents stopped at the end.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import stealer
+from stealer import failpoints
+from tests import agents_lib as L
+
+AGENT_POINTS = [p for p in failpoints.POINTS if p.startswith("agent.")]
+T = 90
+
+
+def _load(ex: stealer.Executor) -> None:
+    slow = ex.spawn_agent(L.Stepper, 6, 0.03, 10, checkpoint_every=2)
+    steppers = [ex.spawn_agent(L.Stepper, 16, 0.002, 200, tier="bulk", checkpoint_every=3)
+                for _ in range(24)]
+    counters = [ex.spawn_agent(L.Counter, 0, checkpoint_every=3) for _ in range(4)]
+    calls = []
+    for _round in range(4):
+        for s in steppers:
+            s.send("poke", 1)
+        for c in counters:
+            c.send("add", 1)
+            calls.append(c.call("add", 0))
+    assert slow.result(T) == (6, 60.0, 0)
+    assert [s.result(T) for s in steppers] == [(16, 16.0 * 200, 4)] * 24
+    for f in calls:
+        assert 1 <= f.result(T) <= 4
+    assert [c.call("get").result(T) for c in counters] == [4] * 4
+    for c in counters:
+        c.stop()
+    assert [c.result(T) for c in counters] == ["stopped at 4"] * 4
+
+
+@pytest.mark.kills_workers
+@pytest.mark.parametrize("point", AGENT_POINTS)
+def test_worker_killed_at_agent_failpoint(monkeypatch, tmp_path, point):
+    monkeypatch.setenv("STEALER_FAILPOINTS", f"{point}=kill@2!once")
+    monkeypatch.setenv("STEALER_FAILPOINTS_DIR", str(tmp_path))
+    with stealer.Executor(2) as ex:
+        _load(ex)
+        assert os.path.exists(tmp_path / point), f"{point} was never reached"
+        assert ex._pool.crashes >= 1
+        assert ex.stats().client["stray_completions"] == 0
+        _load(ex)  # still usable

@@ -80,13 +80,13 @@ from stealer.errors import (
 )
 from stealer.forkjoin import children_of
 from stealer.records import Outcome
-from stealer.shm import H_STOP_AGENTS, W_STEP_DEADLINE
+from stealer.shm import H_PARKED, H_SEARCHING, H_STOP_AGENTS, W_STEP_DEADLINE
 
 __all__ = ["Host"]
 
 MSG_BATCH = 16  # messages an agent handles per turn before the others get theirs
 FLUSH_NS = 50_000_000  # publish the worker's counters at least this often while agents run
-THROTTLE_WINDOW = 0.1  # seconds over which an agent's CPU share is measured
+THROTTLE_WINDOW_NS = 100_000_000  # over which an agent's CPU share is measured
 _U32 = struct.Struct("=I")
 _C = {name: i for i, name in enumerate(metrics.COUNTERS)}  # the worker's counter indices
 C_BUSY_NS, C_STEPS, C_MSGS = _C["busy_ns"], _C["agent_steps"], _C["agent_messages"]
@@ -99,11 +99,46 @@ RUNNABLE, WAITING, SLEEPING, SUSPENDED, FINISHED = range(5)
 class _Entry:
     """One agent living in this worker's heap."""
 
-    __slots__ = ("blocked", "ckpt_time", "cls", "cpu_ns", "ctx", "deadline", "events", "frame", "gen",
-                 "h", "handled", "it", "it_msg", "last_ckpt", "link", "msgs", "obj", "opts",
-                 "outbox", "pending", "pinned", "queued", "ready_at", "replay", "restarts", "seen",
-                 "spawn_args", "state", "steps", "tier", "waiting", "wake_at", "want_step",
-                 "win_cpu", "win_start")
+    __slots__ = (
+        "blocked",
+        "ckpt_time",
+        "cls",
+        "cpu_ns",
+        "ctx",
+        "cur",
+        "deadline",
+        "deadline_ns",
+        "events",
+        "frame",
+        "gen",
+        "h",
+        "handled",
+        "it",
+        "it_msg",
+        "last_ckpt",
+        "link",
+        "msgs",
+        "obj",
+        "opts",
+        "outbox",
+        "pending",
+        "pinned",
+        "queued",
+        "ready_at",
+        "replay",
+        "restarts",
+        "seen",
+        "spawn_args",
+        "state",
+        "steps",
+        "stop",
+        "tier",
+        "waiting",
+        "wake_at",
+        "want_step",
+        "win_cpu",
+        "win_start",
+    )
 
     def __init__(self, h: int, link: int) -> None:
         self.h = h
@@ -131,14 +166,17 @@ class _Entry:
         self.outbox: collections.deque[tuple[int, int]] | None = None
         self.blocked = False
         self.pinned = False  # its state does not pickle: it never moves
+        self.stop = False  # AF_STOP seen (adopt, notify, stop_all): stops at its next turn
         self.events = 0  # steps + messages since the last checkpoint
         self.last_ckpt = 0  # D_CKPT value of our latest checkpoint
-        self.ckpt_time = time.monotonic()
+        self.ckpt_time = time.monotonic_ns()
         self.steps = 0
         self.msgs = 0
         self.handled = 0  # messages handled in the current turn
         self.cpu_ns = 0
-        self.win_start = 0.0
+        self.win_start = 0  # monotonic ns
+        self.cur = (h, K_ROOT | F_AGENT, link)  # the worker's `cur` while it runs (spawn())
+        self.deadline_ns = 0
         self.win_cpu = 0
         self.restarts: list[float] | None = None
         self.ctx: Ctx | None = None  # made at the first step or handler
@@ -180,6 +218,7 @@ class Host:
         self._alarm = False
         self.opts_cache: dict[tuple, AgentOptions] = {}
         self.flushed = 0  # monotonic ns of the last counter flush
+        self.peers_mask = ((1 << min(64, w.n)) - 1) & ~(1 << w.k if w.k < 64 else 0)
 
     # -- the worker loop's questions -------------------------------------------------
     def next_timer(self) -> float | None:
@@ -219,6 +258,7 @@ class Host:
             e.pending = None
             e.replay = 0
             e.seen = self._ckpt_mark(ck)
+            e.stop = bool(d.flags(h) & AF_STOP)
             self.agents[h] = e
             self.take(e)
             self.schedule(e)
@@ -232,6 +272,8 @@ class Host:
             e.opts = self.options(opts)
             e.tier = e.opts.tier
             e.deadline = deadline_at
+            if deadline_at is not None:
+                e.deadline_ns = int(deadline_at * 1e9)
             saved = self.a.read_call(self.a.off(ck - 1)) if ck else None
             if saved is not None:
                 obj, gen, steps, msgs, tries = saved
@@ -255,6 +297,7 @@ class Host:
             self.finish(e, ST_ERROR, exc)
             return
         e.seen = mark
+        e.stop = bool(d.flags(h) & AF_STOP)
         e.want_step = hasattr(e.obj, "step")
         e.state = RUNNABLE if e.want_step else WAITING
         self.take(e)
@@ -264,7 +307,7 @@ class Host:
                 if m + 1 == done:
                     e.replay = i + 1
                     break
-        e.win_start = time.monotonic()
+        e.win_start = time.monotonic_ns()
         self.schedule(e)
 
     def _ckpt_mark(self, ck: int) -> int:
@@ -298,10 +341,13 @@ class Host:
             return False
         self.dir.clear_notified(h)
         self.take(e)
-        if e.state == SUSPENDED:
+        if self.dir.flags(h) & AF_STOP:  # read after clearing NOTIFIED: a stop is never missed
+            e.stop = True
+            self.schedule(e)
+        elif e.state == SUSPENDED:
             if self.ready(e):
                 self.schedule(e)
-        elif e.pending or e.outbox or self.dir.flags(h) & AF_STOP:
+        elif e.pending or e.outbox:
             self.schedule(e)
         return True
 
@@ -313,18 +359,18 @@ class Host:
             else:
                 e.pending.extend(got)
 
-    def schedule(self, e: _Entry) -> None:
-        if e.queued or e.state == FINISHED or e.blocked:
+    def schedule(self, e: _Entry, now_ns: int = 0) -> None:
+        if e.queued or e.state == FINISHED or (e.blocked and not e.stop):
             return
         e.queued = True
-        e.ready_at = time.monotonic_ns()
-        self.rq.push(e, self._tier(e))
+        e.ready_at = now_ns or time.monotonic_ns()
+        self.rq.push(e, self._tier(e) if e.opts.cpu_share is not None else e.tier)
 
     def _tier(self, e: _Entry) -> int:
         share = e.opts.cpu_share
         if share is not None and e.win_cpu > 0:
-            dt = time.monotonic() - e.win_start
-            if dt > 0 and e.win_cpu / 1e9 / dt > share:
+            dt = time.monotonic_ns() - e.win_start
+            if dt > 0 and e.win_cpu / dt > share:
                 self.w.c[C_THROTTLED] += 1
                 return 2  # over its share: demoted to bulk
         return e.tier
@@ -338,7 +384,10 @@ class Host:
         if e.state == FINISHED:
             return
         self.turns += 1
-        if self.rq.n and self.w.idle.searching() | self.w.idle.parked():
+        r = self.r
+        # a peer searching or parked (first 64 workers; relaxed loads: a hint, re-checked
+        # by the thief's own steal): publish one more runnable agent for it
+        if self.rq.n and (r.load64(H_SEARCHING) | r.load64(H_PARKED)) & self.peers_mask:
             self.publish_one()
         if self.turns & 63 == 0:
             if not self.stopping and self.r.load32(H_STOP_AGENTS):
@@ -350,19 +399,20 @@ class Host:
     def turn(self, e: _Entry) -> None:
         w = self.w
         r = self.r
-        r.store64(w.cur_off, e.h + 1)
-        w.cur = (e.h, K_ROOT | F_AGENT, e.link)
+        r.store64(w.cur_off, e.h + 1)  # release: read by the recoverer after our death
+        w.cur = e.cur
         w.frame = e.frame
         self.current = e
         t0 = time.monotonic_ns()
-        if w.wait_off >= 0:
+        metrics_on = w.metrics_on
+        if metrics_on:
             r.hist_record(w.mbase_tier_wait[e.tier], t0 - e.ready_at)
         e.handled = 0
         try:
-            if self.dir.flags(e.h) & AF_STOP:
+            if e.stop:
                 self.stop_entry(e)
                 return
-            if e.deadline is not None and time.monotonic() > e.deadline:
+            if e.deadline is not None and t0 > e.deadline_ns:
                 self.finish(e, ST_ERROR, DeadlineExceeded(
                     f"agent {e.h:#x} missed its deadline", e.h, e.gen))
                 return
@@ -370,41 +420,39 @@ class Host:
                 if not self.ready(e):
                     return
                 self.resume(e)
-            while e.pending and e.state not in (SUSPENDED, FINISHED) and not e.blocked:
-                if e.handled >= MSG_BATCH:
-                    break
-                self.deliver(e, e.pending.popleft())
-            if e.state in (SUSPENDED, FINISHED) or e.blocked:
-                return
-            if e.want_step and e.state in (RUNNABLE, WAITING):
+            if e.pending:
+                while e.pending and e.state < SUSPENDED and not e.blocked:
+                    if e.handled >= MSG_BATCH:
+                        break
+                    self.deliver(e, e.pending.popleft())
+                if e.state >= SUSPENDED or e.blocked:
+                    return
+            if e.want_step and e.state <= WAITING:
                 self.step(e)
         finally:
             self.current = None
             w.frame = None
             w.cur = None
             r.store64(w.cur_off, 0)
-            dt = time.monotonic_ns() - t0
+            t1 = time.monotonic_ns()
+            dt = t1 - t0
             e.cpu_ns += dt
             e.win_cpu += dt
             w.c[C_BUSY_NS] += dt
-            if w.metrics_on:
+            if metrics_on:
                 r.hist_record(w.mbase_tier_run[e.tier], dt)
                 if t0 - self.flushed > FLUSH_NS:
                     self.flushed = t0
                     w.flush()  # counters reach stats() while agents keep the worker busy
             if e.state != FINISHED:
-                self.after_turn(e)
+                self.after_turn(e, t1)
 
-    def after_turn(self, e: _Entry) -> None:
-        now = time.monotonic()
-        if now - e.win_start > THROTTLE_WINDOW:
-            e.win_start = now
+    def after_turn(self, e: _Entry, now_ns: int = 0) -> None:
+        now_ns = now_ns or time.monotonic_ns()
+        if now_ns - e.win_start > THROTTLE_WINDOW_NS:
+            e.win_start = now_ns
             e.win_cpu = 0
-        ent = self.dir.entry(e.h)
-        r = self.r
-        r.store64(ent + D_CPU_NS, e.cpu_ns)  # stats only: relaxed enough (single writer)
-        r.store32(ent + D_STEPS, e.steps & 0xFFFFFFFF)
-        r.store32(ent + D_MSGS, e.msgs & 0xFFFFFFFF)
+            self.publish_stats(e)  # every 100 ms of an agent's life, and when it idles
         if e.frame is not None and not e.frame.kids and e.state != SUSPENDED:
             e.frame = None
         if e.outbox:
@@ -414,18 +462,28 @@ class Host:
             return
         if e.state == SUSPENDED:
             return
-        if (e.events >= e.opts.checkpoint_every
-                or (e.events and now - e.ckpt_time > e.opts.checkpoint_seconds)):
+        if e.events and (e.events >= e.opts.checkpoint_every
+                         or now_ns - e.ckpt_time > e.opts.checkpoint_ns):
             self.checkpoint(e)
         if e.state == SLEEPING and not e.pending:
             self.tseq += 1
             heapq.heappush(self.timers, (e.wake_at, self.tseq, e))
+            self.publish_stats(e)
             return
-        if e.pending or (e.want_step and e.state in (RUNNABLE, WAITING)):
-            self.schedule(e)
-        elif e.deadline is not None:
+        if e.pending or (e.want_step and e.state <= WAITING):
+            self.schedule(e, now_ns)
+            return
+        self.publish_stats(e)
+        if e.deadline is not None:
             self.tseq += 1
             heapq.heappush(self.timers, (e.deadline, self.tseq, e))
+
+    def publish_stats(self, e: _Entry) -> None:
+        ent = self.dir.entry(e.h)
+        r = self.r
+        r.store64(ent + D_CPU_NS, e.cpu_ns)  # stats only (single writer; read by collect)
+        r.store32(ent + D_STEPS, e.steps & 0xFFFFFFFF)
+        r.store32(ent + D_MSGS, e.msgs & 0xFFFFFFFF)
 
     # -- steps ---------------------------------------------------------------------------
     def step(self, e: _Entry) -> None:
@@ -672,6 +730,20 @@ class Host:
         self.handled(e, m, replay)
         self.reply(reply, status, value)
 
+    def drop_reply(self, rh: int) -> None:
+        """We stop waiting for reply slot ``rh``: free it, or cancel it (the callee frees it)."""
+        a = self.a
+        for _ in range(1000):
+            st = a.tr.state(rh)
+            if st is None or st[0] == S_CANCELLED:
+                return
+            if st[0] == S_DONE:
+                a.free(rh)  # we were its only reader
+                return
+            if st[0] == S_QUEUED and a.tr.cancel(rh) is Outcome.OK:
+                return  # the callee's reply CAS fails and it releases the slot
+            time.sleep(0)  # RUNNING: the callee is storing the reply right now
+
     # -- sends and calls from inside a worker ------------------------------------------
     def send(self, h: int, method: str, args: tuple, kwargs: dict, block: bool,
              timeout: float | None) -> None:
@@ -892,6 +964,9 @@ class Host:
                 pass
         if e.it_msg is not None:
             self.reply(e.it_msg[1], ST_ERROR, stopped)
+        y = e.waiting
+        if isinstance(y, CallPending) and y.rh >= 0 and not y.done:
+            self.drop_reply(y.rh)
         for _h, m in e.outbox or ():
             a.free(m)
         e.outbox = None
@@ -946,7 +1021,7 @@ class Host:
         if FP.ON:
             FP.hit("agent.ckpt_after_switch")
         e.last_ckpt = ch + 1
-        e.ckpt_time = time.monotonic()
+        e.ckpt_time = time.monotonic_ns()
         if old:
             a.free(old - 1)
         if mark and mark != old_mark:
@@ -994,6 +1069,7 @@ class Host:
         self.stopping = True
         for h, e in list(self.agents.items()):
             self.r.or64(self.dir.entry(h) + D_FLAGS, AF_STOP)
+            e.stop = True
             self.schedule(e)
 
     @property

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from stealer.agents.api import TIERS
@@ -71,6 +71,11 @@ class AgentOptions:
                             "max_restarts, restart_window, checkpoint_every, checkpoint_seconds, "
                             "cpu_share, retries)")
         return cls(**kw)
+
+    checkpoint_ns: int = field(default=0, init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "checkpoint_ns", int(self.checkpoint_seconds * 1e9))
 
     def to_worker(self) -> tuple:
         return (self.tier, self.mailbox, self.deadline, self.step_timeout, self.restart,

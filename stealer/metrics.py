@@ -50,6 +50,7 @@ COUNTERS = (
     "agent_messages",   # agent messages handled
     "migrations",       # agents this worker published for an idle peer (state pickled once)
     "throttled",        # agent turns demoted or delayed for using more than their cpu_share
+    "preempt_publishes",  # agents published from inside a long step, for an idle peer's request
 )
 NCOUNTERS = 16
 TIERS = 3

@@ -98,6 +98,8 @@ W_CPU = 88  # u32 CPU the worker is pinned to + 1 (0: not pinned): worker store3
 W_STEP_DEADLINE = 96  # u64 monotonic ns by which the agent step running now must end (0: none):
 #                      worker store64 (release) around a step with a step_timeout; the client
 #                      load64s it in its monitor and kills a worker stuck past it
+W_RUNNABLE = 104  # u32 agents runnable on this worker besides the one in its turn: the worker
+#                  store32s it at each turn (release); idle peers load32 it to ask for one
 W_LEASE = 128  # 16 x u64 handle+1 a worker is taking off a queue (records.py): slot 0 for single
 #               takes, slot i for the i-th of an injector batch; the worker writes each before the
 #               CAS that takes the handle (relaxed), the client reads them after the worker's death

@@ -104,7 +104,7 @@ FAIR_TICK = 61
 FLUSH_MASK = 63  # publish counters every 64 steps (and before parking)
 _COUNTERS = struct.Struct(f"={metrics.NCOUNTERS}Q")
 (C_TASKS, C_STEALS, C_STEAL_ATTEMPTS, C_PARKS, C_WAKEUPS, C_INJECTOR_TAKES, C_SPAWNS, C_RESUMES,
- C_ERRORS, C_BUSY_NS, C_AGENT_STEPS, C_AGENT_MSGS, C_MIGRATIONS, C_THROTTLED
+ C_ERRORS, C_BUSY_NS, C_AGENT_STEPS, C_AGENT_MSGS, C_MIGRATIONS, C_THROTTLED, C_PREEMPT
  ) = range(len(metrics.COUNTERS))
 
 FP = failpoints  # `if FP.ON:` costs one attribute load when no failpoint is armed
@@ -212,6 +212,7 @@ class Worker:
         if a.native != Q.NATIVE:
             raise RuntimeError("this worker could not load the native queues its client uses")
         self.RETRY = Q.RETRY
+        self.native = Q.NATIVE
         self.k = a.index
         self.who = a.index + 1  # our holder id in record state words
         self.incarnation = a.incarnation
@@ -383,9 +384,10 @@ class Worker:
             if searching:
                 idle.stop_search(self.k, False)
                 searching = False
+            poked = host.poke_peers()  # agents waiting behind a peer's long step: ask for one
             self.c[C_PARKS] += 1
             self.flush()
-            timeout = PARK_TIMEOUT
+            timeout = PARK_TIMEOUT if not poked else 0.002
             if host.timers:
                 timeout = min(timeout, max(0.0, host.timers[0][0] - time.monotonic()))
             if host.blocked:

@@ -276,3 +276,22 @@ class LockedCounter(Counter):
 
         super().__init__(start)
         self.lock = threading.Lock()
+
+
+class LongStepper(stealer.Agent):
+    """Step 1 spawns ``n`` short agents (pushed on this worker's deque) and sleeps a little,
+    so this worker adopts some of them; step 2 is long."""
+
+    def __init__(self, n: int, long: float) -> None:
+        self.n = n
+        self.long = long
+        self.kids: list = []
+        self.phase = 0
+
+    def step(self, ctx: stealer.Ctx) -> Any:
+        self.phase += 1
+        if self.phase == 1:
+            self.kids = [ctx.spawn_agent(Finisher, 4, 0.03) for _ in range(self.n)]
+            return ctx.sleep(0.02)  # meanwhile this worker adopts some of them
+        busy(self.long)
+        return ctx.done((self.kids, time.monotonic()))

@@ -377,3 +377,15 @@ def test_a_mixed_agent_workload_frees_every_record():
         counter.stop()
         counter.result(T)
         assert records_in_use(ex) == 0
+
+
+def test_an_idle_worker_never_waits_for_a_long_step_to_get_waiting_agents(ex):
+    if not ex._pool.native:
+        pytest.skip("preemptive publication needs the native queues")
+    # The long stepper's worker adopts one of the agents it spawned before its 1.5 s step;
+    # the others are stolen as records. The idle peer asks for the adopted one by signal
+    # and runs it: every spawned agent ends before the long step does.
+    ref = ex.spawn_agent(L.LongStepper, 6, 1.5)
+    kids, long_end = ref.result(T)
+    ends = [k.result(T) for k in kids]
+    assert max(ends) < long_end, (ends, long_end)

@@ -31,7 +31,9 @@ until a notification (inbox) says it may go on.
 from __future__ import annotations
 
 import collections
+import functools
 import heapq
+import os
 import signal
 import struct
 import sys
@@ -80,7 +82,16 @@ from stealer.errors import (
 )
 from stealer.forkjoin import children_of
 from stealer.records import Outcome
-from stealer.shm import H_PARKED, H_SEARCHING, H_STOP_AGENTS, W_STEP_DEADLINE
+from stealer.shm import (
+    H_PARKED,
+    H_SEARCHING,
+    H_STOP_AGENTS,
+    W_CURRENT,
+    W_PID,
+    W_RUNNABLE,
+    W_STATE,
+    W_STEP_DEADLINE,
+)
 
 __all__ = ["Host"]
 
@@ -91,6 +102,22 @@ _U32 = struct.Struct("=I")
 _C = {name: i for i, name in enumerate(metrics.COUNTERS)}  # the worker's counter indices
 C_BUSY_NS, C_STEPS, C_MSGS = _C["busy_ns"], _C["agent_steps"], _C["agent_messages"]
 C_MIGRATIONS, C_THROTTLED, C_RESUMES = _C["migrations"], _C["throttled"], _C["resumes"]
+C_PREEMPT = _C["preempt_publishes"]
+READY = 1  # stealer.worker.STATE_READY
+
+def _api(fn: Any) -> Any:
+    """A Host method a step may call: the preemption signal handler leaves it alone."""
+
+    @functools.wraps(fn)
+    def call(self: Host, *args: Any) -> Any:
+        self.in_api += 1
+        try:
+            return fn(self, *args)
+        finally:
+            self.in_api -= 1
+
+    return call
+
 
 # what an entry is doing
 RUNNABLE, WAITING, SLEEPING, SUSPENDED, FINISHED = range(5)
@@ -219,6 +246,14 @@ class Host:
         self.opts_cache: dict[tuple, AgentOptions] = {}
         self.flushed = 0  # monotonic ns of the last counter flush
         self.peers_mask = ((1 << min(64, w.n)) - 1) & ~(1 << w.k if w.k < 64 else 0)
+        self.runnable_off = w.wbase + W_RUNNABLE
+        self.in_api = 0  # > 0 while a step calls into us (send, call, spawn_agent...)
+        self.poked: dict[int, int] = {}  # peer -> monotonic ns we last asked it for an agent
+        # An idle peer asks (SIGUSR1) for one of the agents waiting behind our long step;
+        # only with the native queues: the reference queues' lock is not reentrant.
+        self.preempt = w.native
+        if self.preempt:
+            signal.signal(signal.SIGUSR1, self._on_request)
 
     # -- the worker loop's questions -------------------------------------------------
     def next_timer(self) -> float | None:
@@ -385,6 +420,7 @@ class Host:
             return
         self.turns += 1
         r = self.r
+        r.store32(self.runnable_off, self.rq.n)  # release: read by idle peers (poke_peers)
         # a peer searching or parked (first 64 workers; relaxed loads: a hint, re-checked
         # by the thief's own steal): publish one more runnable agent for it
         if self.rq.n and (r.load64(H_SEARCHING) | r.load64(H_PARKED)) & self.peers_mask:
@@ -525,6 +561,46 @@ class Host:
     def disarm(self) -> None:
         signal.setitimer(signal.ITIMER_REAL, 0)
         self.r.store64(self.step_deadline_off, 0)
+
+    def _on_request(self, signum: int, frame: Any) -> None:
+        """SIGUSR1 from an idle peer: publish one waiting agent now, between two bytecodes
+        of the step running here (never inside our own bookkeeping: in_step and not in_api;
+        the agent published is not the running one, and native queue calls are atomic
+        with respect to signal handlers)."""
+        if self.in_step and not self.in_api and self.rq.n:
+            self.in_api += 1
+            try:
+                if self.publish_one():
+                    self.w.c[C_PREEMPT] += 1
+            finally:
+                self.in_api -= 1
+
+    def poke_peers(self) -> bool:
+        """About to park: ask each peer that has agents waiting behind a running step for
+        one (at most once per 2 ms per peer).  True if any was asked."""
+        if not self.preempt:
+            return False
+        w = self.w
+        r = self.r
+        now = time.monotonic_ns()
+        asked = False
+        for j in range(w.n):
+            if j == w.k:
+                continue
+            base = w.seg.layout.worker(j)
+            if not r.load32(base + W_RUNNABLE) or not r.load64(base + W_CURRENT):
+                continue
+            if r.load32(base + W_STATE) != READY or now - self.poked.get(j, 0) < 2_000_000:
+                continue
+            pid = r.load32(base + W_PID)
+            if pid:
+                self.poked[j] = now
+                try:
+                    os.kill(pid, signal.SIGUSR1)
+                    asked = True
+                except OSError:
+                    pass
+        return asked
 
     def _on_alarm(self, signum: int, frame: Any) -> None:
         e = self.current
@@ -745,6 +821,7 @@ class Host:
             time.sleep(0)  # RUNNING: the callee is storing the reply right now
 
     # -- sends and calls from inside a worker ------------------------------------------
+    @_api
     def send(self, h: int, method: str, args: tuple, kwargs: dict, block: bool,
              timeout: float | None) -> None:
         data, bufs = encode_message(h, method, args, kwargs, -1, None)
@@ -806,6 +883,7 @@ class Host:
                     self.after_turn(e)
         self.blocked = still
 
+    @_api
     def call(self, h: int, method: str, args: tuple, kwargs: dict,
              deadline: float | None) -> CallPending:
         e = self.current
@@ -825,6 +903,7 @@ class Host:
             return p
         return CallPending(rh)
 
+    @_api
     def stop(self, h: int) -> None:
         if self.a.tr.state(h) is None:
             return
@@ -845,6 +924,7 @@ class Host:
             h = a.alloc()
         return h
 
+    @_api
     def spawn_agent(self, cls: type, args: tuple, options: dict) -> AgentRef:
         opts = dict(options)
         retries = opts.pop("retries", 3)
@@ -864,6 +944,7 @@ class Host:
         a.notify_one()
         return AgentRef(h, self.name, self)
 
+    @_api
     def run_blocking(self, fn: Any, args: tuple, kwargs: dict) -> Pending:
         e = self.current
         if e is None:
@@ -1029,13 +1110,13 @@ class Host:
                 a.free(m)
         return state is not None
 
-    def publish_one(self) -> None:
+    def publish_one(self) -> bool:
         """A peer is idle and we have more runnable agents than this turn: publish one."""
         e = self.rq.candidate()
         if (e is None or e.frame is not None or e.outbox or e.it is not None or e.pinned):
-            return
+            return False
         if not self.checkpoint(e):
-            return
+            return False
         self.rq.remove(e)
         e.queued = False
         h = e.h
@@ -1055,7 +1136,9 @@ class Host:
         w.c[C_MIGRATIONS] += 1
         if not w.deque.push(h):
             w.push_any(h)
+        self.r.store32(self.runnable_off, self.rq.n)  # release: fewer left for idle peers
         self.a.notify_one()
+        return True
 
     def _prune_away(self) -> None:
         tr = self.a.tr

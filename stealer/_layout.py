@@ -28,7 +28,8 @@ R_PLEN = 56  # u64 call payload length
 R_RREF = 64  # u64 result payload block index / overflow number
 R_RLEN = 72  # u64 result payload length
 R_TSUBMIT = 80  # u64 monotonic ns at submit (client) or spawn (worker)
-R_TSTART = 88  # u64 monotonic ns when a worker last started it
+R_TSTART = 88  # u64 monotonic ns when a worker last started it; K_MSG: steps its agent had
+#                run when it handled the message (the owner, before D_DONE), for exact replay
 R_INLINE = 96  # inline area: the call payload at [0, plen), an inline result right after it
 RECORD_BYTES = 192
 INLINE = 96  # RECORD_BYTES - R_INLINE

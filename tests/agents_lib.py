@@ -295,3 +295,26 @@ class LongStepper(stealer.Agent):
             return ctx.sleep(0.02)  # meanwhile this worker adopts some of them
         busy(self.long)
         return ctx.done((self.kids, time.monotonic()))
+
+
+class Marker(stealer.Agent):
+    """Steps append their index to a log; ``mark(x)`` appends ("m", x) and replies its
+    position: a replay that reorders steps and messages contradicts an earlier reply."""
+
+    def __init__(self, steps: int, work: float) -> None:
+        self.steps = steps
+        self.work = work
+        self.i = 0
+        self.log: list = []
+
+    def step(self, ctx: stealer.Ctx) -> Any:
+        busy(self.work)
+        self.log.append(self.i)
+        self.i += 1
+        if self.i >= self.steps:
+            return ctx.done(self.log)
+        return None
+
+    def mark(self, x: int) -> int:
+        self.log.append(("m", x))
+        return len(self.log) - 1

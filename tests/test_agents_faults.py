@@ -125,3 +125,28 @@ def test_migration_keeps_the_generation():
             if ex.stats().totals()["migrations"]:
                 break
         assert ex.stats().totals()["migrations"] > 0
+
+
+@pytest.mark.kills_workers
+def test_replay_agrees_with_every_reply_given_before_the_crash():
+    """After a worker death, agents replay their messages at the same points between
+    steps as the first time: each mark's position, replied before the crash, still holds."""
+    with stealer.Executor(2) as ex:
+        refs = [ex.spawn_agent(L.Marker, 80, 0.001, checkpoint_every=7) for _ in range(12)]
+        replies: list[list[tuple[int, int]]] = [[] for _ in refs]
+        for r in range(8):
+            futs = [ref.call("mark", r) for ref in refs]
+            for i, f in enumerate(futs):
+                try:
+                    replies[i].append((r, f.result(T)))
+                except stealer.AgentStopped:
+                    pass  # the agent finished its steps first
+            if r == 3:
+                os.kill(ex.worker_pids()[0], signal.SIGKILL)
+            time.sleep(0.01)
+        logs = [ref.result(T) for ref in refs]
+        assert ex._pool.crashes >= 1
+    for log, reps in zip(logs, replies):
+        assert [x for x in log if not isinstance(x, tuple)] == list(range(80))
+        for r, pos in reps:
+            assert log[pos] == ("m", r), (pos, log)

@@ -58,6 +58,7 @@ from stealer._layout import (
     K_REPLY,
     K_ROOT,
     R_TRIES,
+    R_TSTART,
     S_CANCELLED,
     S_DONE,
     S_QUEUED,
@@ -99,6 +100,7 @@ MSG_BATCH = 16  # messages an agent handles per turn before the others get their
 FLUSH_NS = 50_000_000  # publish the worker's counters at least this often while agents run
 THROTTLE_WINDOW_NS = 100_000_000  # over which an agent's CPU share is measured
 _U32 = struct.Struct("=I")
+_U64 = struct.Struct("=Q")
 _C = {name: i for i, name in enumerate(metrics.COUNTERS)}  # the worker's counter indices
 C_BUSY_NS, C_STEPS, C_MSGS = _C["busy_ns"], _C["agent_steps"], _C["agent_messages"]
 C_MIGRATIONS, C_THROTTLED, C_RESUMES = _C["migrations"], _C["throttled"], _C["resumes"]
@@ -311,7 +313,7 @@ class Host:
                 e.deadline_ns = int(deadline_at * 1e9)
             saved = self.a.read_call(self.a.off(ck - 1)) if ck else None
             if saved is not None:
-                obj, gen, steps, msgs, tries = saved
+                obj, gen, steps, msgs, tries, _sched = saved
                 e.obj = obj
                 # a new generation per worker death since the checkpoint, not per move
                 e.gen = gen + self.tries(h) - tries
@@ -333,8 +335,13 @@ class Host:
             return
         e.seen = mark
         e.stop = bool(d.flags(h) & AF_STOP)
-        e.want_step = hasattr(e.obj, "step")
-        e.state = RUNNABLE if e.want_step else WAITING
+        if saved is not None:  # where it was in its life: stepping, waiting or sleeping
+            e.state, e.want_step, e.wake_at = saved[5]
+            if e.state == SLEEPING and e.wake_at <= time.monotonic():
+                e.state, e.want_step = RUNNABLE, True
+        else:
+            e.want_step = hasattr(e.obj, "step")
+            e.state = RUNNABLE if e.want_step else WAITING
         self.take(e)
         done = d.done_mark(h)
         if done and done != mark and e.pending:  # handled before a restore: replayed first
@@ -349,6 +356,10 @@ class Host:
         if not ck:
             return 0
         return self.a.kind_link(self.a.off(ck - 1))[2]
+
+    def steps_before(self, m: int) -> int:
+        """Steps the agent had run when it first handled message ``m`` (deliver wrote it)."""
+        return _U64.unpack_from(self.a.mm, self.a.off(m) + R_TSTART)[0]
 
     def tries(self, h: int) -> int:
         """Times the agent's record was re-queued after a worker death (R_TRIES)."""
@@ -460,6 +471,9 @@ class Host:
                 while e.pending and e.state < SUSPENDED and not e.blocked:
                     if e.handled >= MSG_BATCH:
                         break
+                    if (e.replay and e.want_step and e.state <= WAITING
+                            and e.steps < self.steps_before(e.pending[0])):
+                        break  # replay: the steps that came before this message come first
                     self.deliver(e, e.pending.popleft())
                 if e.state >= SUSPENDED or e.blocked:
                     return
@@ -654,6 +668,8 @@ class Host:
             self.reply(reply, ST_ERROR, DeadlineExceeded(
                 f"the call {method!r} to agent {e.h:#x} waited past its deadline", e.h, e.gen))
             return
+        if not replay:  # for an exact replay: how many steps came before this message
+            _U64.pack_into(a.mm, a.off(m) + R_TSTART, e.steps)
         fn = None if method in ("step", "on_stop") else getattr(e.obj, method, None)
         if fn is None or not callable(fn):
             self.handled(e, m, replay)
@@ -1079,8 +1095,8 @@ class Host:
         state: Any = None  # None: the state does not pickle; a restore starts from the spawn
         if not e.pinned:
             try:
-                state = serialize.dumps((e.obj, e.gen, e.steps, e.msgs, self.tries(e.h)),
-                                        "agent state")
+                state = serialize.dumps((e.obj, e.gen, e.steps, e.msgs, self.tries(e.h),
+                                         (e.state, e.want_step, e.wake_at)), "agent state")
             except BaseException as exc:
                 e.pinned = True
                 print(f"stealer: agent {e.h:#x} ({type(e.obj).__qualname__}) cannot be "

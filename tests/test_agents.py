@@ -389,3 +389,26 @@ def test_an_idle_worker_never_waits_for_a_long_step_to_get_waiting_agents(ex):
     kids, long_end = ref.result(T)
     ends = [k.result(T) for k in kids]
     assert max(ends) < long_end, (ends, long_end)
+
+
+def test_a_stale_ref_never_reaches_the_agent_that_reuses_its_slot():
+    with stealer.Executor(1, records=16) as ex:
+        old = ex.spawn_agent(L.Counter, 0)
+        old.stop()
+        old.result(T)
+        new = None
+        for _ in range(50):  # find the agent that got the old one's record slot
+            r = ex.spawn_agent(L.Counter, 100)
+            if r.id & 0xFFFFFFFF == old.id & 0xFFFFFFFF:
+                new = r
+                break
+            r.stop()
+            r.result(T)
+        assert new is not None and new.id != old.id  # same slot, next generation
+        with pytest.raises(stealer.AgentStopped):
+            old.send("add", 1)
+        with pytest.raises(stealer.AgentStopped):
+            old.call("add", 1).result(T)
+        assert new.call("get").result(T) == 100  # nothing of the old ref's arrived
+        new.stop()
+        new.result(T)

@@ -190,12 +190,14 @@ def _load_error(data: bytes | None, raw: bool, name: str, text: str, why: str,
 def cacheable(fn: Any) -> bool:
     """Functions whose pickle does not change between calls (no bound state).
 
-    Plain Python functions, and builtins of a module (``math.sqrt``); not
-    builtin methods bound to an object (``some_list.append``), whose
-    ``__self__`` would be frozen at the first submit.
+    Plain Python functions, classes (agent classes: a spawn then names its
+    class by id, so it fits a record's inline bytes), and builtins of a
+    module (``math.sqrt``); not builtin methods bound to an object
+    (``some_list.append``), whose ``__self__`` would be frozen at the first
+    submit.
     """
     t = type(fn)
-    if t is types.FunctionType:
+    if t is types.FunctionType or isinstance(fn, type):
         return True
     if t is types.BuiltinFunctionType:
         owner = getattr(fn, "__self__", None)

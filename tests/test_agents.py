@@ -412,3 +412,18 @@ def test_a_stale_ref_never_reaches_the_agent_that_reuses_its_slot():
         assert new.call("get").result(T) == 100  # nothing of the old ref's arrived
         new.stop()
         new.result(T)
+
+
+def test_an_idle_agent_fits_its_record(ex):
+    """A default spawn names its class by id: its payload stays in the record's inline
+    bytes, so a million idle agents need no payload blocks (and no overflow files)."""
+    import struct
+
+    from stealer._layout import R_PCLASS
+
+    ref = ex.spawn_agent(L.Counter, 12345)
+    ref.call("get").result(T)
+    a = ex._pool.arena
+    assert struct.unpack_from("=I", a.mm, a.off(ref.id) + R_PCLASS)[0] == 0  # inline
+    ref.stop()
+    ref.result(T)

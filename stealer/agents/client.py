@@ -31,7 +31,7 @@ from stealer._layout import (
 )
 from stealer.agents.api import AgentRef, _clients
 from stealer.agents.mailbox import CLOSED, Directory
-from stealer.agents.options import AgentOptions
+from stealer.agents.options import DEFAULT_OPTIONS, AgentOptions
 from stealer.errors import AgentStopped, MailboxFull, StealerError
 from stealer.futures import _Future
 from stealer.records import Outcome
@@ -107,7 +107,11 @@ class AgentClient:
               retries: int) -> AgentRef:
         pool = self.pool
         deadline_at = None if opts.deadline is None else time.monotonic() + opts.deadline
-        data, bufs = serialize.dumps((cls, args, kwargs or None, opts.to_worker(), deadline_at),
+        fid = pool.fns.id_of(cls)  # the class once in the function table, then by id
+        wopts = None if opts == DEFAULT_OPTIONS else opts.to_worker()
+        # small enough for a record's inline bytes: a million idle agents use no blocks
+        data, bufs = serialize.dumps((fid if fid >= 0 else cls, args, kwargs or None, wopts,
+                                      deadline_at),
                                      f"agent {getattr(cls, '__qualname__', cls)!r} and its "
                                      "arguments")
         pool.check_open()

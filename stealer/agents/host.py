@@ -69,7 +69,7 @@ from stealer._layout import (
 from stealer.agents.api import TIER_NAMES, AgentRef, Ctx, Done, Pending, Sleep, Wait
 from stealer.agents.client import AGENT_FID, encode_message
 from stealer.agents.mailbox import Directory
-from stealer.agents.options import AgentOptions
+from stealer.agents.options import DEFAULT_OPTIONS, AgentOptions
 from stealer.agents.runqueue import RunQueue
 from stealer.errors import (
     AgentStopped,
@@ -304,6 +304,8 @@ class Host:
         self.agents[h] = e
         try:
             cls, args, kwargs, opts, deadline_at = self.a.read_call(self.a.off(h))
+            if type(cls) is int:
+                cls = self.w.fns.get(cls)
             e.cls = cls
             e.spawn_args = (args, kwargs)
             e.opts = self.options(opts)
@@ -369,8 +371,10 @@ class Host:
         e.ctx = Ctx(self, e)
         return e.ctx
 
-    def options(self, t: tuple) -> AgentOptions:
-        """One shared (frozen) AgentOptions per distinct option tuple."""
+    def options(self, t: tuple | None) -> AgentOptions:
+        """One shared (frozen) AgentOptions per distinct option tuple (None: the defaults)."""
+        if t is None:
+            return DEFAULT_OPTIONS
         o = self.opts_cache.get(t)
         if o is None:
             if len(self.opts_cache) > 1024:
@@ -946,7 +950,8 @@ class Host:
         retries = opts.pop("retries", 3)
         ao = AgentOptions.parse(opts)
         deadline_at = None if ao.deadline is None else time.monotonic() + ao.deadline
-        data, bufs = serialize.dumps((cls, args, None, ao.to_worker(), deadline_at),
+        wopts = None if ao == DEFAULT_OPTIONS else ao.to_worker()
+        data, bufs = serialize.dumps((cls, args, None, wopts, deadline_at),
                                      f"agent {getattr(cls, '__qualname__', cls)!r}")
         a = self.a
         h = self.alloc()

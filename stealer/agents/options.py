@@ -8,7 +8,7 @@ from typing import Any
 
 from stealer.agents.api import TIERS
 
-__all__ = ["AgentOptions", "RESTARTS"]
+__all__ = ["AgentOptions", "DEFAULT_OPTIONS", "RESTARTS"]
 
 RESTARTS = ("never", "on-failure")
 
@@ -85,3 +85,6 @@ class AgentOptions:
     @classmethod
     def from_worker(cls, t: tuple) -> AgentOptions:
         return cls(*t)
+
+
+DEFAULT_OPTIONS = AgentOptions()

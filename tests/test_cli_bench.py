@@ -127,6 +127,7 @@ def test_bench_agent_scale_only_when_named(tmp_path: Path, capsys: Any) -> None:
     n, records = runner.SCALE_SIZES["tiny"]
     assert (r["agents"], r["records"]) == (n, records)
     assert r["create_s"] > 0 and r["segment_bytes"] > 0
+    assert r["overflow_files"] >= 0 and r["overflow_bytes"] >= 0
     parts = ("client_bytes_per_agent", "worker_bytes_per_agent", "segment_bytes_per_agent")
     assert r["bytes_per_agent"] == pytest.approx(sum(r[k] for k in parts))
 

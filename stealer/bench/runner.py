@@ -8,7 +8,8 @@ the same trace on the same number of workers under ``"ideal"`` (see
 no-op result.  ``quick`` is ``False`` (full size), ``True`` (the ``--quick`` size) or one of
 :data:`SIZES` (``"tiny"``: a few hundred tasks, for tests).
 
-Workloads (``--quick`` sizes in brackets; all together finish in seconds on 2 cores):
+Workloads (``--quick`` sizes in brackets; all but ``agent_scale`` together finish in seconds on
+2 cores; the default run leaves ``agent_scale`` out):
 
 - ``start``: executor ready time (constructor + first no-op result) and shutdown time; the
   median of 5 [3] fresh executors.
@@ -38,6 +39,45 @@ Workloads (``--quick`` sizes in brackets; all together finish in seconds on 2 co
   decomposition client-driven: fib's leaf sub-problems through ``map``, and UTS as a loop that
   submits :func:`~stealer.bench.workloads.uts_expand` on each bag and resubmits the frontier
   it returns.  Results are checked against the sequential answer.
+- ``agents``: 200 [50] self-driven agents x 25 [10] steps of 0.5 ms busy work, each carrying
+  a counter and a 1,000-float numpy array from step to step (:class:`~stealer.bench.
+  workloads.StepState`; checked at every step and at the end).  stealer runs them as agents
+  (``spawn_agent(StepAgent, state)``); a plain executor runs each step as a task that takes
+  the state and returns it, the client resubmitting an agent's next step when its result
+  arrives.  Makespan (run start to the client holding every final state), efficiency
+  ``(sum of work / W) / makespan``, and the per-step latency p50/p99/max: the end of a step
+  minus the end of the agent's previous step (the run's start for its first), both read in
+  the worker with ``time.monotonic`` (one clock across processes on Linux).  The ideal is
+  the zero-overhead round-robin schedule (:func:`stealer.bench.ideal.round_robin_steps`):
+  step latency ~ agents x 0.5 ms / W (50 ms for 200 agents on 2 workers), efficiency 1.
+- ``tiers``: 8 bulk agents with 5 ms steps saturate every worker while one interactive agent
+  gets a call every 10 ms (0.2 ms of work), 100 [30] calls after a 0.1 s warm-up and one
+  unmeasured call; p50/p99/max of the reply time (client send to the future done, read in a
+  done callback).  Plain executors run it client-driven: 8 chains of 5 ms tasks, each
+  resubmitted by a client thread when the previous completes, and each call a task submitted
+  in between (so a FIFO pool queues it behind the bulk tasks).  ``bulk_busy`` is the share of
+  the workers' time in bulk steps while the calls ran (about 1 when saturated).  The ideal
+  (:func:`stealer.bench.ideal.step_boundary_replies`) waits for the first bulk step of any
+  worker to end, then runs the call: never more than ``bound_ms`` = 5.2 ms.
+- ``agent_overhead`` (stealer only; n/a on plain pools): (a) 20 agents x 5,000 [500] steps
+  that do nothing, on one worker: ``step_us`` = wall time / steps (spawn to the last final
+  value, nothing subtracted) and ``turn_us`` the part inside the agents' turns (the worker's
+  ``busy_ns`` counter: the step call and its bookkeeping, a checkpoint every 64 steps);
+  (b) ping-pong: two agents bounce a counter 20,000 [2,000] times with ``v = yield
+  other.call("ping", v)``, timed inside the caller; µs per round trip and round trips/s.
+  Placement is not an API: the pair is respawned (up to 8 times) until the two live on
+  different workers (``same_worker`` says if that failed; ``info`` has the tries and the
+  workers' park/wake-up counts during the run).
+- ``agent_scale`` (stealer only, and only when named in ``--workloads``: heavy):
+  1,000,000 [20,000] idle message-only agents in one executor made with ``records=1 << 21``
+  [``1 << 16``].  ``create_s`` runs from the first spawn until nothing is left on the
+  injector or any deque and a call to the last agent and to 100 others answered;
+  ``bytes_per_agent`` = (growth of the client's and the workers' private resident memory,
+  psutil ``rss - shared``, + the shared segment's whole size + what the overflow files that
+  appeared hold in /dev/shm) / agents, also split into workers' heap, client (the refs it
+  holds) and shared memory (segment and overflow files; ``overflow_files`` counts them: a
+  spawn payload that fits neither a record's inline bytes nor a free block lives in one).
+  Shared pages count once, by size, not in every process that maps them.  ``shutdown_s`` stops them all.
 - ``user`` (``--workload MODULE:FUNCTION``): the user's function called ``--tasks`` times with
   ``--args`` (a JSON list) through each system, see :func:`run_user`.
 
@@ -46,7 +86,9 @@ import), ``process`` (:class:`concurrent.futures.ProcessPoolExecutor`), and the 
 :mod:`stealer.bench.peers` (loky, mpire, dask, ray) when installed.  The default ``auto`` is
 stealer, process and every installed peer.  :func:`register_system` adds more.  A system that
 fails during a workload is reported (table cell ``—``, a note, ``meta.errors`` in the JSON)
-and the run goes on.
+and the run goes on; a workload that does not apply to a system (:class:`NotApplicable`: the
+stealer-only agent workloads on a plain pool) is a ``—`` cell, an "n/a" note and
+``meta.not_applicable``.
 
 ``main(argv)`` prints an aligned table (workload, metric, one column per system, ideal, ratio
 = first system / second system, i.e. stealer / process by default), writes JSON (``--json``,
@@ -1106,14 +1148,31 @@ def _private_bytes(procs: Sequence[Any]) -> list[int]:
     return out
 
 
-def _segment_bytes(ex: cf.Executor) -> int | None:
+def _shm_files(ex: cf.Executor) -> tuple[int | None, int, int]:
+    """``(segment size, overflow files, their bytes)`` of the executor in /dev/shm.
+
+    Payloads too big for a record's inline bytes and for the free size-class blocks go to
+    overflow files ``<segment>-x<id>`` beside the segment (stealer/arena.py); an agent's spawn
+    payload stays while it lives, so they count.  Their bytes are what tmpfs allocated
+    (``st_blocks * 512``: a page each at least), not their length."""
     name = getattr(ex, "segment_name", None)
     if not name:
-        return None
+        return None, 0, 0
     try:
-        return os.stat(os.path.join("/dev/shm", name)).st_size
+        size = os.stat(os.path.join("/dev/shm", name)).st_size
     except OSError:
-        return None
+        return None, 0, 0
+    files = used = 0
+    prefix = name + "-x"
+    with os.scandir("/dev/shm") as it:
+        for entry in it:
+            if entry.name.startswith(prefix):
+                try:
+                    used += entry.stat(follow_symlinks=False).st_blocks * 512
+                except OSError:  # freed meanwhile
+                    continue
+                files += 1
+    return size, files, used
 
 
 def run_agent_scale(system: System, workers: int, quick: bool | str) -> dict[str, Any]:
@@ -1126,7 +1185,7 @@ def run_agent_scale(system: System, workers: int, quick: bool | str) -> dict[str
     try:
         pids = [p for p in ex.worker_pids() if p is not None]  # type: ignore[attr-defined]
         procs = [psutil.Process(), *(psutil.Process(p) for p in pids)]
-        segment = _segment_bytes(ex)
+        segment, ov_files0, ov_bytes0 = _shm_files(ex)
         gc.collect()
         mem0 = _private_bytes(procs)
         spawn = ex.spawn_agent  # type: ignore[attr-defined]
@@ -1153,6 +1212,7 @@ def run_agent_scale(system: System, workers: int, quick: bool | str) -> dict[str
         t1 = time.perf_counter()
         gc.collect()
         mem1 = _private_bytes(procs)
+        _seg, ov_files1, ov_bytes1 = _shm_files(ex)
         live_pids = [p for p in ex.worker_pids() if p is not None]  # type: ignore[attr-defined]
         _report(0.9)
         del refs, probes, answers
@@ -1167,7 +1227,8 @@ def run_agent_scale(system: System, workers: int, quick: bool | str) -> dict[str
                            f"{live_pids}); the memory numbers would be wrong")
     client = mem1[0] - mem0[0]
     worker = sum(mem1[1:]) - sum(mem0[1:])
-    seg = segment or 0
+    overflow = ov_bytes1 - ov_bytes0
+    seg = (segment or 0) + overflow
     return {
         "agents": n,
         "records": records,
@@ -1179,6 +1240,8 @@ def run_agent_scale(system: System, workers: int, quick: bool | str) -> dict[str
         "worker_bytes_per_agent": worker / n,
         "segment_bytes_per_agent": seg / n,
         "segment_bytes": segment,
+        "overflow_files": ov_files1 - ov_files0,
+        "overflow_bytes": overflow,
         "shutdown_s": shutdown_s,
         "ready_s": ready,
         "ideal": {},
@@ -1417,7 +1480,8 @@ _ROWS: dict[str, list[tuple[str, str, str]]] = {
         ("bytes_per_agent", "bytes/agent", ",.0f"),
         ("worker_bytes_per_agent", "  workers' heap", ",.0f"),
         ("client_bytes_per_agent", "  client (refs)", ",.0f"),
-        ("segment_bytes_per_agent", "  shared segment", ",.0f"),
+        ("segment_bytes_per_agent", "  shared memory", ",.0f"),
+        ("overflow_files", "  overflow files", ",.0f"),
         ("shutdown_s", "shutdown s", ".2f"),
     ],
     "user": [

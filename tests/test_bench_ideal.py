@@ -320,6 +320,9 @@ def test_round_robin_steps_design_numbers() -> None:
     assert ideal.percentile(lat, 50) == pytest.approx(0.05)
     assert ideal.percentile(lat, 99) == pytest.approx(0.05)
     assert min(lat) == pytest.approx(0.5e-3) and max(lat) <= 0.05 + 1e-12
+    later = lat[200:]  # the first 200 are the agents' first steps (the ramp 0.5 .. 50 ms)
+    assert sorted(lat[:200]) == pytest.approx([(i // 2 + 1) * 0.5e-3 for i in range(200)])
+    assert min(later) == pytest.approx(0.05) and max(later) == pytest.approx(0.05)
 
 
 def test_step_boundary_replies_bounded_seeded_and_fall_with_workers() -> None:

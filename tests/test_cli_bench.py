@@ -90,6 +90,7 @@ def _check_agent_results(results: dict[str, Any]) -> None:
         assert r["work_s"] == pytest.approx(n * steps * runner.AGENT_STEP_S)
         assert r["efficiency"] > 0 and r["makespan_s"] > 0
         assert 0 < r["step_p50_ms"] <= r["step_p99_ms"] <= r["step_max_ms"]
+        assert 0 < r["step_p99_later_ms"] <= r["step_max_ms"]
     stealer_info = agents["systems"]["stealer"]["info"]
     assert stealer_info["mode"] == "native" and stealer_info["agent_steps"] == n * steps
     assert agents["systems"]["process"]["info"]["mode"] == "client-driven"

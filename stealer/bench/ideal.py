@@ -112,7 +112,8 @@ def round_robin_steps(
     that has been ready longest (ties: lower index), and the agent's next step is ready when
     this one ends: round-robin.  A step's latency is the time from the end of the agent's
     previous step (0 for its first) to the end of this one, so with ``agents >> workers`` it is
-    about ``agents * step_s / workers``.  Latencies are in (step, agent) order.
+    about ``agents * step_s / workers``.  Latencies are in the order the steps start, so
+    with ``step_s > 0`` the first ``agents`` of them are the agents' first steps.
     """
     if workers < 1:
         raise ValueError("workers must be >= 1")

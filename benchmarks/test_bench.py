@@ -6,7 +6,8 @@ whole workload, and the metrics that matter (µs per task, latency percentiles, 
 speedup, and the ideal of the same trace) are stored in ``benchmark.extra_info`` so they land
 in ``--benchmark-json`` output (the latency samples kept for the CDF plots are left out).  A
 system that is not available (``stealer`` when it does not import; loky, mpire, dask and ray
-when not installed) is skipped with the reason.
+when not installed) is skipped with the reason, and so is a stealer-only agent workload
+(``agent_overhead``, ``agent_scale``) on a plain pool.
 
     pytest benchmarks/ --benchmark-enable [--benchmark-json out.json]
 
@@ -21,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from stealer.bench.runner import WORKLOADS, _strip_samples, load_systems
+from stealer.bench.runner import WORKLOADS, NotApplicable, _strip_samples, load_systems
 
 WORKERS = 2
 SYSTEMS = ("stealer", "process", "loky", "mpire", "dask", "ray")
@@ -47,9 +48,12 @@ def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
 def test_workload(benchmark: Any, workload: str, system_name: str) -> None:
     system = _system(system_name)
     benchmark.group = workload
-    result = benchmark.pedantic(
-        WORKLOADS[workload], args=(system, WORKERS, True), rounds=1, iterations=1
-    )
+    try:
+        result = benchmark.pedantic(
+            WORKLOADS[workload], args=(system, WORKERS, True), rounds=1, iterations=1
+        )
+    except NotApplicable as exc:  # agent_overhead, agent_scale on a plain pool
+        pytest.skip(f"{workload} on {system_name}: {exc}")
     flat: dict[str, Any] = {}
     _flatten("", _strip_samples(result), flat)
     benchmark.extra_info.update(flat)

@@ -297,6 +297,107 @@ def test_plain_tasks() -> None:
     assert end >= start
 
 
+# --------------------------------------------------------------------------- agents
+
+
+def test_round_robin_steps_hand_computed() -> None:
+    # 3 agents x 2 steps of 1.0 on 2 workers: a0, a1 in [0,1]; a2 [1,2]; a0 [1,2]; a1 [2,3];
+    # a2 [2,3].  Latency: end minus the end of the agent's previous step (0 before the first).
+    lat, makespan = ideal.round_robin_steps(3, 2, 1.0, 2)
+    assert lat == [1.0, 1.0, 2.0, 1.0, 2.0, 1.0]
+    assert makespan == 3.0
+    assert ideal.round_robin_steps(0, 5, 1.0, 2) == ([], 0.0)
+    assert ideal.round_robin_steps(1, 3, 1.0, 4) == ([1.0, 1.0, 1.0], 3.0)
+    with pytest.raises(ValueError):
+        ideal.round_robin_steps(2, 2, 1.0, 0)
+
+
+def test_round_robin_steps_design_numbers() -> None:
+    # DESIGN.md: 200 agents x 25 steps of 0.5 ms on 2 workers, per-step latency ~ 50 ms.
+    lat, makespan = ideal.round_robin_steps(200, 25, 0.5e-3, 2)
+    assert len(lat) == 200 * 25
+    assert makespan == pytest.approx(200 * 25 * 0.5e-3 / 2)  # no idle worker: efficiency 1
+    assert ideal.percentile(lat, 50) == pytest.approx(0.05)
+    assert ideal.percentile(lat, 99) == pytest.approx(0.05)
+    assert min(lat) == pytest.approx(0.5e-3) and max(lat) <= 0.05 + 1e-12
+    later = lat[200:]  # the first 200 are the agents' first steps (the ramp 0.5 .. 50 ms)
+    assert sorted(lat[:200]) == pytest.approx([(i // 2 + 1) * 0.5e-3 for i in range(200)])
+    assert min(later) == pytest.approx(0.05) and max(later) == pytest.approx(0.05)
+
+
+def test_step_boundary_replies_bounded_seeded_and_fall_with_workers() -> None:
+    one = ideal.step_boundary_replies(2000, 5e-3, 0.2e-3, 1, seed=3)
+    two = ideal.step_boundary_replies(2000, 5e-3, 0.2e-3, 2, seed=3)
+    assert one == ideal.step_boundary_replies(2000, 5e-3, 0.2e-3, 1, seed=3)
+    for xs in (one, two):
+        assert len(xs) == 2000 and all(0.2e-3 <= x < 5.2e-3 for x in xs)
+    # Uniform remaining time: mean step/2 on one worker, step/3 for the first of two.
+    assert math.fsum(one) / 2000 == pytest.approx(2.5e-3 + 0.2e-3, rel=0.05)
+    assert math.fsum(two) / 2000 == pytest.approx(5e-3 / 3 + 0.2e-3, rel=0.05)
+
+
+class _Ctx:
+    """Stand-in for stealer.Ctx: what a step returns."""
+
+    def done(self, value: Any = None) -> tuple[str, Any]:
+        return ("done", value)
+
+    def wait(self) -> str:
+        return "wait"
+
+
+def test_state_step_carries_the_state_and_detects_a_lost_one() -> None:
+    import numpy as np
+
+    s = wl.StepState(7, steps=3, work=0.0, arr=np.zeros(10), last=0.0)
+    for k in range(1, 4):
+        assert wl.state_step(s) is s
+        assert s.count == k and bool(np.all(s.arr == k)) and len(s.lats) == k
+    assert all(x >= 0 for x in s.lats) and s.last > 0
+    s.arr[0] = 0.0  # what a lost update would look like
+    with pytest.raises(RuntimeError, match="agent 7: state lost"):
+        wl.state_step(s)
+
+
+def test_agent_classes_step_and_answer_without_an_executor() -> None:
+    import numpy as np
+
+    ctx = _Ctx()
+    agent = wl.StepAgent(wl.StepState(0, steps=2, work=0.0, arr=np.zeros(4), last=0.0))
+    assert agent.step(ctx) is None
+    kind, final = agent.step(ctx)
+    assert kind == "done" and final.count == 2
+    noop = wl.NoopAgent(3)
+    assert [noop.step(ctx) for _ in range(3)] == [None, None, ("done", 3)]
+    bulk = wl.BulkAgent(0.0)
+    bulk.step(ctx)
+    assert bulk.count() == bulk.on_stop() == 1
+    inter = wl.InteractiveAgent(0.0)
+    assert inter.hit(4)[0] == 4 and inter.on_stop() == 1
+    assert wl.PongAgent().ping(1) == 2 and wl.IdleAgent().ping("x") == "x"
+
+    class Other:  # other.call(...) inside an agent returns what the agent yields
+        def call(self, method: str, v: int) -> tuple[str, int]:
+            return (method, v)
+
+    ping = wl.PingAgent(Other(), rounds=3)
+    gen = ping.step(ctx)
+    with pytest.raises(StopIteration) as stop:
+        next(gen)
+    assert stop.value.value == "wait"  # waits for start()
+    ping.start()
+    gen = ping.step(ctx)
+    request = next(gen)
+    for _ in range(3):
+        assert request[0] == "ping"
+        try:
+            request = gen.send(request[1] + 1)
+        except StopIteration as stop:
+            kind, (value, seconds) = stop.value
+            break
+    assert kind == "done" and value == 3 and seconds >= 0
+
+
 # --------------------------------------------------------------------------- runner helpers
 
 

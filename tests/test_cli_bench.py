@@ -44,17 +44,21 @@ def test_bench_tiny_writes_table_json_and_plots(tmp_path: Path, capsys: Any) -> 
     assert rc == 0, text
     header = text.splitlines()[1].split()
     assert header[:5] == ["workload", "metric", "stealer", "process", "ideal"]
-    for workload in runner.WORKLOADS:
+    for workload in runner.DEFAULT_WORKLOADS:
         assert any(line.startswith(workload) for line in text.splitlines()), workload
     assert "samples" not in text
+    assert "process: agent_overhead n/a" in text
 
     doc = json.loads((out / "bench.json").read_text())
     assert doc["meta"]["size"] == "tiny"
     assert doc["meta"]["errors"] == {}
+    assert set(doc["meta"]["not_applicable"]["process"]) == {"agent_overhead"}
     results = doc["results"]
-    assert set(results) == set(runner.WORKLOADS)
+    assert set(results) == set(runner.DEFAULT_WORKLOADS)  # agent_scale only when named
+    assert "agent_scale" not in results
     for workload, res in results.items():
-        assert set(res["systems"]) == {"stealer", "process"}, workload
+        expected = {"stealer"} if workload == "agent_overhead" else {"stealer", "process"}
+        assert set(res["systems"]) == expected, workload
         assert "ideal" in res
     lat = results["latency"]
     for name in ("stealer", "process"):
@@ -67,12 +71,66 @@ def test_bench_tiny_writes_table_json_and_plots(tmp_path: Path, capsys: Any) -> 
     assert lat["ideal"]["p99_ms"] > 0 and lat["ideal"]["samples_ms"]
     assert results["skew"]["ideal"]["efficiency"] > 0.9
     assert results["forkjoin"]["systems"]["stealer"]["fib_speedup"] > 0
+    _check_agent_results(results)
 
     pngs = sorted(p.name for p in out.glob("*.png"))
     assert pngs == ["efficiency.png", "latency_cdf.png", "latency_percentiles.png",
-                    "overhead.png"]
+                    "overhead.png", "tiers_cdf.png", "tiers_percentiles.png"]
     for name in pngs:
         _check_png(out / name)
+
+
+def _check_agent_results(results: dict[str, Any]) -> None:
+    """The agent workloads of a tiny run: every agent did its steps, every call came back."""
+    n, steps = runner.AGENTS_SIZES["tiny"]
+    agents = results["agents"]
+    for name in ("stealer", "process"):
+        r = agents["systems"][name]
+        assert (r["agents"], r["steps"]) == (n, steps)
+        assert r["work_s"] == pytest.approx(n * steps * runner.AGENT_STEP_S)
+        assert r["efficiency"] > 0 and r["makespan_s"] > 0
+        assert 0 < r["step_p50_ms"] <= r["step_p99_ms"] <= r["step_max_ms"]
+        assert 0 < r["step_p99_later_ms"] <= r["step_max_ms"]
+    stealer_info = agents["systems"]["stealer"]["info"]
+    assert stealer_info["mode"] == "native" and stealer_info["agent_steps"] == n * steps
+    assert agents["systems"]["process"]["info"]["mode"] == "client-driven"
+    assert agents["ideal"]["efficiency"] == pytest.approx(1.0)
+
+    tiers = results["tiers"]
+    for name in ("stealer", "process"):
+        r = tiers["systems"][name]
+        assert r["calls"] == runner.TIERS_CALLS["tiny"] == len(r["samples_ms"])
+        assert 0 < r["p50_ms"] <= r["p99_ms"] <= r["max_ms"]
+        assert r["bulk_busy"] > 0 and r["info"]["bulk_steps"] > 0
+    assert tiers["ideal"]["max_ms"] <= tiers["ideal"]["bound_ms"]
+
+    over = results["agent_overhead"]["systems"]["stealer"]
+    n_noop, noop_steps = runner.NOOP_AGENT_SIZES["tiny"]
+    assert over["info"]["noop_counted_steps"] == n_noop * noop_steps
+    assert over["round_trips"] == runner.PINGPONG_ROUNDS["tiny"]
+    assert over["step_us"] > 0 and over["round_trip_us"] > 0
+    assert isinstance(over["same_worker"], bool)
+
+
+def test_bench_agent_scale_only_when_named(tmp_path: Path, capsys: Any) -> None:
+    rc = main(["bench", "--tiny", "--systems", "stealer,process", "--workloads", "agent_scale",
+               "--no-plots", "--json", str(tmp_path / "s.json")])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert any(line.startswith("agent_scale") and "bytes/agent" in line
+               for line in text.splitlines())
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert doc["meta"]["errors"] == {}
+    assert "agent_scale" in doc["meta"]["not_applicable"]["process"]
+    res = doc["results"]["agent_scale"]
+    assert set(res["systems"]) == {"stealer"}
+    r = res["systems"]["stealer"]
+    n, records = runner.SCALE_SIZES["tiny"]
+    assert (r["agents"], r["records"]) == (n, records)
+    assert r["create_s"] > 0 and r["segment_bytes"] > 0
+    assert r["overflow_files"] >= 0 and r["overflow_bytes"] >= 0
+    parts = ("client_bytes_per_agent", "worker_bytes_per_agent", "segment_bytes_per_agent")
+    assert r["bytes_per_agent"] == pytest.approx(sum(r[k] for k in parts))
 
 
 def test_bench_user_workload(tmp_path: Path, capsys: Any) -> None:

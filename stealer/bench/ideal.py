@@ -7,6 +7,12 @@ work-conserving scheduler a perfect executor would be; it is not the optimal (LP
 clairvoyant) schedule, and for batches we also report the lower bound ``max(sum/W, max)``
 that no schedule can beat.
 
+For agents: :func:`round_robin_steps` is the same greedy list schedule for self-driven agents
+(each agent's next step is ready the moment its previous step ends, so with more agents than
+workers they take turns round-robin), and :func:`step_boundary_replies` the reply times of calls
+to an interactive agent on workers saturated by bulk steps, when a call waits only for the
+first bulk step to end (preemption at step boundaries).
+
 Also here: seeded trace generators (Poisson arrivals, capped Pareto durations), percentile
 helpers, and Brent's bound for fork-join speedup.  Everything is deterministic and pure
 (no clocks, no global random state).
@@ -25,6 +31,8 @@ __all__ = [
     "fifo_makespan",
     "makespan_lower_bound",
     "brent_speedup",
+    "round_robin_steps",
+    "step_boundary_replies",
     "percentile",
     "latency_summary",
     "poisson_arrivals",
@@ -92,6 +100,64 @@ def brent_speedup(work: float, span: float, workers: int) -> float:
     if work <= 0:
         return 1.0
     return work / max(work / workers, span)
+
+
+def round_robin_steps(
+    agents: int, steps: int, step_s: float, workers: int
+) -> tuple[list[float], float]:
+    """``(per-step latencies, makespan)`` of ``agents`` self-driven agents of ``steps`` steps of
+    ``step_s`` each on ``workers`` zero-overhead workers.
+
+    Every agent is ready at 0; a step starts on the worker that frees up first, taking the agent
+    that has been ready longest (ties: lower index), and the agent's next step is ready when
+    this one ends: round-robin.  A step's latency is the time from the end of the agent's
+    previous step (0 for its first) to the end of this one, so with ``agents >> workers`` it is
+    about ``agents * step_s / workers``.  Latencies are in the order the steps start, so
+    with ``step_s > 0`` the first ``agents`` of them are the agents' first steps.
+    """
+    if workers < 1:
+        raise ValueError("workers must be >= 1")
+    if agents < 0 or steps < 0 or step_s < 0:
+        raise ValueError("agents, steps and step_s must be >= 0")
+    if agents == 0 or steps == 0:
+        return [], 0.0
+    ready = [(0.0, i) for i in range(agents)]  # (ready time, agent): a heap
+    free = [0.0] * min(workers, agents)
+    last = [0.0] * agents
+    left = [steps] * agents
+    lat: list[float] = []
+    makespan = 0.0
+    while ready:
+        t_ready, i = heapq.heappop(ready)
+        start = max(t_ready, heapq.heappop(free))
+        end = start + step_s
+        heapq.heappush(free, end)
+        lat.append(end - last[i])
+        last[i] = end
+        makespan = max(makespan, end)
+        left[i] -= 1
+        if left[i]:
+            heapq.heappush(ready, (end, i))
+    return lat, makespan
+
+
+def step_boundary_replies(
+    calls: int, bulk_step_s: float, call_s: float, workers: int, seed: int
+) -> list[float]:
+    """Reply times of ``calls`` calls to an interactive agent while bulk agents with steps of
+    ``bulk_step_s`` keep all ``workers`` busy, under preemption at step boundaries.
+
+    A call arrives at a random moment of every worker's current bulk step (each worker's
+    remaining time uniform in ``[0, bulk_step_s)``, independently, seeded), waits for the first
+    of them to end, then runs ``call_s``: ``min(remaining) + call_s``, never more than
+    ``bulk_step_s + call_s``.
+    """
+    if workers < 1:
+        raise ValueError("workers must be >= 1")
+    rng = random.Random(seed)
+    return [
+        min(rng.random() * bulk_step_s for _ in range(workers)) + call_s for _ in range(calls)
+    ]
 
 
 # --------------------------------------------------------------------------- statistics

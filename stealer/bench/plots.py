@@ -4,8 +4,8 @@
 (``results[workload]["systems"][name]`` and ``results[workload]["ideal"]``) and writes, for
 what the run contains:
 
-- ``<workload>_percentiles.png`` for every workload with latency samples (``latency``, and
-  ``user`` for ``--workload``): p50/p90/p99/p99.9/max grouped bars per system and the ideal,
+- ``<workload>_percentiles.png`` for every workload with latency samples (``latency``,
+  ``tiers``, and ``user`` for ``--workload``): p50/p90/p99/p99.9/max grouped bars per system and the ideal,
   log y axis;
 - ``<workload>_cdf.png``: the latency CDF per system and the ideal (log x), and beside it the
   tail ``P(latency > x)`` on log-log axes, where the p99 and p99.9 differences show;
@@ -54,6 +54,7 @@ _PALETTE = ("C0", "C1", "C2", "C3", "C4", "C5", "C6", "C8", "C9")
 _TITLES = {
     "latency": "latency: Poisson arrivals of 1 ms tasks at 70% load",
     "user": "your workload",
+    "tiers": "tiers: call reply time while bulk agents saturate the workers",
 }
 
 

@@ -21,6 +21,14 @@ The non-generator counterparts run the same work without fork-join:
   the tree search (at most ``budget`` nodes, returning the unexplored frontier), the unit both
   the fork-join version and a client-driven loop on a plain executor use.
 
+Agents (the ``agents``, ``tiers`` and ``agent_*`` workloads) are subclasses of
+``stealer.Agent`` (:class:`StepAgent`, :class:`BulkAgent`, :class:`InteractiveAgent`,
+:class:`NoopAgent`, :class:`PingAgent`, :class:`PongAgent`, :class:`IdleAgent`).  Their work is
+done by plain functions a client-driven executor runs as tasks too: :func:`state_step` is one
+step of a :class:`StepState` (the state travels with the task), :func:`busy` one bulk step and
+:func:`tier_call` one interactive call.  When ``stealer`` does not import, the agent classes
+derive from ``object`` (and no system runs them natively).
+
 UTS (Unbalanced Tree Search, Olivier et al., LCPC 2006) binomial tree: the root has ``b0``
 children; every other node has ``m`` children with probability ``q`` and none otherwise.
 With ``q * m < 1`` the tree is finite, of expected size ``1 + b0 / (1 - q*m)``, and very
@@ -31,11 +39,17 @@ is the same in every process and every run.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+try:  # the agents subclass stealer.Agent; this module still imports without stealer
+    from stealer.agents import Agent as _AgentBase
+except Exception:  # a package under construction
+    _AgentBase = object  # type: ignore[assignment,misc]
 
 __all__ = [
     "UTSParams",
@@ -58,6 +72,16 @@ __all__ = [
     "uts_stats",
     "uts_bag",
     "uts",
+    "StepState",
+    "state_step",
+    "tier_call",
+    "StepAgent",
+    "BulkAgent",
+    "InteractiveAgent",
+    "NoopAgent",
+    "PingAgent",
+    "PongAgent",
+    "IdleAgent",
 ]
 
 # --------------------------------------------------------------------------- plain tasks
@@ -270,3 +294,155 @@ def uts(
 ) -> Generator[Any, Any, int]:
     """Fork-join UTS from one node: the node count of its subtree (equals :func:`uts_seq`)."""
     return (yield from uts_bag(((node_seed, depth),), params))
+
+
+# --------------------------------------------------------------------------- agents
+
+
+@dataclass
+class StepState:
+    """The state one agent of the ``agents`` workload carries from step to step.
+
+    ``arr`` is a numpy array (1,000 floats in the workload), every element ``count`` after
+    ``count`` steps; ``last`` is the :func:`time.monotonic` at which the previous step ended
+    (the run's start before the first step) and ``lats`` the per-step latencies so far.  On a
+    plain executor the whole state is a task's argument and its result.
+    """
+
+    index: int
+    steps: int
+    work: float
+    arr: Any
+    last: float
+    count: int = 0
+    lats: list[float] = field(default_factory=list)
+
+
+def state_step(s: StepState) -> StepState:
+    """One step: check the state came through intact, busy-wait ``s.work``, add 1 to the
+    counter and to every element of the array, record the step's latency.  Returns ``s``."""
+    if s.arr[0] != s.count or s.arr[-1] != s.count:
+        raise RuntimeError(f"agent {s.index}: state lost (array at {s.arr[0]}, count {s.count})")
+    busy(s.work)
+    s.count += 1
+    s.arr += 1.0
+    now = time.monotonic()
+    s.lats.append(now - s.last)
+    s.last = now
+    return s
+
+
+def tier_call(i: int, work: float) -> tuple[int, float]:
+    """The interactive call of the ``tiers`` workload: ``work`` seconds of busy work; returns
+    ``(i, perf_counter at its start)``."""
+    t = time.perf_counter()
+    busy(work)
+    return i, t
+
+
+class StepAgent(_AgentBase):
+    """Self-driven: :func:`state_step` until ``steps`` steps are done; the final value is the
+    :class:`StepState`."""
+
+    def __init__(self, state: StepState) -> None:
+        self.s = state
+
+    def step(self, ctx: Any) -> Any:
+        s = state_step(self.s)
+        if s.count >= s.steps:
+            return ctx.done(s)
+        return None
+
+
+class BulkAgent(_AgentBase):
+    """Steps of ``work`` seconds of busy work forever; stopped, its value is its step count."""
+
+    def __init__(self, work: float) -> None:
+        self.work = work
+        self.steps = 0
+
+    def step(self, ctx: Any) -> Any:
+        busy(self.work)
+        self.steps += 1
+        return None
+
+    def count(self) -> int:
+        """Steps so far (a bulk-tier message: answered at its next turn)."""
+        return self.steps
+
+    def on_stop(self) -> int:
+        return self.steps
+
+
+class InteractiveAgent(_AgentBase):
+    """Message-only: :meth:`hit` is :func:`tier_call`."""
+
+    def __init__(self, work: float) -> None:
+        self.work = work
+        self.calls = 0
+
+    def hit(self, i: int) -> tuple[int, float]:
+        self.calls += 1
+        return tier_call(i, self.work)
+
+    def on_stop(self) -> int:
+        return self.calls
+
+
+class NoopAgent(_AgentBase):
+    """``steps`` steps that do nothing but count; the final value is the count."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.n = 0
+
+    def step(self, ctx: Any) -> Any:
+        self.n += 1
+        if self.n >= self.steps:
+            return ctx.done(self.n)
+        return None
+
+
+class PongAgent(_AgentBase):
+    """Message-only: ``ping(i)`` answers ``i + 1``."""
+
+    def ping(self, i: int) -> int:
+        return i + 1
+
+    def where(self) -> int:
+        """The pid of the worker it lives on."""
+        return os.getpid()
+
+
+class PingAgent(_AgentBase):
+    """Waits for :meth:`start`, then calls ``other.ping`` ``rounds`` times, each with the
+    previous reply (``v = yield other.call("ping", v)``); the final value is ``(v, seconds)``
+    measured in its worker (``v == rounds`` when every reply came back)."""
+
+    def __init__(self, other: Any, rounds: int) -> None:
+        self.other = other
+        self.rounds = rounds
+        self.go = False
+
+    def where(self) -> int:
+        """The pid of the worker it lives on."""
+        return os.getpid()
+
+    def start(self) -> None:
+        self.go = True
+
+    def step(self, ctx: Any) -> Any:
+        if not self.go:
+            return ctx.wait()  # the generator's return value is the step's outcome
+        t0 = time.perf_counter()
+        v = 0
+        for _ in range(self.rounds):
+            v = yield self.other.call("ping", v)
+        return ctx.done((v, time.perf_counter() - t0))
+
+
+class IdleAgent(_AgentBase):
+    """Message-only, no state, no step: what a million idle agents are."""
+
+    def ping(self, x: Any = None) -> Any:
+        return x

@@ -283,7 +283,7 @@ class Worker:
             if host.timers or host.blocked:
                 host.poll()
             # Agents' turns and tasks alternate; a runnable control-tier agent goes first.
-            if rq.n and (self.tick & 1 or rq.top_tier() == 0):
+            if rq.n and (self.tick & 1 or rq.n0):
                 host.run_next()
                 continue
             if self.tick % FAIR_TICK == 0:
@@ -293,7 +293,8 @@ class Worker:
             else:
                 h = deque_pop()
             if h < 0 and rq.n:
-                h = self.take_injector()  # new submissions and agents are not starved
+                # new submissions and agents are not starved behind runnable agents
+                h = self.take_injector() if len(self.injector) else -1
                 if h < 0:
                     host.run_next()
                     continue
@@ -429,6 +430,9 @@ class Worker:
         if kind & F_AGENT:
             self.r.store64(self.cur_off, 0)
             self.host.adopt(h, kind, link)  # it lives here now (stealer/agents/host.py)
+            # Adopting runs no step: the next pass takes work again instead of a turn, so a
+            # batch of new agents joins the round-robin at once (not one per turn).
+            self.tick -= 1
             return
         c = self.c
         c[C_TASKS] += 1

@@ -427,3 +427,19 @@ def test_an_idle_agent_fits_its_record(ex):
     assert struct.unpack_from("=I", a.mm, a.off(ref.id) + R_PCLASS)[0] == 0  # inline
     ref.stop()
     ref.result(T)
+
+
+def test_runqueue_counts_control_tier():
+    class E:
+        deadline = None
+
+    rq = RunQueue()
+    a, b, c = E(), E(), E()
+    rq.push(a, 0)
+    rq.push(b, 2)
+    rq.push(c, 0)
+    assert (rq.n, rq.n0) == (3, 2)
+    rq.remove(c)
+    assert (rq.n, rq.n0) == (2, 1)
+    assert rq.pop() is a and rq.n0 == 0
+    assert rq.pop() is b and rq.n == 0

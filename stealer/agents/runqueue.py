@@ -23,12 +23,13 @@ NTIERS = 3
 
 
 class RunQueue:
-    __slots__ = ("edf", "fifo", "n", "seq")
+    __slots__ = ("edf", "fifo", "n", "n0", "seq")
 
     def __init__(self) -> None:
         self.fifo: list[collections.deque[Any]] = [collections.deque() for _ in range(NTIERS)]
         self.edf: list[list[tuple[float, int, Any]]] = [[] for _ in range(NTIERS)]
         self.n = 0
+        self.n0 = 0  # runnable control-tier agents (the worker loop checks it every pass)
         self.seq = itertools.count()
 
     def __len__(self) -> int:
@@ -40,6 +41,8 @@ class RunQueue:
         else:
             self.fifo[tier].append(e)
         self.n += 1
+        if tier == 0:
+            self.n0 += 1
 
     def pop(self) -> Any:
         if not self.n:
@@ -47,9 +50,13 @@ class RunQueue:
         for t in range(NTIERS):
             if self.edf[t]:
                 self.n -= 1
+                if t == 0:
+                    self.n0 -= 1
                 return heapq.heappop(self.edf[t])[2]
             if self.fifo[t]:
                 self.n -= 1
+                if t == 0:
+                    self.n0 -= 1
                 return self.fifo[t].popleft()
         return None
 
@@ -75,6 +82,8 @@ class RunQueue:
             if q and e in q:
                 q.remove(e)
                 self.n -= 1
+                if t == 0:
+                    self.n0 -= 1
                 return True
             h = self.edf[t]
             for i, item in enumerate(h):
@@ -82,5 +91,7 @@ class RunQueue:
                     h.pop(i)
                     heapq.heapify(h)
                     self.n -= 1
+                    if t == 0:
+                        self.n0 -= 1
                     return True
         return False

@@ -55,6 +55,7 @@ from stealer._layout import (
     R_RETRIES,
     S_CANCELLED,
     S_DONE,
+    S_QUEUED,
     S_RUNNING,
     ST_ERROR,
     ST_LOST,
@@ -580,6 +581,11 @@ class Worker:
         if self.host.agents and self.host.notify(h):
             return  # an agent of ours: messages, a reply, children, a stop
         frame = self.conts.get(h)
+        if frame is None and a.kind_link(a.off(h))[0] & F_AGENT:
+            st = a.tr.state(h)
+            if st is not None and st[0] == S_QUEUED:
+                self.execute(h)  # an agent a busier peer handed us (Host.balance)
+            return
         if frame is None:
             st = a.tr.state(h)
             owner, inc = self.rec.frame_owner(h) if st is not None else (0, 0)

@@ -129,6 +129,7 @@ class _Entry:
     """One agent living in this worker's heap."""
 
     __slots__ = (
+        "applied",
         "blocked",
         "ckpt_time",
         "cls",
@@ -185,6 +186,7 @@ class _Entry:
         # made on first use: a million idle agents hold no deques (see Host.take, _send)
         self.pending: collections.deque[int] | None = None
         self.replay = 0  # the first `replay` pending messages were handled before a restore
+        self.applied = 0  # handle + 1 of the newest message whose effect is in obj (0: none)
         self.seen = 0  # the mailbox head value walked up to
         self.it: Any = None  # a suspended generator (step or handler)
         self.it_msg: tuple[int, int] | None = None  # (message, reply) of a suspended handler
@@ -254,6 +256,7 @@ class Host:
         # An idle peer asks (SIGUSR1) for one of the agents waiting behind our long step;
         # only with the native queues: the reference queues' lock is not reentrant.
         self.preempt = w.native
+        self.balancing = w.n > 1
         if self.preempt:
             signal.signal(signal.SIGUSR1, self._on_request)
 
@@ -336,6 +339,7 @@ class Host:
             self.finish(e, ST_ERROR, exc)
             return
         e.seen = mark
+        e.applied = mark
         e.stop = bool(d.flags(h) & AF_STOP)
         if saved is not None:  # where it was in its life: stepping, waiting or sleeping
             e.state, e.want_step, e.wake_at = saved[5]
@@ -440,6 +444,8 @@ class Host:
         # by the thief's own steal): publish one more runnable agent for it
         if self.rq.n and (r.load64(H_SEARCHING) | r.load64(H_PARKED)) & self.peers_mask:
             self.publish_one()
+        if self.turns & 7 == 0 and self.rq.n >= 2 and self.balancing:
+            self.balance()
         if self.turns & 63 == 0:
             if not self.stopping and self.r.load32(H_STOP_AGENTS):
                 self.stop_all()
@@ -706,11 +712,13 @@ class Host:
     def handled(self, e: _Entry, m: int, replay: bool) -> None:
         if FP.ON:
             FP.hit("agent.after_handler")
+        e.applied = m + 1  # its effect is in the state now (a checkpoint may cover it)
+        if replay:
+            return  # D_DONE is already past it (never move it back) and its slot was returned
         self.dir.mark_done(e.h, m)
         if FP.ON:
             FP.hit("agent.after_mark_done")
-        if not replay:
-            self.dir.give_back(e.h)
+        self.dir.give_back(e.h)
 
     def failed_message(self, e: _Entry, reply: int, exc: BaseException) -> None:
         self.reply(reply, ST_ERROR, exc)
@@ -1111,7 +1119,9 @@ class Host:
         ch = a.alloc()
         if ch < 0:
             return False
-        mark = d.done_mark(e.h)
+        # the newest message whose effect is in the state: not D_DONE, which runs ahead of
+        # the state while messages handled before a restore are being replayed
+        mark = e.applied
         off = a.setup(ch, K_CKPT, mark, time.monotonic_ns())
         a.put(off, data, bufs)
         ent = d.entry(e.h)
@@ -1131,9 +1141,33 @@ class Host:
                 a.free(m)
         return state is not None
 
-    def publish_one(self) -> bool:
-        """A peer is idle and we have more runnable agents than this turn: publish one."""
-        e = self.rq.candidate()
+    def balance(self) -> None:
+        """Hand one runnable agent to the least-loaded peer if it has at least two fewer
+        waiting than we do (W_RUNNABLE): busy peers never steal, so without this a worker
+        that adopted more agents at the start keeps a longer round-robin for good."""
+        w = self.w
+        r = self.r
+        mine = self.rq.n
+        best, low = -1, mine - 2
+        for j in range(w.n):
+            if j == w.k:
+                continue
+            base = w.seg.layout.worker(j)
+            if r.load32(base + W_STATE) != READY:
+                continue
+            v = r.load32(base + W_RUNNABLE)  # relaxed enough: a hint, re-read every 8 turns
+            if v < low:
+                best, low = j, v
+        # half the difference at once (a start-up batch evens out in one go, not one
+        # agent per 8 turns), bounded: each move pickles one agent's state
+        for _ in range(min(32, (mine - low) // 2) if best >= 0 else 0):
+            if not self.publish_one(to=best):
+                break
+
+    def publish_one(self, to: int = -1) -> bool:
+        """Publish one runnable agent: for an idle peer (on our deque, for a thief), or
+        handed to peer ``to`` through its inbox (balance)."""
+        e = self.rq.candidate() if to < 0 else self.rq.last()
         if (e is None or e.frame is not None or e.outbox or e.it is not None or e.pinned):
             return False
         if not self.checkpoint(e):
@@ -1155,9 +1189,14 @@ class Host:
         if FP.ON:
             FP.hit("agent.migrate_after_cas")
         w.c[C_MIGRATIONS] += 1
+        self.r.store32(self.runnable_off, self.rq.n)  # release: fewer left for idle peers
+        if to >= 0:
+            while not w.inboxes[to].push(h):  # the peer starts it from its inbox (on_ping)
+                time.sleep(0.0001)
+            w.idle.notify_worker(to)
+            return True
         if not w.deque.push(h):
             w.push_any(h)
-        self.r.store32(self.runnable_off, self.rq.n)  # release: fewer left for idle peers
         self.a.notify_one()
         return True
 

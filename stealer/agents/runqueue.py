@@ -76,6 +76,16 @@ class RunQueue:
                 return self.fifo[t][0]
         return None
 
+    def last(self) -> Any:
+        """The agent that would run last (handed to a busy peer: it just had its turn, so
+        the peer's round is all it waits)."""
+        for t in range(NTIERS - 1, -1, -1):
+            if self.fifo[t]:
+                return self.fifo[t][-1]
+            if self.edf[t]:
+                return max(self.edf[t])[2]
+        return None
+
     def remove(self, e: Any) -> bool:
         for t in range(NTIERS):
             q = self.fifo[t]

@@ -17,8 +17,7 @@ What joblib users get, and how:
   quota), ``-2`` one fewer, and so on; ``n_jobs=None`` under this backend means
   ``-1`` (as with Dask's backend); ``n_jobs=1`` runs sequentially in the caller.
 * joblib's auto-batching (:class:`joblib.parallel.AutoBatchingMixin`): batches
-  grow until one takes ``MIN_IDEAL_BATCH_DURATION``.  stealer's cost per task
-  is a few microseconds, so the target is lower than loky's 0.2 s.
+  grow until one takes ``MIN_IDEAL_BATCH_DURATION`` (0.05 s; loky's is 0.2 s).
 * A task's exception is raised as itself, with the worker's traceback chained
   as ``__cause__`` (what loky shows).  ``return_as="generator"`` (and
   ``"generator_unordered"``) and ``timeout`` work.
@@ -175,8 +174,10 @@ def shutdown(wait: bool = True) -> None:
 class StealerBackend(AutoBatchingMixin, ParallelBackendBase):
     """joblib ``ParallelBackendBase`` running batches on a reusable :class:`stealer.Executor`."""
 
-    # A batch's overhead here is microseconds, not loky's milliseconds: a smaller batch
-    # target balances load better (joblib grows batches until one takes this long).
+    # joblib grows batches until one takes this long.  A task costs microseconds here,
+    # not loky's milliseconds, so a smaller target loses nothing and leaves smaller
+    # stragglers at the end (measured on 2 cores: 20,000 no-op items and 400 items of
+    # 1-9 ms take the same time with 0.2, 0.05 or 0.01 s).
     MIN_IDEAL_BATCH_DURATION = 0.05
     MAX_IDEAL_BATCH_DURATION = 1.0
 

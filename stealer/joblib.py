@@ -196,9 +196,13 @@ class StealerBackend(AutoBatchingMixin, ParallelBackendBase):
             raise ValueError(f"retries must be an int from 0 to 255, not {retries!r}")
         self.retries = retries
         self.cpus = cpus
-        self._shared: _Shared | None = None
-        self._submit: Any = None
-        self._pending: set[Future] = set()  # this call's futures not yet done (for abort)
+        self._shared: _Shared | None = None  # the executor leased from configure to terminate
+        self._submit: Any = None  # its submit (kept after terminate: see there)
+        # Futures not done yet, by the Parallel call that submitted them (BatchCompletionCallBack
+        # .parallel): joblib shares one backend instance between the calls of a parallel_config
+        # block, so an abort must withdraw only the aborting call's batches.
+        self._pending: dict[Any, set[Future]] = {}
+        self._pending_lock = threading.Lock()
 
     def __reduce__(self) -> tuple:
         # Travels with every batch as the nested backend: options only, no executor.
@@ -221,7 +225,7 @@ class StealerBackend(AutoBatchingMixin, ParallelBackendBase):
         n = self.effective_n_jobs(n_jobs)
         if n == 1:
             raise FallbackToBackend(SequentialBackend(nesting_level=self.nesting_level))
-        self._drop()
+        self._release()
         thread_limit = self.inner_max_num_threads
         if thread_limit is None:
             thread_limit = 1
@@ -236,12 +240,21 @@ class StealerBackend(AutoBatchingMixin, ParallelBackendBase):
         if self._submit is None:
             raise RuntimeError("the stealer backend was not configured (or was terminated)")
         f = self._submit(func)
-        pending = self._pending
-        pending.add(f)
-        f.add_done_callback(pending.discard)  # (before joblib's: abort sees it gone)
+        owner = getattr(callback, "parallel", None)
+        with self._pending_lock:
+            self._pending.setdefault(owner, set()).add(f)
+        f.add_done_callback(functools.partial(self._settled, owner))  # (before joblib's)
         if callback is not None:
             f.add_done_callback(callback)
         return f
+
+    def _settled(self, owner: Any, f: Future) -> None:
+        with self._pending_lock:
+            fs = self._pending.get(owner)
+            if fs is not None:
+                fs.discard(f)
+                if not fs:
+                    del self._pending[owner]
 
     def retrieve_result_callback(self, future: Future) -> Any:
         try:
@@ -261,19 +274,31 @@ class StealerBackend(AutoBatchingMixin, ParallelBackendBase):
                 "executor.") from exc
 
     def abort_everything(self, ensure_ready: bool = True) -> None:
-        """Withdraw the batches not yet started; the running ones finish on their workers."""
-        for f in list(self._pending):
-            f.cancel()
-        self._pending.clear()
+        """Withdraw the aborting call's batches not yet started; running ones finish.
+
+        (joblib marks the call ``_aborting`` before it calls this; loky kills its workers
+        here instead, which stops every call on them.)
+        """
+        with self._pending_lock:
+            owners = [o for o in self._pending if o is None or getattr(o, "_aborting", True)]
+            victims = [self._pending.pop(o) for o in owners]
+        for fs in victims:
+            for f in fs:
+                f.cancel()  # runs _settled: the lock is not held here
 
     def terminate(self) -> None:
-        """End of a call: the executor stays for the next one."""
-        self._drop()
+        """End of a call: the executor stays for the next one.
+
+        The lease ends, but ``submit`` keeps working: a ``return_as="generator"`` call of the
+        same parallel_config block may still be dispatching on this instance (loky fails
+        there).  If the executor was replaced meanwhile, such a submit raises
+        ExecutorShutdownError.
+        """
+        self._release()
         self.reset_batch_stats()
 
-    def _drop(self) -> None:
-        shared, self._shared, self._submit = self._shared, None, None
-        self._pending = set()
+    def _release(self) -> None:
+        shared, self._shared = self._shared, None
         if shared is not None:
             _release(shared)
 

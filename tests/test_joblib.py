@@ -121,6 +121,24 @@ def test_return_as_generator():
         assert sorted(g) == list(range(12))
 
 
+def test_generator_interleaved_with_another_call_of_the_same_config():
+    """One backend instance serves every call of a parallel_config block: a generator still
+    dispatching when another call ends goes on (loky's backend fails here)."""
+    with parallel_config(backend="stealer", n_jobs=2):
+        g = Parallel(return_as="generator", batch_size=1)(
+            delayed(tasks.sleep_then)(0.01, i) for i in range(30))
+        assert next(g) == 0
+        assert Parallel()(delayed(tasks.square)(i) for i in range(5)) == [0, 1, 4, 9, 16]
+        assert list(g) == list(range(1, 30))
+        # dropping one generator withdraws its own batches, not the other call's
+        g1, g2 = (Parallel(return_as="generator", batch_size=1)(
+            delayed(tasks.sleep_then)(0.01, i) for i in range(30)) for _ in range(2))
+        assert next(g1) == 0 and next(g2) == 0
+        with pytest.warns(UserWarning, match="cancelled"):
+            g1.close()
+        assert list(g2) == list(range(1, 30))
+
+
 def test_dropping_a_generator_withdraws_the_rest(tmp_path):
     def item(i):
         open(tmp_path / f"ran-{i}", "w").close()

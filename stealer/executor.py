@@ -44,6 +44,7 @@ from stealer.arena import INLINE, K_ROOT
 from stealer.errors import BrokenExecutor, ExecutorShutdownError, SerializationError
 from stealer.futures import _Future
 from stealer.pool import _Pool
+from stealer.progress import Counted, map_progress
 from stealer.shm import H_STARTED
 from stealer.stats import Stats, collect
 
@@ -300,7 +301,8 @@ class Executor(_fbase.Executor):
         raise ExecutorShutdownError("cannot schedule new futures after shutdown")
 
     def map(self, fn: Callable[..., Any], *iterables: Iterable[Any], timeout: float | None = None,
-            chunksize: int = 1, buffersize: int | None = None) -> Iterator[Any]:
+            chunksize: int = 1, buffersize: int | None = None,
+            progress: bool = False) -> Iterator[Any]:
         """Like ``ProcessPoolExecutor.map``, with Python 3.14's ``buffersize``.
 
         By default every task (one per ``chunksize`` inputs) is submitted
@@ -319,6 +321,10 @@ class Executor(_fbase.Executor):
         seconds after the call to ``map``), or closing the iterator ends the
         iteration and cancels every task of the map not yet started, the one
         that timed out included.
+
+        ``progress=True`` draws a progress bar with the rate and the time left
+        on stderr while the results are read, when stderr is a terminal (tqdm's
+        if tqdm is installed, else a plain one; see stealer.progress).
         """
         if chunksize < 1:
             raise ValueError("chunksize must be >= 1.")
@@ -328,7 +334,9 @@ class Executor(_fbase.Executor):
             if buffersize < 1:
                 raise ValueError("buffersize must be None or > 0")
         end_time = None if timeout is None else timeout + time.monotonic()
-        args_iter = zip(*iterables)
+        args_iter: Iterator[tuple] = zip(*iterables)
+        if progress:
+            args_iter = counted = Counted(args_iter)  # the total: how many inputs were read
         call: Callable[..., Any] = fn
         items: Iterator[tuple] = args_iter
         if chunksize > 1:
@@ -346,7 +354,10 @@ class Executor(_fbase.Executor):
                 f.cancel()
             raise
         feed = None if buffersize is None else _MapFeed(self, call, items, buffersize)
-        return _map_results(fs, end_time, chunksize > 1, feed)
+        results = _map_results(fs, end_time, chunksize > 1, feed)
+        if progress:
+            return map_progress(results, counted, iterables, read_all=buffersize is None)
+        return results
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         pool = self._pool

@@ -1,8 +1,10 @@
 """Module layers: the tools sit on top of the core, and no stealer modules import in a circle.
 
 The tools are the command line and what it runs (cli, top, tune, prometheus, bench/, and
-``python -m stealer``); every other module under stealer/ is the core, the package's own
-``__init__`` included.  The core never imports a tool, not even lazily inside a function.
+``python -m stealer``); the optional integrations (stealer.joblib: it imports joblib, which the
+core does not depend on) sit on top too.  Every other module under stealer/ is the core, the
+package's own ``__init__`` included.  The core never imports a tool or an integration, not
+even lazily inside a function.
 
 Read statically with :mod:`ast`, so every import statement counts wherever it stands (module
 level, inside functions, methods, ``try`` or ``if``), and so do ``importlib.import_module`` /
@@ -28,10 +30,13 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 #: The tools layer: these modules and everything below them.
 TOOLS = ("stealer.cli", "stealer.top", "stealer.tune", "stealer.prometheus", "stealer.bench",
          "stealer.__main__")
+#: Optional integrations with third-party packages (extras): leaves on top of the core.
+INTEGRATIONS = ("stealer.joblib",)
 
 
 def is_tool(module: str) -> bool:
-    return any(module == t or module.startswith(t + ".") for t in TOOLS)
+    """A tool or an integration: something the core must never import."""
+    return any(module == t or module.startswith(t + ".") for t in TOOLS + INTEGRATIONS)
 
 
 @dataclass(frozen=True)
@@ -227,6 +232,8 @@ def graph() -> tuple[set[str], list[Edge]]:
 def test_every_tool_named_exists(graph):
     modules, _ = graph
     assert {t for t in TOOLS if t in modules} == set(TOOLS), "a tool was renamed: update TOOLS"
+    assert {t for t in INTEGRATIONS if t in modules} == set(INTEGRATIONS), (
+        "an integration was renamed: update INTEGRATIONS")
     assert PACKAGE in modules and not is_tool(PACKAGE) and not is_tool("stealer.executor")
 
 
@@ -243,7 +250,8 @@ def test_core_never_imports_a_tool(graph):
     bad = [f"{e.src} (line {e.line}) imports {e.dst}"
            for e in edges if not is_tool(e.src) and is_tool(e.dst)]
     assert not bad, ("the core must not import the tools layer (cli, top, tune, prometheus, "
-                     "bench); move the code the core needs into the core:\n" + "\n".join(bad))
+                     "bench) or an integration (joblib); move the code the core needs into the "
+                     "core:\n" + "\n".join(bad))
 
 
 def test_no_import_cycles(graph):

@@ -1722,6 +1722,14 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+PLOTS_HINT = "pip install 'stealer[plots]'"
+
+
+def _load_plots() -> Any:
+    """:mod:`stealer.bench.plots`; ImportError when matplotlib does not import."""
+    return importlib.import_module("stealer.bench.plots")
+
+
 def _output_paths(args: argparse.Namespace) -> tuple[str, str]:
     """``(json path, plots directory)`` from ``--json`` and ``--plots``."""
     if args.json:
@@ -1732,8 +1740,16 @@ def _output_paths(args: argparse.Namespace) -> tuple[str, str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry: run, print the table, write JSON and plots. Returns an exit code:
-    0, or 1 when the first system failed a workload (or nothing ran), 2 for bad usage."""
+    0, or 1 when the first system failed a workload (or nothing ran), 2 for bad usage (and
+    for ``--plots DIR`` without matplotlib, checked before anything runs)."""
     args = _parse(argv)
+    if args.plots and not args.no_plots:
+        try:  # asked for plots: say how to get them before spending minutes on the run
+            _load_plots()
+        except ImportError as exc:
+            print(f"error: --plots needs matplotlib, which does not import here ({exc}). "
+                  f"Install it with: {PLOTS_HINT} (or run without --plots)", file=sys.stderr)
+            return 2
     systems, skipped = load_systems(args.systems)
     for name, reason in skipped.items():
         print(f"note: system {name!r} skipped: {reason}", file=sys.stderr)
@@ -1848,11 +1864,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     written.append(json_path)
     if not args.no_plots:
         try:
-            from stealer.bench import plots as _plots
-
+            _plots = _load_plots()
             written += _plots.write_plots(results, names, plots_dir, workers=args.workers)
-        except ImportError as exc:
-            print(f"(no plots: {exc})", file=sys.stderr)
+        except ImportError as exc:  # plots were not asked for (no --plots): a note is enough
+            print(f"(no plots: {exc}; for plots: {PLOTS_HINT})", file=sys.stderr)
         except Exception as exc:  # a plot must not lose the run's numbers
             print(f"(plots failed: {type(exc).__name__}: {exc})", file=sys.stderr)
     print("wrote " + ", ".join(written))

@@ -318,3 +318,10 @@ class Marker(stealer.Agent):
     def mark(self, x: int) -> int:
         self.log.append(("m", x))
         return len(self.log) - 1
+
+
+def send_many(ref: stealer.AgentRef, n: int) -> int:
+    """A plain task sending ``n`` messages (its agent may live on the same worker)."""
+    for _ in range(n):
+        ref.send("add", 1)
+    return n

@@ -443,3 +443,15 @@ def test_runqueue_counts_control_tier():
     assert (rq.n, rq.n0) == (2, 1)
     assert rq.pop() is a and rq.n0 == 0
     assert rq.pop() is b and rq.n == 0
+
+
+def test_a_task_sending_to_a_full_mailbox_on_its_own_worker_does_not_hang(ex1):
+    ref = ex1.spawn_agent(L.Counter, 0, 0.001, mailbox=2)
+    ref.call("get").result(T)  # it lives on the only worker
+    assert ex1.submit(L.send_many, ref, 30).result(T) == 30  # queued, not waited for
+    deadline = time.monotonic() + T
+    while ref.call("get").result(T) < 30 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ref.call("get").result(T) == 30
+    ref.stop()
+    ref.result(T)

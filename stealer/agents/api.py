@@ -212,7 +212,8 @@ class AgentRef:
              timeout: float | None = None, **kwargs: Any) -> None:
         """One-way message.  A full mailbox blocks the client (up to ``timeout``) or,
         with ``block=False``, raises MailboxFull; from inside an agent, the send is
-        queued and the sending agent waits (no step, no message) until it is delivered."""
+        queued and the sending agent waits (no step, no message) until it is delivered;
+        from a plain task on a worker, it is queued and the task goes on."""
         self._runtime().send(self._h, method, args, kwargs, block, timeout)
 
     def stop(self) -> None:

@@ -240,6 +240,8 @@ class Host:
         self.timers: list[tuple[float, int, _Entry]] = []
         self.tseq = 0
         self.blocked: list[_Entry] = []  # agents whose sends wait for room
+        self.task_sends = _Entry(-1, 0)  # the outbox of plain tasks' sends (never a turn)
+        self.task_sends.state = FINISHED
         self.blocking: Any = None  # thread pool of run_blocking, made on first use
         self.current: _Entry | None = None
         self.in_step = False
@@ -863,22 +865,20 @@ class Host:
         m = self.alloc()
         off = a.setup(m, K_MSG, 0, time.monotonic_ns())
         a.put(off, data, bufs)
-        e = self.current
-        if e is not None:
-            if e.outbox or not self.dir.reserve(h):
-                if not block and not e.outbox:
-                    a.free(m)
-                    raise MailboxFull(f"the mailbox of agent {h:#x} is full", h)
-                if e.outbox is None:
-                    e.outbox = collections.deque()
-                e.outbox.append((h, m))  # sent when there is room; this agent waits for it
-                return
-        else:
-            while not self.dir.reserve(h):  # a plain task: wait here (it has no turn to yield)
-                if not block:
-                    a.free(m)
-                    raise MailboxFull(f"the mailbox of agent {h:#x} is full", h)
-                time.sleep(0.0005)
+        # A plain task's sends queue like an agent's: waiting here could wait forever for
+        # an agent that lives on this very worker.
+        e = self.current or self.task_sends
+        if e.outbox or not self.dir.reserve(h):
+            if not block and not e.outbox:
+                a.free(m)
+                raise MailboxFull(f"the mailbox of agent {h:#x} is full", h)
+            if e.outbox is None:
+                e.outbox = collections.deque()
+            e.outbox.append((h, m))  # sent when there is room; an agent waits for it
+            if e is self.task_sends and not e.blocked:
+                e.blocked = True
+                self.blocked.append(e)
+            return
         self.deliver_to(h, m)
 
     def deliver_to(self, h: int, m: int) -> None:

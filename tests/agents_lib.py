@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 import stealer
+from stealer.bench.workloads import BulkAgent
 
 
 def busy(seconds: float) -> None:
@@ -139,23 +140,8 @@ class Looper(stealer.Agent):
             pass
 
 
-class Hog(stealer.Agent):
-    """Steps of ``work`` seconds forever; counts them."""
-
-    def __init__(self, work: float) -> None:
-        self.work = work
-        self.steps = 0
-
-    def step(self, ctx: stealer.Ctx) -> Any:
-        busy(self.work)
-        self.steps += 1
-        return None
-
-    def count(self) -> int:
-        return self.steps
-
-    def on_stop(self) -> int:
-        return self.steps
+# Steps of ``work`` seconds forever, counting them (count(), on_stop()): the bench's own.
+Hog = BulkAgent
 
 
 class Quick(stealer.Agent):

@@ -54,3 +54,26 @@ def test_worker_killed_at_agent_failpoint(monkeypatch, tmp_path, point):
         assert ex._pool.crashes >= 1
         assert ex.stats().client["stray_completions"] == 0
         _load(ex)  # still usable
+
+
+@pytest.mark.kills_workers
+def test_killed_while_stopping_an_agent_with_calls_waiting(monkeypatch, tmp_path):
+    """Killed between closing a stopped agent's mailbox and failing the calls in it: the
+    restarted agent stops again and every call still gets an answer (none hangs)."""
+    point = "agent.finish_after_close"
+    monkeypatch.setenv("STEALER_FAILPOINTS", f"{point}=kill!once")
+    monkeypatch.setenv("STEALER_FAILPOINTS_DIR", str(tmp_path))
+    with stealer.Executor(1) as ex:
+        ref = ex.spawn_agent(L.Counter, 0, 0.05, checkpoint_every=1)
+        ref.call("add", 1).result(T)
+        calls = [ref.call("add", 1) for _ in range(10)]  # ~0.5 s of work queued
+        ref.stop()
+        outcomes = []
+        for f in calls:
+            try:
+                outcomes.append(f.result(T))
+            except stealer.AgentStopped:
+                outcomes.append("stopped")
+        assert "stopped" in outcomes
+        assert isinstance(ref.result(T), str)
+        assert os.path.exists(tmp_path / point)

@@ -111,6 +111,8 @@ def test_agent_out_of_retries_fails_its_waiting_calls_instead_of_hanging():
                 outcomes.append(f.result(T))
             except stealer.AgentStopped:
                 outcomes.append("stopped")
+            except stealer.WorkerCrashedError:
+                outcomes.append("crashed")  # its reply was being stored when the kill came
         assert "stopped" in outcomes  # the ones still queued were failed, none hangs
         with pytest.raises(stealer.AgentStopped):
             ref.send("add", 1)

@@ -172,7 +172,8 @@ class AgentClient:
     # -- messages ---------------------------------------------------------------------
     def _check(self, h: int) -> None:
         st = self.a.tr.state(h)
-        if st is None or st[0] == S_DONE or self.pool.region.load64(self.dir.entry(h)) == CLOSED:
+        # acquire load of D_HEAD: pairs with the owner's closing CAS
+        if st is None or st[0] == S_DONE or self.pool.region.load64(self.dir.entry(h)) & CLOSED:
             raise AgentStopped(f"agent {h:#x} was stopped, finished or failed; it takes no "
                                "more messages", h)
 

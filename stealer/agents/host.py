@@ -66,7 +66,7 @@ from stealer._layout import (
     ST_ERROR,
     ST_OK,
 )
-from stealer.agents.api import TIER_NAMES, AgentRef, Ctx, Done, Pending, Sleep, Wait
+from stealer.agents.api import AgentRef, Ctx, Done, Pending, Sleep, Wait
 from stealer.agents.client import AGENT_FID, encode_message
 from stealer.agents.mailbox import Directory
 from stealer.agents.options import DEFAULT_OPTIONS, AgentOptions
@@ -263,9 +263,6 @@ class Host:
             signal.signal(signal.SIGUSR1, self._on_request)
 
     # -- the worker loop's questions -------------------------------------------------
-    def next_timer(self) -> float | None:
-        return self.timers[0][0] if self.timers else None
-
     def poll(self) -> None:
         """Wake due sleepers and retry blocked sends (cheap when there are none)."""
         if self.timers:
@@ -292,10 +289,10 @@ class Host:
             FP.hit("agent.adopt")
         d.clear_notified(h)  # before the walk (mailbox.py); a dead owner may have left it set
         if self.stopping:  # shutting down: it stops at its first turn here
-            self.r.or64(d.entry(h) + D_FLAGS, AF_STOP)
-        self.r.store32(d.entry(h) + D_OWNER, self.who)
+            self.r.or64(d.entry(h) + D_FLAGS, AF_STOP)  # seq_cst: read by our own turn
+        self.r.store32(d.entry(h) + D_OWNER, self.who)  # stats only: read by collect()
         e = self.away.pop(h, None)
-        ck = self.r.load64(d.entry(h) + D_CKPT)
+        ck = self.r.load64(d.entry(h) + D_CKPT)  # acquire: pairs with checkpoint()'s store
         if e is not None and e.last_ckpt == ck:  # we published it and took it back
             e.pending = None
             e.replay = 0
@@ -335,7 +332,7 @@ class Host:
                     e.obj = cls(*args, **kwargs) if kwargs else cls(*args)
                 finally:
                     self.w.in_body = False
-            self.r.store32(d.entry(h) + D_GEN, e.gen)
+            self.r.store32(d.entry(h) + D_GEN, e.gen)  # stats only: read by collect()
         except BaseException as exc:
             e.seen = self.dir.done_mark(h)
             self.finish(e, ST_ERROR, exc)
@@ -666,9 +663,8 @@ class Host:
         e.handled += 1
         try:
             target, method, args, kwargs, reply, deadline = a.read_call(a.off(m))
-        except BaseException as exc:  # a message that does not unpickle here
+        except BaseException:  # a message that does not unpickle here: nobody to answer
             self.handled(e, m, replay)
-            self.failed_message(e, -1, exc)
             return
         if target != e.h:  # pushed into a recycled slot's mailbox by a stale ref
             self.handled(e, m, replay)
@@ -721,9 +717,6 @@ class Host:
         if FP.ON:
             FP.hit("agent.after_mark_done")
         self.dir.give_back(e.h)
-
-    def failed_message(self, e: _Entry, reply: int, exc: BaseException) -> None:
-        self.reply(reply, ST_ERROR, exc)
 
     def reply(self, rh: int, status: int, value: Any) -> None:
         """Store a reply in slot ``rh`` (QUEUED, made by the caller) and publish it."""
@@ -935,7 +928,7 @@ class Host:
     def stop(self, h: int) -> None:
         if self.a.tr.state(h) is None:
             return
-        self.r.or64(self.dir.entry(h) + D_FLAGS, AF_STOP)
+        self.r.or64(self.dir.entry(h) + D_FLAGS, AF_STOP)  # seq_cst; read by the owner after it clears NOTIFIED
         self.dir.notify(h, self.k)
 
     def future(self, h: int) -> Any:
@@ -1039,7 +1032,7 @@ class Host:
                     return
                 e.obj = obj
                 e.gen += 1
-                self.r.store32(self.dir.entry(e.h) + D_GEN, e.gen)
+                self.r.store32(self.dir.entry(e.h) + D_GEN, e.gen)  # stats only: read by collect()
                 e.it = None
                 e.waiting = None
                 e.state = RUNNABLE
@@ -1078,23 +1071,24 @@ class Host:
         if isinstance(y, CallPending) and y.rh >= 0 and not y.done:
             self.drop_reply(y.rh)
         for _h, m in e.outbox or ():
-            a.free(m)
+            a.free(m)  # never pushed: in no chain
         e.outbox = None
         if e in self.blocked:
             self.blocked.remove(e)
-        # Free the whole chain (handled or not) and the checkpoint.
-        ck = self.r.load64(d.entry(h) + D_CKPT)
-        stop_at = self._ckpt_mark(ck)
-        for m in d.older(head, stop_at):
-            a.free(m)
-        if ck:
-            self.r.store64(d.entry(h) + D_CKPT, 0)
-            a.free(ck - 1)
         if e.frame is not None and e.frame.kids:
             for kh in list(e.frame.kids):
                 if a.tr.state(kh) is not None and a.tr.state(kh)[0] == S_DONE:
                     a.free(kh)
+        # The chain (handled or not) and the checkpoint are freed only once the record is
+        # DONE: killed before, a successor restarts the agent and walks an intact chain
+        # (killed after, they leak; they are never freed twice).
+        ck = self.r.load64(d.entry(h) + D_CKPT)  # our own store (single writer)
+        chain = d.older(head, self._ckpt_mark(ck))
         self.w.report(h, K_ROOT | F_AGENT, e.link, status, value)
+        for m in chain:
+            a.free(m)
+        if ck:
+            a.free(ck - 1)
 
     # -- checkpoints and migration ---------------------------------------------------------
     def checkpoint(self, e: _Entry) -> bool:
@@ -1179,7 +1173,7 @@ class Host:
         self.away[h] = e
         if len(self.away) > 64:
             self._prune_away()
-        self.r.store32(self.dir.entry(h) + D_OWNER, 0)
+        self.r.store32(self.dir.entry(h) + D_OWNER, 0)  # stats only: read by collect()
         w = self.w
         if FP.ON:
             FP.hit("agent.migrate_after_ckpt")
@@ -1211,15 +1205,9 @@ class Host:
         """Shutdown: every agent here stops at its next step boundary."""
         self.stopping = True
         for h, e in list(self.agents.items()):
-            self.r.or64(self.dir.entry(h) + D_FLAGS, AF_STOP)
+            self.r.or64(self.dir.entry(h) + D_FLAGS, AF_STOP)  # seq_cst; read at its next turn
             e.stop = True
             self.schedule(e)
 
-    @property
-    def live(self) -> int:
-        return len(self.agents)
-
-    def describe(self) -> str:
-        return ", ".join(f"{h:#x}:{TIER_NAMES[e.tier]}" for h, e in self.agents.items())
 
 

@@ -19,8 +19,10 @@ above the mark: every message accepted by a send or call is applied
 (D_DONE tells which of them had been handled before, so only the others
 give back their mailbox slot).
 
-Closing (the agent finished or was stopped): the owner CASes D_HEAD to
-CLOSED; a sender's push then fails and it raises AgentStopped.
+Closing (the agent finished or was stopped): the owner sets CLOSED (the
+top bit) in D_HEAD with a CAS; a sender's push then fails and it raises
+AgentStopped.  The chain stays readable under the bit, so an owner killed
+while finishing leaves a successor that can still answer every call in it.
 
 Notification (as tokio's NOTIFIED bit): after pushing, a sender sets
 AF_NOTIFIED; the one that set it first reads the agent's state word and,
@@ -59,7 +61,9 @@ from stealer._layout import (
 
 __all__ = ["CLOSED", "Directory"]
 
-CLOSED = (1 << 64) - 1  # D_HEAD of a closed mailbox
+CLOSED = 1 << 63  # the bit of D_HEAD that closes a mailbox (handles + 1 stay below it)
+_CHAIN = CLOSED - 1
+_ALL = (1 << 64) - 1
 _U64 = struct.Struct("=Q")
 
 
@@ -99,12 +103,13 @@ class Directory:
     def count(self, h: int) -> tuple[int, int]:
         """(messages waiting, capacity) of agent ``h``'s mailbox."""
         e = self.entry(h)
+        # stats reads: D_COUNT pairs with reserve/give_back (add32), D_CAP with init
         return self.r.load32(e + D_COUNT), self.r.load32(e + D_CAP)
 
     def wait_room(self, h: int, timeout: float) -> None:
         """Client: sleep until the count of ``h`` may have dropped (or ``timeout``)."""
         e = self.entry(h)
-        c = self.r.load32(e + D_COUNT)
+        c = self.r.load32(e + D_COUNT)  # pairs with give_back's add32 and futex_wake
         if c >= self.r.load32(e + D_CAP):
             self.r.futex_wait(e + D_COUNT, c, timeout)  # woken by give_back
 
@@ -115,7 +120,7 @@ class Directory:
         moff = self.a.off(m)
         while True:
             old = r.load64(e + D_HEAD)  # acquire: pairs with other senders' CAS
-            if old == CLOSED:
+            if old & CLOSED:
                 return False
             _U64.pack_into(self.mm, moff + R_NEXT, old)  # ours until the CAS publishes it
             # seq_cst CAS: publishes the message and its link; pairs with the owner's
@@ -142,15 +147,17 @@ class Directory:
 
     # -- the owner ----------------------------------------------------------------
     def clear_notified(self, h: int) -> None:
-        self.r.and64(self.entry(h) + D_FLAGS, ~AF_NOTIFIED & CLOSED)  # seq_cst: see notify
+        self.r.and64(self.entry(h) + D_FLAGS, ~AF_NOTIFIED & _ALL)  # seq_cst: see notify
 
     def flags(self, h: int) -> int:
-        return self.r.load64(self.entry(h) + D_FLAGS)
+        return self.r.load64(self.entry(h) + D_FLAGS)  # pairs with the or64 of stop/notify
 
     def take(self, h: int, seen: int) -> tuple[list[int], int]:
-        """Messages pushed since ``seen`` (a head value), oldest first, and the new head."""
-        head = self.r.load64(self.entry(h) + D_HEAD)  # acquire: pairs with push's CAS
-        if head in (seen, CLOSED):
+        """Messages pushed since ``seen`` (a head value), oldest first, and the new head
+        (a closed mailbox's chain too: a successor of an owner killed while finishing)."""
+        # acquire: pairs with push's CAS and close's
+        head = self.r.load64(self.entry(h) + D_HEAD) & _CHAIN
+        if head == seen:
             return [], seen
         out = self.older(head, seen)
         out.reverse()
@@ -184,13 +191,14 @@ class Directory:
             self.r.futex_wake(e + D_COUNT, 1 << 30)
 
     def close(self, h: int) -> int:
-        """Owner: no more messages; returns the last head (the chain to drain)."""
+        """Owner: no more messages; returns the last head (the chain to drain), also when
+        an earlier, killed owner had closed it already."""
         e = self.entry(h)
         r = self.r
         while True:
-            old = r.load64(e + D_HEAD)
-            if old == CLOSED:
-                return 0
-            if r.cas64(e + D_HEAD, old, CLOSED):  # seq_cst: pairs with push's CAS
+            old = r.load64(e + D_HEAD)  # acquire: pairs with push's CAS
+            if old & CLOSED:
+                return old & _CHAIN
+            if r.cas64(e + D_HEAD, old, old | CLOSED):  # seq_cst: pairs with push's CAS
                 r.futex_wake(e + D_COUNT, 1 << 30)  # blocked senders see it closed
                 return old

@@ -7,10 +7,12 @@ from stealer.agents import Agent, AgentRef, Ctx
 from stealer.errors import (
     AffinityError,
     AgentError,
+    AgentNotFound,
     AgentStopped,
     BrokenExecutor,
     DeadlineExceeded,
     ExecutorShutdownError,
+    JournalError,
     MailboxFull,
     NotInTaskError,
     RemoteError,
@@ -20,7 +22,7 @@ from stealer.errors import (
     StepTimeout,
     WorkerCrashedError,
 )
-from stealer.executor import Executor
+from stealer.executor import Executor, recover
 from stealer.forkjoin import Child, run_inline, spawn
 
 __version__ = "0.1.0"
@@ -29,6 +31,7 @@ __all__ = [
     "AffinityError",
     "Agent",
     "AgentError",
+    "AgentNotFound",
     "AgentRef",
     "AgentStopped",
     "Ctx",
@@ -39,12 +42,14 @@ __all__ = [
     "Child",
     "Executor",
     "ExecutorShutdownError",
+    "JournalError",
     "NotInTaskError",
     "RemoteError",
     "SerializationError",
     "SharedMemoryFullError",
     "StealerError",
     "WorkerCrashedError",
+    "recover",
     "run_inline",
     "spawn",
 ]

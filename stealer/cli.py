@@ -10,6 +10,9 @@ Subcommands:
           throughput (``stealer tune --quick``; see ``stealer tune --help``)
   top     live view of a running executor attached by its id (``Executor.id``): queue
           depths, steps/steals/parks per second, per-tier latency, busiest workers
+  journal what an agents' journal (``Executor(journal=PATH)``) holds: its agents, their
+          generations, last snapshots and event counts, and what ``recover=True`` would
+          do; ``--agent NAME`` shows the tail of one agent's log
 """
 
 from __future__ import annotations
@@ -70,6 +73,18 @@ def _tune(argv: Sequence[str]) -> int:
     return tune_main(argv)
 
 
+def _journal(args: argparse.Namespace) -> int:
+    from stealer.agents.journal import describe
+    from stealer.errors import JournalError
+
+    try:
+        print(describe(args.path, args.agent, args.tail))
+    except JournalError as exc:
+        print(f"stealer journal: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
@@ -90,8 +105,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("bench", help="yardstick benchmarks (see stealer bench --help)")
     sub.add_parser("tune", help="best pinning policy and worker count (see stealer tune --help)")
     sub.add_parser("top", help="live view of a running executor (see stealer top --help)")
+    j = sub.add_parser("journal", help="what an agents' journal holds, and what recovery "
+                                       "would do")
+    j.add_argument("path", help="the journal directory (Executor(journal=PATH))")
+    j.add_argument("--agent", default=None, help="an agent's name or uid: the tail of its log")
+    j.add_argument("--tail", type=int, default=20, help="events shown with --agent")
     args = p.parse_args(argv)
-    return {"demo": _demo, "topo": _topo}[args.cmd](args)
+    return {"demo": _demo, "topo": _topo, "journal": _journal}[args.cmd](args)
 
 
 if __name__ == "__main__":  # pragma: no cover

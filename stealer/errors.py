@@ -133,6 +133,16 @@ class DeadlineExceeded(AgentError):
     """A call or an agent missed its deadline."""
 
 
+class AgentNotFound(AgentError, LookupError):
+    """``Executor.agent(name)``: no agent of that name in the executor's journal."""
+
+
+class JournalError(StealerError):
+    """The agents' journal (``Executor(journal=PATH)``) cannot be used: not writable,
+    held by another live executor, written by another version or user, not a journal,
+    full disk, or state that does not pickle.  The message says which and what to do."""
+
+
 def result_value(status: int, value: Any) -> tuple[int, Any]:
     """Normalise a stored outcome: an ST_LOST reason becomes an error payload."""
     if status == ST_LOST:

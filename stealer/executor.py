@@ -28,6 +28,7 @@ import collections
 import copy
 import itertools
 import multiprocessing as mp
+import os
 import threading
 import time
 import weakref
@@ -181,6 +182,9 @@ class Executor(_fbase.Executor):
         records: int = 16384,
         metrics: bool = True,
         retries: int = 3,
+        journal: str | os.PathLike[str] | None = None,
+        durability: str = "batch",
+        recover: bool = False,
     ) -> None:
         topo = affinity.read_topology()
         if max_workers is None:
@@ -215,9 +219,30 @@ class Executor(_fbase.Executor):
         self._cpus = plan
         self._retries = retries
         self._parent: Executor | None = None
-        self._pool = _Pool(max_workers, mp_context, plan, steal, init_bytes, tuple(initargs),
-                           max_tasks_per_child, thread_limit, records, metrics, retries)
+        cj = jplan = None
+        if journal is not None:
+            from stealer.agents.journal import open_for_client
+
+            cj, jplan = open_for_client(journal, durability, max_workers, recover)
+        elif recover:
+            raise ValueError("recover=True needs the journal to recover: "
+                             "Executor(journal=PATH, recover=True)")
+        try:
+            self._pool = _Pool(max_workers, mp_context, plan, steal, init_bytes,
+                               tuple(initargs), max_tasks_per_child, thread_limit, records,
+                               metrics, retries, cj)
+        except BaseException:
+            if cj is not None:
+                cj.close()
+            raise
         weakref.finalize(self, self._pool.begin_shutdown)
+        self.recovered = 0  # agents restarted from the journal (recover=True)
+        if jplan is not None:
+            try:
+                self.recovered = self._pool.agents.recover(jplan)
+            except BaseException:
+                self.shutdown(wait=True)
+                raise
 
     def options(self, *, retries: int | None = None) -> Executor:
         """A view of this executor whose ``submit``/``map`` use other per-task options.
@@ -380,7 +405,8 @@ class Executor(_fbase.Executor):
 
     # -- agents ----------------------------------------------------------------
     def spawn_agent(self, cls: type, /, *args: Any, init_kwargs: dict | None = None,
-                    retries: int | None = None, **options: Any) -> AgentRef:
+                    retries: int | None = None, name: str | None = None,
+                    **options: Any) -> AgentRef:
         """Start an agent: ``cls(*args, **init_kwargs)`` is built on a worker, where it lives.
 
         Options: ``tier`` ("control" > "interactive" > "bulk", default
@@ -393,8 +419,10 @@ class Executor(_fbase.Executor):
         ``checkpoint_every`` (steps + messages) and ``checkpoint_seconds``
         between in-memory checkpoints, ``cpu_share`` (fraction of one worker
         before the agent is demoted to bulk), ``retries`` (restarts after
-        worker deaths, default the executor's).  Returns an
-        :class:`~stealer.AgentRef`.  See stealer/agents/ and README.md.
+        worker deaths, default the executor's).  With a journal
+        (``Executor(journal=PATH)``), ``name`` names the agent, unique per
+        journal: ``ex.agent(name)`` finds it again, also after a recovery.
+        Returns an :class:`~stealer.AgentRef`.  See stealer/agents/ and README.md.
         """
         from stealer.agents.options import AgentOptions
 
@@ -406,7 +434,18 @@ class Executor(_fbase.Executor):
         r = self._retries if retries is None else retries
         _check_retries(r)
         opts = AgentOptions.parse(options)
-        return pool.agents.spawn(cls, args, init_kwargs or {}, opts, r)
+        return pool.agents.spawn(cls, args, init_kwargs or {}, opts, r, name)
+
+    def agent(self, name: str) -> AgentRef:
+        """The agent spawned with ``name`` in this executor's journal (in this run or,
+        after ``recover=True``, in an earlier one); a finished agent's ref gives its
+        final value.  Raises :class:`~stealer.AgentNotFound` if there is none."""
+        return self._pool.agents.ref(name)
+
+    def agents(self) -> dict[str, AgentRef]:
+        """The named agents of this executor's journal, by name."""
+        c = self._pool.agents
+        return {name: c.ref(name) for name in sorted(c.names)}
 
     # -- extras --------------------------------------------------------------
     def wait_ready(self, timeout: float | None = None) -> bool:
@@ -459,3 +498,12 @@ class Executor(_fbase.Executor):
 
     def worker_pids(self) -> list[int | None]:
         return [p.pid if p is not None else None for p in self._pool.procs]
+
+
+def recover(journal: str | os.PathLike[str], max_workers: int | None = None,
+            **kwargs: Any) -> Executor:
+    """An executor that resumes the agents of ``journal`` (written by an executor that
+    died): each from its newest snapshot plus the messages it had not applied.  Same as
+    ``Executor(max_workers, journal=journal, recover=True, **kwargs)``; find named
+    agents with ``ex.agent(name)``."""
+    return Executor(max_workers, journal=journal, recover=True, **kwargs)

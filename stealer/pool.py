@@ -143,8 +143,9 @@ class _Pool:
     def __init__(self, n: int, ctx: Any, cpus: list[int | None], steal: list[list[int]],
                  initializer: bytes | None, initargs: tuple, max_tasks: int | None,
                  thread_limit: int | None, records: int, metrics: bool = True,
-                 retries: int = 3) -> None:
+                 retries: int = 3, journal: Any = None) -> None:
         self.n = n
+        self.journal = journal  # agents.journal.ClientJournal or None
         self.retries = retries
         self.ctx = ctx
         # Replacements start from the result thread. Forking a process that runs other
@@ -205,6 +206,7 @@ class _Pool:
         from stealer.agents.client import AgentClient
 
         self.agents = AgentClient(self)  # spawn/send/call/stop and agents' final values
+        self.agents.j = self.journal
         # Handles set up (QUEUED) that found the injector full: pushed by the result thread
         # as room appears (deque append/popleft are atomic under the GIL).
         self.requeue: collections.deque[int] = collections.deque()
@@ -249,6 +251,8 @@ class _Pool:
             # failpoints travel explicitly: a forkserver's children inherit *its* environment
             failpoints=(os.environ.get("STEALER_FAILPOINTS"),
                         os.environ.get("STEALER_FAILPOINTS_DIR")),
+            journal=(None if self.journal is None else
+                     (self.journal.path, self.journal.mode, self.journal.epoch)),
         )
         in_thread = threading.current_thread() is getattr(self, "thread", None)
         ctx = self.replace_ctx if in_thread else self.ctx

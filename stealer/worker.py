@@ -265,6 +265,12 @@ class Worker:
         self.in_spawn = False  # inside spawn(): Ctrl-C waits for its end
         self.interrupted = False  # a Ctrl-C held back by spawn()
         self.tick = 0
+        self.journal: Any = None  # the agents' journal (Executor(journal=PATH)): our shard
+        jcfg = getattr(a, "journal", None)
+        if jcfg is not None:
+            from stealer.agents.journal import WorkerJournal
+
+            self.journal = WorkerJournal(*jcfg, a.index, a.incarnation)
         from stealer.agents.host import Host
 
         self.host = Host(self)  # the agents living on this worker (stealer/agents/host.py)
@@ -412,6 +418,8 @@ class Worker:
     def orphaned(self) -> None:
         """Our client died without shutting down: remove its files and exit."""
         unlink_all(self.name)
+        if self.journal is not None:
+            self.journal.close()  # every event is committed already; this syncs and unlocks
         os._exit(0)
 
     # -- running tasks -------------------------------------------------------
@@ -797,6 +805,8 @@ def main(a: WorkerArgs) -> None:
     finally:
         forkjoin._current = None
         w.flush()
+        if w.journal is not None:
+            w.journal.close()
         r.store32(w.wbase + W_STATE, state)
         sys.stdout.flush()
         sys.stderr.flush()

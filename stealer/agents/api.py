@@ -100,7 +100,12 @@ class Ctx:
 
     @property
     def self_ref(self) -> AgentRef:
-        return AgentRef(self._e.h, self._host.name, self._host)
+        return AgentRef(self._e.h, self._host.name, self._host, self._e.uid)
+
+    @property
+    def uid(self) -> str | None:
+        """The agent's durable id in the executor's journal (None without a journal)."""
+        return self._e.uid
 
     @property
     def tier(self) -> str:
@@ -146,10 +151,28 @@ def _runtime(seg: str) -> Any:
     return rt
 
 
-def _rebuild(h: int, seg: str, deadline: float | None) -> AgentRef:
-    ref = AgentRef(h, seg, None)
+_remap: list[Any] = []  # callables uid -> (segment, handle) | None: journaled runtimes here
+
+
+def _rebuild(h: int, seg: str, deadline: float | None, uid: str | None = None) -> AgentRef:
+    if uid is not None and seg not in _clients and not _hosts(seg):
+        # a ref from an executor that is gone (pickled in a journal snapshot): the agent
+        # it names lives on under the executor that recovered it
+        for find in _remap:
+            got = find(uid)
+            if got is not None:
+                seg, h = got
+                break
+    ref = AgentRef(h, seg, None, uid)
     ref._deadline = deadline
     return ref
+
+
+def _hosts(seg: str) -> bool:
+    from stealer import forkjoin
+
+    w = forkjoin._current
+    return w is not None and getattr(w, "name", None) == seg
 
 
 class AgentRef:
@@ -161,16 +184,19 @@ class AgentRef:
     ``concurrent.futures.Future``.
     """
 
-    __slots__ = ("_deadline", "_h", "_rt", "_seg")
+    __slots__ = ("_deadline", "_h", "_rt", "_seg", "_uid")
 
-    def __init__(self, h: int, seg: str, rt: Any) -> None:
+    def __init__(self, h: int, seg: str, rt: Any, uid: str | None = None) -> None:
         self._h = h
         self._seg = seg
         self._rt = rt
+        self._uid = uid  # durable id (journaled executors): refs survive a recovery
         self._deadline: float | None = None
 
     def __reduce__(self) -> tuple:
-        return (_rebuild, (self._h, self._seg, self._deadline))
+        if self._uid is None:
+            return (_rebuild, (self._h, self._seg, self._deadline))
+        return (_rebuild, (self._h, self._seg, self._deadline, self._uid))
 
     def __repr__(self) -> str:
         return f"<stealer.AgentRef {self._h:#x}>"
@@ -186,6 +212,11 @@ class AgentRef:
         """The agent id (unique among the live agents of its executor)."""
         return self._h
 
+    @property
+    def uid(self) -> str | None:
+        """The agent's durable id in the journal (None without a journal)."""
+        return self._uid
+
     def _runtime(self) -> Any:
         rt = self._rt
         if rt is None:
@@ -195,7 +226,7 @@ class AgentRef:
     def options(self, *, deadline: float | None = None) -> AgentRef:
         """A ref whose calls carry a deadline ``deadline`` seconds from each call: a call
         still in the mailbox then fails with DeadlineExceeded instead of running."""
-        ref = AgentRef(self._h, self._seg, self._rt)
+        ref = AgentRef(self._h, self._seg, self._rt, self._uid)
         ref._deadline = deadline
         return ref
 
@@ -206,7 +237,7 @@ class AgentRef:
         returned object; the agent is resumed with the reply.
         """
         dl = None if self._deadline is None else time.monotonic() + self._deadline
-        return self._runtime().call(self._h, method, args, kwargs, dl)
+        return self._runtime().call(self._h, method, args, kwargs, dl, self._uid)
 
     def send(self, method: str, /, *args: Any, block: bool = True,
              timeout: float | None = None, **kwargs: Any) -> None:
@@ -214,7 +245,7 @@ class AgentRef:
         with ``block=False``, raises MailboxFull; from inside an agent, the send is
         queued and the sending agent waits (no step, no message) until it is delivered;
         from a plain task on a worker, it is queued and the task goes on."""
-        self._runtime().send(self._h, method, args, kwargs, block, timeout)
+        self._runtime().send(self._h, method, args, kwargs, block, timeout, self._uid)
 
     def stop(self) -> None:
         """Stop the agent at its next step boundary; queued messages fail with AgentStopped."""
@@ -222,9 +253,9 @@ class AgentRef:
 
     def result(self, timeout: float | None = None) -> Any:
         """The agent's final value (``ctx.done(value)``, or ``on_stop()`` after stop)."""
-        return self._runtime().future(self._h).result(timeout)
+        return self._runtime().future(self._h, self._uid).result(timeout)
 
     @property
     def future(self) -> Any:
         """The Future of the agent's final value (client only; works with asyncio)."""
-        return self._runtime().future(self._h)
+        return self._runtime().future(self._h, self._uid)

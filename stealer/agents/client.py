@@ -19,6 +19,7 @@ from stealer import serialize
 from stealer._layout import (
     D_CKPT,
     F_AGENT,
+    K_CKPT,
     K_MASK,
     K_MSG,
     K_REPLY,
@@ -30,9 +31,16 @@ from stealer._layout import (
     ST_ERROR,
 )
 from stealer.agents.api import AgentRef, _clients
+from stealer.agents.journal import pack as journal_pack
 from stealer.agents.mailbox import CLOSED, Directory
 from stealer.agents.options import DEFAULT_OPTIONS, AgentOptions
-from stealer.errors import AgentStopped, MailboxFull, StealerError
+from stealer.errors import (
+    AgentStopped,
+    JournalError,
+    MailboxFull,
+    StealerError,
+    result_value,
+)
 from stealer.futures import _Future
 from stealer.records import Outcome
 
@@ -49,10 +57,13 @@ def lookup(seg: str) -> AgentClient | None:
 
 
 def encode_message(target: int, method: str, args: tuple, kwargs: dict | None, reply: int,
-                   deadline: float | None) -> tuple[bytes, list]:
+                   deadline: float | None, sender: str | None = None,
+                   seq: int = 0) -> tuple[bytes, list]:
+    """A message record's payload.  ``sender``/``seq`` (journaled executors only) name it
+    for the receiver's deduplication (see journal.py)."""
     if not isinstance(method, str) or not method or method.startswith("_"):
         raise ValueError(f"a message names a public method of the agent, not {method!r}")
-    return serialize.dumps((target, method, args, kwargs or None, reply, deadline),
+    return serialize.dumps((target, method, args, kwargs or None, reply, deadline, sender, seq),
                            f"message {method!r}")
 
 
@@ -75,10 +86,20 @@ class AgentClient:
         self.futures: dict[int, _Future] = {}  # agent handle -> its final value's Future
         self.finished: dict[int, tuple[int, Any]] = {}  # fid -> (status, value), nobody asked yet
         self.name = pool.name
+        # the journal (Executor(journal=PATH)): None, or the client's shard and epoch
+        self.j: Any = None
+        self.jlock = threading.Lock()
+        self.jseq = 0  # sequence number of the client's last journaled message
+        self.jspawned = 0  # agents this client spawned (their uids: "<epoch>.<n>")
+        self.names: dict[str, str] = {}  # agent name -> uid (this journal, every epoch)
+        self.by_uid: dict[str, int] = {}  # uid -> handle of a live agent spawned or recovered
+        self.ended: dict[str, tuple[int, bytes, int]] = {}  # uid -> final value, recovered
         _clients[pool.name] = weakref.ref(self)
 
     def close(self) -> None:
         _clients.pop(self.name, None)
+        if self.j is not None:
+            self.j.close()
 
     # -- records ------------------------------------------------------------------
     def alloc(self, what: str) -> int:
@@ -104,16 +125,24 @@ class AgentClient:
 
     # -- spawn ------------------------------------------------------------------
     def spawn(self, cls: type, args: tuple, kwargs: dict, opts: AgentOptions,
-              retries: int) -> AgentRef:
+              retries: int, name: str | None = None) -> AgentRef:
         pool = self.pool
         deadline_at = None if opts.deadline is None else time.monotonic() + opts.deadline
-        fid = pool.fns.id_of(cls)  # the class once in the function table, then by id
         wopts = None if opts == DEFAULT_OPTIONS else opts.to_worker()
-        # small enough for a record's inline bytes: a million idle agents use no blocks
-        data, bufs = serialize.dumps((fid if fid >= 0 else cls, args, kwargs or None, wopts,
-                                      deadline_at),
-                                     f"agent {getattr(cls, '__qualname__', cls)!r} and its "
-                                     "arguments")
+        what = f"agent {getattr(cls, '__qualname__', cls)!r} and its arguments"
+        uid = None
+        j = self.j
+        if j is not None:
+            uid, jinfo = self._journal_spawn(cls, args, kwargs, wopts, name, what)
+            data, bufs = serialize.dumps((cls, args, kwargs or None, wopts, deadline_at,
+                                          jinfo), what)
+        else:
+            if name is not None:
+                raise ValueError("named agents need a journal: Executor(journal=PATH)")
+            fid = pool.fns.id_of(cls)  # the class once in the function table, then by id
+            # small enough for a record's inline bytes: a million idle agents use no blocks
+            data, bufs = serialize.dumps((fid if fid >= 0 else cls, args, kwargs or None,
+                                          wopts, deadline_at), what)
         pool.check_open()
         h = self.alloc("a new agent")
         a = self.a
@@ -126,10 +155,135 @@ class AgentClient:
             raise
         pool.push(h)
         pool.idle.notify_one()
-        return AgentRef(h, self.name, self)
+        if uid is not None:
+            self.by_uid[uid] = h
+        return AgentRef(h, self.name, self, uid)
 
-    # -- final values ---------------------------------------------------------------
-    def future(self, h: int) -> _Future:
+    # -- the journal ------------------------------------------------------------------
+    def recover(self, plan: Any) -> int:
+        """Restart the live agents of a journal: each from its newest snapshot (a K_CKPT
+        record, as after a worker death), with the messages it had not applied in its
+        mailbox.  Returns how many agents were restarted."""
+        from stealer._layout import D_COUNT
+        from stealer.agents import api
+        from stealer.agents.journal import loads, unpack
+
+        a = self.a
+        r = self.pool.region
+        j = self.j
+        live = []
+        for uid, p in plan.agents.items():
+            if p.spawn is None:
+                continue
+            if p.name is not None:
+                self.names[p.name] = uid
+            if p.end is not None:
+                self.ended[uid] = p.end
+            else:
+                live.append(p)
+        need = sum(2 + len(p.msgs) for p in live)
+        have = self.pool.layout.records
+        if need > have // 2:
+            raise JournalError(
+                f"recovering {len(live)} agents needs about {need} records (their checkpoints "
+                f"and {need - 2 * len(live)} messages to replay) but this executor has "
+                f"{have}: create it with Executor(records={1 << max(need * 2, 2).bit_length()}"
+                ", ...)")
+        api._remap.append(self._remap)
+        handles = {p.uid: self.alloc("a recovered agent") for p in live}
+        self.by_uid.update(handles)  # refs in spawn arguments are remapped from here on
+        now = time.monotonic_ns()
+        for p in live:
+            h = handles[p.uid]
+            cls, args, kwargs, wopts = loads(*p.spawn)
+            opts = AgentOptions.from_worker(wopts) if wopts else DEFAULT_OPTIONS
+            deadline_at = None if opts.deadline is None else time.monotonic() + opts.deadline
+            self.dir.init(h, opts.mailbox)
+            ck = -1
+            if p.snap is not None:
+                ch = self.alloc("a recovered checkpoint")
+                off = a.setup(ch, K_CKPT, 0, now)
+                a.put(off, *unpack(p.snap["body"], p.snap["oob"]))
+                ck = ch + 1
+                # plain store: published by the agent record's push below
+                r.store64(self.dir.entry(h) + D_CKPT, ck)
+            jinfo = (p.uid, p.name, p.replies or None, ck)
+            data, bufs = serialize.dumps((cls, args, kwargs, wopts, deadline_at, jinfo),
+                                         f"agent {p.uid!r}")
+            off = a.setup(h, K_ROOT | F_AGENT, AGENT_FID | h, now, self.pool.retries)
+            a.put(off, data, bufs)
+            for body, oob, _sender, _seq in p.msgs:
+                m = self.alloc("a replayed message")
+                moff = a.setup(m, K_MSG, 1, now)  # link 1: replayed (journal.py)
+                a.put(moff, *unpack(body, oob))
+                # the replayed messages may exceed the capacity: counted, never refused
+                # (seq_cst RMW, pairs with the owner's give_back)
+                r.add32(self.dir.entry(h) + D_COUNT, 1)
+                self.dir.push(h, m)
+        rows = [(j.epoch, uid, h) for uid, h in handles.items()]
+        rows += [(j.epoch, uid, -1) for uid in self.ended]
+        with j.ctl.c:  # one transaction, committed before any recovered agent runs
+            j.ctl.c.execute("BEGIN")
+            j.ctl.c.executemany("INSERT INTO handles VALUES (?,?,?)", rows)
+        for p in live:
+            self.pool.push(handles[p.uid])
+        self.pool.idle.notify_all()
+        return len(live)
+
+    def _remap(self, uid: str) -> tuple[str, int] | None:
+        h = self.by_uid.get(uid)
+        if h is None and uid in self.ended:
+            h = -1
+        return None if h is None else (self.name, h)
+
+    def ref(self, name: str) -> AgentRef:
+        """ex.agent(name): a ref on the agent of that name (live or finished)."""
+        from stealer.errors import AgentNotFound
+
+        uid = self.names.get(name)
+        if uid is None:
+            raise AgentNotFound(f"no agent named {name!r} in the journal "
+                                f"{self.j.path if self.j else '(no journal)'}; "
+                                f"names: {', '.join(sorted(self.names)[:10]) or 'none'}")
+        h = self.by_uid.get(uid, -1)
+        return AgentRef(h, self.name, self, uid)
+
+    def _journal_spawn(self, cls: type, args: tuple, kwargs: dict, wopts: Any,
+                       name: str | None, what: str) -> tuple[str, tuple]:
+        """Write the spawn event (before the agent exists anywhere): its uid and jinfo."""
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ValueError(f"an agent's name is a non-empty str, not {name!r}")
+        body, oob = journal_pack(serialize.dumps((cls, args, kwargs or None, wopts), what))
+        with self.jlock:
+            if name is not None and name in self.names:
+                raise ValueError(f"this journal already has an agent named {name!r} (names "
+                                 "are unique per journal; ex.agent(name) finds it)")
+            self.jspawned += 1
+            uid = f"{self.j.epoch}.{self.jspawned}"
+            self.j.shard.spawn(uid, name, None, f"{cls.__module__}.{cls.__qualname__}", body,
+                               oob)
+            if name is not None:
+                self.names[name] = uid
+        return uid, (uid, name, None, 0)
+
+    def _journal_msg(self, uid: str | None, h: int, method: str, args: tuple, kwargs: dict,
+                     reply: int, deadline: float | None) -> tuple[bytes, list]:
+        j = self.j
+        if j is None or uid is None:
+            return encode_message(h, method, args, kwargs, reply, deadline)
+        with self.jlock:  # sequence numbers in the order the messages are logged
+            self.jseq += 1
+            seq = self.jseq
+            data, bufs = encode_message(h, method, args, kwargs, reply, deadline,
+                                        f"c{j.epoch}", seq)
+            body, oob = journal_pack((data, bufs))
+            j.shard.msg(uid, f"c{j.epoch}", seq, reply >= 0, body, oob)
+        return data, bufs
+
+    # -- final values ----------------------------------------------------------------
+    def future(self, h: int, uid: str | None = None) -> _Future:
+        if h < 0:  # an agent that had finished before the journal was recovered
+            return self._ended_future(uid)
         with self.lock:
             f = self.futures.get(h)
             if f is not None:
@@ -146,6 +300,21 @@ class AgentClient:
             from stealer.errors import BrokenExecutor
 
             self.pool.resolve(f, 1, (BrokenExecutor(self.pool.broken), ""))
+        return f
+
+    def _ended_future(self, uid: str | None) -> _Future:
+        got = self.ended.get(uid) if uid is not None else None
+        if got is None:
+            raise AgentStopped(f"agent {uid!r} is not in this executor's journal", -1)
+        status, body, oob = got
+        f = _AgentFuture(self.pool, -1, f"agent {uid}")
+        try:
+            from stealer.agents.journal import loads
+
+            status, value = result_value(status, loads(body, oob))
+        except BaseException as exc:
+            status, value = ST_ERROR, (exc, "")
+        self.pool.resolve(f, status, value)
         return f
 
     def settle(self, fid: int, status: int, value: Any) -> bool:
@@ -171,7 +340,7 @@ class AgentClient:
 
     # -- messages ---------------------------------------------------------------------
     def _check(self, h: int) -> None:
-        st = self.a.tr.state(h)
+        st = self.a.tr.state(h) if h >= 0 else None
         # acquire load of D_HEAD: pairs with the owner's closing CAS
         if st is None or st[0] == S_DONE or self.pool.region.load64(self.dir.entry(h)) & CLOSED:
             raise AgentStopped(f"agent {h:#x} was stopped, finished or failed; it takes no "
@@ -204,11 +373,15 @@ class AgentClient:
             d.wait_room(h, left)
 
     def send(self, h: int, method: str, args: tuple, kwargs: dict, block: bool,
-             timeout: float | None) -> None:
-        data, bufs = encode_message(h, method, args, kwargs, -1, None)
+             timeout: float | None, uid: str | None = None) -> None:
         self.pool.check_open()
         self._check(h)
         self._reserve(h, block, timeout)
+        try:
+            data, bufs = self._journal_msg(uid, h, method, args, kwargs, -1, None)
+        except BaseException:
+            self.dir.give_back(h)
+            raise
         try:
             m = self.alloc("a message")
             off = self.a.setup(m, K_MSG, 0, time.monotonic_ns())
@@ -219,7 +392,7 @@ class AgentClient:
         self._deliver(h, m)
 
     def call(self, h: int, method: str, args: tuple, kwargs: dict,
-             deadline: float | None) -> _Future:
+             deadline: float | None, uid: str | None = None) -> _Future:
         pool = self.pool
         pool.check_open()
         fid = next(pool.ids)
@@ -232,8 +405,12 @@ class AgentClient:
             f._st_handle = rh  # cancel() withdraws it (the agent then drops the reply)
             pool.futures[fid] = f
             try:
-                data, bufs = encode_message(h, method, args, kwargs, rh, deadline)
                 self._reserve(h, True, None)
+                try:
+                    data, bufs = self._journal_msg(uid, h, method, args, kwargs, rh, deadline)
+                except BaseException:
+                    self.dir.give_back(h)
+                    raise
                 m = self.alloc("a message")
                 off = a.setup(m, K_MSG, 0, time.monotonic_ns())
                 a.put(off, data, bufs)
@@ -242,7 +419,7 @@ class AgentClient:
                 if pool.futures.pop(fid, None) is not None:
                     a.release(rh, 1, 0, 0)  # QUEUED -> FREEING -> free (still ours)
                 raise
-        except (AgentStopped, MailboxFull, ValueError, StealerError) as exc:
+        except (AgentStopped, MailboxFull, ValueError, StealerError, JournalError) as exc:
             f.set_exception(exc)
         return f
 
@@ -300,7 +477,7 @@ class AgentClient:
     def stop(self, h: int) -> None:
         from stealer._layout import AF_STOP, D_FLAGS
 
-        if self.a.tr.state(h) is None:
+        if h < 0 or self.a.tr.state(h) is None:
             return  # already finished
         self.pool.region.or64(self.dir.entry(h) + D_FLAGS, AF_STOP)  # seq_cst; read by the owner
         self.dir.notify(h)

@@ -66,14 +66,19 @@ from stealer._layout import (
     ST_ERROR,
     ST_OK,
 )
+from stealer.agents import api
 from stealer.agents.api import AgentRef, Ctx, Done, Pending, Sleep, Wait
 from stealer.agents.client import AGENT_FID, encode_message
+from stealer.agents.journal import pack as journal_pack
+from stealer.agents.journal import sender_is_agent
 from stealer.agents.mailbox import Directory
 from stealer.agents.options import DEFAULT_OPTIONS, AgentOptions
 from stealer.agents.runqueue import RunQueue
 from stealer.errors import (
+    AgentError,
     AgentStopped,
     DeadlineExceeded,
+    JournalError,
     MailboxFull,
     NotInTaskError,
     StepTimeout,
@@ -106,6 +111,16 @@ C_BUSY_NS, C_STEPS, C_MSGS = _C["busy_ns"], _C["agent_steps"], _C["agent_message
 C_MIGRATIONS, C_THROTTLED, C_RESUMES = _C["migrations"], _C["throttled"], _C["resumes"]
 C_PREEMPT = _C["preempt_publishes"]
 READY = 1  # stealer.worker.STATE_READY
+
+def _unpicklable(obj: Any) -> str:
+    """Which attribute of an agent keeps it from pickling (for the error message)."""
+    for k, v in (getattr(obj, "__dict__", None) or {}).items():
+        try:
+            serialize.dumps(v)
+        except BaseException:
+            return f"its attribute {k!r} ({type(v).__name__}) does not pickle"
+    return "its state does not pickle"
+
 
 def _api(fn: Any) -> Any:
     """A Host method a step may call: the preemption signal handler leaves it alone."""
@@ -145,6 +160,10 @@ class _Entry:
         "handled",
         "it",
         "it_msg",
+        "jreplies",
+        "jseen",
+        "jsent",
+        "jspawned",
         "last_ckpt",
         "link",
         "msgs",
@@ -154,6 +173,7 @@ class _Entry:
         "pending",
         "pinned",
         "queued",
+        "rcache",
         "ready_at",
         "replay",
         "restarts",
@@ -163,6 +183,8 @@ class _Entry:
         "steps",
         "stop",
         "tier",
+        "uid",
+        "ver",
         "waiting",
         "wake_at",
         "want_step",
@@ -189,7 +211,8 @@ class _Entry:
         self.applied = 0  # handle + 1 of the newest message whose effect is in obj (0: none)
         self.seen = 0  # the mailbox head value walked up to
         self.it: Any = None  # a suspended generator (step or handler)
-        self.it_msg: tuple[int, int] | None = None  # (message, reply) of a suspended handler
+        # (message, reply, replay, sender, seq) of a suspended handler
+        self.it_msg: tuple | None = None
         self.waiting: Any = None
         self.frame: Any = None  # fork-join frame of children spawned in this agent
         self.wake_at = 0.0
@@ -211,6 +234,16 @@ class _Entry:
         self.win_cpu = 0
         self.restarts: list[float] | None = None
         self.ctx: Ctx | None = None  # made at the first step or handler
+        # the journal (journal.py): durable id, snapshot version, messages applied per
+        # sender (seq), messages sent and agents spawned so far, replies logged for calls
+        # a replay makes again, and the last reply given to each calling agent
+        self.uid: str | None = None
+        self.ver = 0
+        self.jseen: dict[str, int] | None = None
+        self.jsent = 0
+        self.jspawned = 0
+        self.jreplies: dict[int, tuple] | None = None
+        self.rcache: dict[str, tuple] | None = None
 
 
 class CallPending(Pending):
@@ -259,6 +292,9 @@ class Host:
         # only with the native queues: the reference queues' lock is not reentrant.
         self.preempt = w.native
         self.balancing = w.n > 1
+        self.journal: Any = getattr(w, "journal", None)  # journal.WorkerJournal or None
+        if self.journal is not None:
+            api._remap.append(self._remap)
         if self.preempt:
             signal.signal(signal.SIGUSR1, self._on_request)
 
@@ -268,8 +304,11 @@ class Host:
         if self.timers:
             now = time.monotonic()
             timers = self.timers
+            agents = self.agents
             while timers and timers[0][0] <= now:
                 _t, _s, e = heapq.heappop(timers)
+                if agents.get(e.h) is not e:
+                    continue  # it moved to another worker (or finished) since it slept
                 if e.state == SLEEPING and e.wake_at <= now:
                     e.state = RUNNABLE
                     e.want_step = True
@@ -305,7 +344,12 @@ class Host:
         e = _Entry(h, link)
         self.agents[h] = e
         try:
-            cls, args, kwargs, opts, deadline_at = self.a.read_call(self.a.off(h))
+            spawn = self.a.read_call(self.a.off(h))
+            cls, args, kwargs, opts, deadline_at = spawn[:5]
+            jinfo = spawn[5] if len(spawn) > 5 else None
+            if jinfo is not None:
+                e.uid = jinfo[0]
+                e.jreplies = dict(jinfo[2]) if jinfo[2] else None
             if type(cls) is int:
                 cls = self.w.fns.get(cls)
             e.cls = cls
@@ -317,16 +361,22 @@ class Host:
                 e.deadline_ns = int(deadline_at * 1e9)
             saved = self.a.read_call(self.a.off(ck - 1)) if ck else None
             if saved is not None:
-                obj, gen, steps, msgs, tries, _sched = saved
+                obj, gen, steps, msgs, tries, _sched, jstate = saved
                 e.obj = obj
                 # a new generation per worker death since the checkpoint, not per move
                 e.gen = gen + self.tries(h) - tries
+                if jstate is not None:
+                    _uid, e.ver, e.jseen, e.jsent, e.jspawned = jstate
+                    if jinfo is not None and ck == jinfo[3]:  # the snapshot recovered from
+                        e.gen = gen + 1 + self.tries(h)  # the journal: a new generation
                 e.steps, e.msgs = steps, msgs
                 e.last_ckpt = ck
                 mark = self._ckpt_mark(ck)
             else:  # from the spawn (the messages a stateless checkpoint covered are gone)
                 mark = self._ckpt_mark(ck)
                 e.gen = self.tries(h)  # re-run from the spawn after worker deaths
+                if jinfo is not None and jinfo[3] < 0:
+                    e.gen += 1  # recovered from the journal (it had no snapshot)
                 self.w.in_body = True
                 try:
                     e.obj = cls(*args, **kwargs) if kwargs else cls(*args)
@@ -342,7 +392,8 @@ class Host:
         e.stop = bool(d.flags(h) & AF_STOP)
         if saved is not None:  # where it was in its life: stepping, waiting or sleeping
             e.state, e.want_step, e.wake_at = saved[5]
-            if e.state == SLEEPING and e.wake_at <= time.monotonic():
+            recovered = jinfo is not None and ck == jinfo[3]  # another boot's clock
+            if e.state == SLEEPING and (recovered or e.wake_at <= time.monotonic()):
                 e.state, e.want_step = RUNNABLE, True
         else:
             e.want_step = hasattr(e.obj, "step")
@@ -662,10 +713,22 @@ class Host:
             e.replay -= 1
         e.handled += 1
         try:
-            target, method, args, kwargs, reply, deadline = a.read_call(a.off(m))
+            target, method, args, kwargs, reply, deadline, sender, seq = a.read_call(a.off(m))
         except BaseException:  # a message that does not unpickle here: nobody to answer
             self.handled(e, m, replay)
             return
+        if sender is not None:  # journaled: deduplicated by (sender, seq)
+            if a.kind_link(a.off(m))[2] == 1:  # replayed from the journal by a recovery
+                target, reply, deadline = e.h, -1, None
+            seen = e.jseen
+            if seen is None:
+                seen = e.jseen = {}
+            if seq <= seen.get(sender, 0):
+                self.handled(e, m, replay)
+                self.duplicate(e, sender, seq, reply)
+                return
+            if target == e.h:
+                seen[sender] = seq
         if target != e.h:  # pushed into a recycled slot's mailbox by a stale ref
             self.handled(e, m, replay)
             self.reply(reply, ST_ERROR, AgentStopped(
@@ -694,15 +757,19 @@ class Host:
         except BaseException as exc:
             w.in_body = False
             self.handled(e, m, replay)
+            if sender is not None and self.journal is not None:
+                self.answered(e, sender, seq, reply, ST_ERROR, exc)
             self.reply(reply, ST_ERROR, exc)  # the caller gets it; the agent goes on
             return
         w.in_body = False
         if type(res) is GeneratorType:
             e.it = res
-            e.it_msg = (m, -1 if replay else reply, replay)
+            e.it_msg = (m, -1 if replay else reply, replay, sender, seq)
             self.drive(e, None, None)
             return
         self.handled(e, m, replay)
+        if sender is not None and self.journal is not None:
+            self.answered(e, sender, seq, reply, ST_OK, res)
         self.reply(reply, ST_OK, res)
         if e.state == WAITING and e.want_step is False and hasattr(e.obj, "step"):
             e.want_step = True  # ctx.wait(): step again once a message was handled
@@ -717,6 +784,39 @@ class Host:
         if FP.ON:
             FP.hit("agent.after_mark_done")
         self.dir.give_back(e.h)
+
+    # -- the journal: replies and duplicates ------------------------------------------------
+    def answered(self, e: _Entry, sender: str, seq: int, reply: int, status: int,
+                 value: Any) -> None:
+        """A call from agent ``sender`` was handled: log the reply (a caller replaying after
+        a recovery takes it instead of calling again) and keep it for a re-sent call."""
+        if not sender_is_agent(sender):
+            return
+        if e.rcache is None:
+            e.rcache = {}
+        e.rcache[sender] = (seq, status, value)
+        if reply < 0:
+            return  # a one-way send, or a call replayed from the journal (logged before)
+        from stealer.worker import encode_result
+
+        st, data, bufs = encode_result(status, value)
+        body, oob = journal_pack((data, bufs))
+        try:
+            self.journal.shard.reply(sender, seq, st, body, oob)
+        except JournalError as exc:
+            print(f"stealer: {exc}", file=sys.stderr)
+
+    def duplicate(self, e: _Entry, sender: str, seq: int, reply: int) -> None:
+        """Message #seq of ``sender`` was applied before (a replay sent it again)."""
+        if reply < 0:
+            return
+        c = e.rcache.get(sender) if e.rcache else None
+        if c is not None and c[0] == seq:
+            self.reply(reply, c[1], c[2])
+            return
+        self.reply(reply, ST_ERROR, AgentError(
+            f"call #{seq} from {sender} to agent {e.h:#x} was made again by a replay after "
+            "a crash, and its first reply is gone: it is not run twice", e.h, e.gen))
 
     def reply(self, rh: int, status: int, value: Any) -> None:
         """Store a reply in slot ``rh`` (QUEUED, made by the caller) and publish it."""
@@ -773,7 +873,7 @@ class Host:
 
     def ready(self, e: _Entry) -> bool:
         y = e.waiting
-        if isinstance(y, CallPending):
+        if isinstance(y, CallPending) and y.rh >= 0:
             st = self.a.tr.state(y.rh)
             return st is not None and st[0] == S_DONE
         if isinstance(y, Pending):
@@ -782,7 +882,7 @@ class Host:
         return frame is None or self.w.kids_done(frame)
 
     def collect_pending(self, y: Pending) -> tuple[Any, BaseException | None]:
-        if isinstance(y, CallPending):
+        if isinstance(y, CallPending) and y.rh >= 0:
             a = self.a
             off = a.off(y.rh)
             status = a.kind_link(off)[1]
@@ -825,8 +925,10 @@ class Host:
             else:
                 self.failed(e, value)
             return
-        m, reply, replay = msg
+        m, reply, replay, sender, seq = msg
         self.handled(e, m, replay)
+        if sender is not None and self.journal is not None:
+            self.answered(e, sender, seq, reply, status, value)
         self.reply(reply, status, value)
 
     def drop_reply(self, rh: int) -> None:
@@ -846,9 +948,32 @@ class Host:
     # -- sends and calls from inside a worker ------------------------------------------
     @_api
     def send(self, h: int, method: str, args: tuple, kwargs: dict, block: bool,
-             timeout: float | None) -> None:
-        data, bufs = encode_message(h, method, args, kwargs, -1, None)
+             timeout: float | None, uid: str | None = None) -> None:
+        if h < 0:
+            raise AgentStopped(f"agent {uid!r} had finished before the recovery", h)
+        e = self.current
+        j = self.journal
+        if j is None or uid is None:
+            data, bufs = encode_message(h, method, args, kwargs, -1, None)
+        else:
+            sender, seq = self._next_seq(e)
+            data, bufs = encode_message(h, method, args, kwargs, -1, None, sender, seq)
+            self._log_msg(uid, sender, seq, False, data, bufs)
         self._send(h, data, bufs, block)
+
+    def _next_seq(self, e: _Entry | None) -> tuple[str, int]:
+        if e is not None and e.uid is not None:
+            e.jsent += 1
+            return e.uid, e.jsent
+        j = self.journal
+        j.task_seq += 1
+        return j.task_key, j.task_seq
+
+    def _log_msg(self, target: str, sender: str, seq: int, call: bool, data: bytes,
+                 bufs: list) -> None:
+        """Write-ahead: the message is in the journal before any mailbox has it."""
+        body, oob = journal_pack((data, bufs))
+        self.journal.shard.msg(target, sender, seq, call, body, oob)
 
     def _send(self, h: int, data: bytes, bufs: list, block: bool) -> None:
         a = self.a
@@ -906,15 +1031,40 @@ class Host:
 
     @_api
     def call(self, h: int, method: str, args: tuple, kwargs: dict,
-             deadline: float | None) -> CallPending:
+             deadline: float | None, uid: str | None = None) -> CallPending:
         e = self.current
         if e is None:
             raise NotInTaskError("ref.call() on a worker must be made from inside an agent "
                                  "(and yielded); a plain task can ref.send()")
+        j = self.journal if uid is not None and e.uid is not None else None
+        if j is not None:
+            sender, seq = self._next_seq(e)
+            logged = e.jreplies.pop(seq, None) if e.jreplies else None
+            if logged is not None and h >= 0:
+                # replaying after a recovery, and the reply is in the journal: the call goes
+                # again as a one-way message (in order with the sender's others; the callee
+                # drops it if its snapshot has it) and the logged reply is the answer
+                data, bufs = encode_message(h, method, args, kwargs, -1, deadline, sender, seq)
+                self._log_msg(uid, sender, seq, True, data, bufs)
+                self._send(h, data, bufs, True)
+                return self._logged_reply(logged)
+        if h < 0:
+            p = CallPending(-1)
+            p.done, p.exc = True, AgentStopped(f"agent {uid!r} had finished before the "
+                                               "recovery", h)
+            return p
         a = self.a
         rh = self.alloc()
         a.setup(rh, K_REPLY, e.h, time.monotonic_ns())  # QUEUED on no queue: the reply slot
-        data, bufs = encode_message(h, method, args, kwargs, rh, deadline)
+        if j is None:
+            data, bufs = encode_message(h, method, args, kwargs, rh, deadline)
+        else:
+            data, bufs = encode_message(h, method, args, kwargs, rh, deadline, sender, seq)
+            try:
+                self._log_msg(uid, sender, seq, True, data, bufs)
+            except BaseException:
+                a.free(rh)
+                raise
         try:
             self._send(h, data, bufs, True)
         except AgentStopped as exc:
@@ -931,7 +1081,29 @@ class Host:
         self.r.or64(self.dir.entry(h) + D_FLAGS, AF_STOP)  # seq_cst; read by the owner after it clears NOTIFIED
         self.dir.notify(h, self.k)
 
-    def future(self, h: int) -> Any:
+    @staticmethod
+    def _logged_reply(logged: tuple) -> CallPending:
+        from stealer.agents.journal import loads
+
+        status, body, oob = logged
+        p = CallPending(-1)
+        p.done = True
+        try:
+            status, value = result_value(status, loads(body, oob))
+        except BaseException as exc:
+            status, value = ST_ERROR, (exc, "")
+        if status == ST_OK:
+            p.value = value
+        else:
+            p.exc = with_remote_tb(value)
+        return p
+
+    def _remap(self, uid: str) -> tuple[str, int] | None:
+        """api._rebuild: the handle of agent ``uid`` recovered into this executor."""
+        h = self.journal.handle(uid)
+        return None if h is None else (self.name, h)
+
+    def future(self, h: int, uid: str | None = None) -> Any:
         raise NotInTaskError("ref.result() is for the client; inside an agent, call() the "
                              "agent and yield the reply")
 
@@ -949,11 +1121,33 @@ class Host:
     def spawn_agent(self, cls: type, args: tuple, options: dict) -> AgentRef:
         opts = dict(options)
         retries = opts.pop("retries", 3)
+        if opts.pop("name", None) is not None:
+            raise ValueError("agents are named by the client (Executor.spawn_agent(..., "
+                             "name=...)); an agent's children are found through the refs "
+                             "spawn_agent returns")
         ao = AgentOptions.parse(opts)
         deadline_at = None if ao.deadline is None else time.monotonic() + ao.deadline
         wopts = None if ao == DEFAULT_OPTIONS else ao.to_worker()
-        data, bufs = serialize.dumps((cls, args, None, wopts, deadline_at),
-                                     f"agent {getattr(cls, '__qualname__', cls)!r}")
+        what = f"agent {getattr(cls, '__qualname__', cls)!r}"
+        j = self.journal
+        uid = None
+        if j is None:
+            data, bufs = serialize.dumps((cls, args, None, wopts, deadline_at), what)
+        else:
+            e = self.current
+            if e is not None and e.uid is not None:
+                e.jspawned += 1
+                uid, parent = f"{e.uid}/{e.jspawned}", e.uid
+            else:
+                j.task_spawned += 1
+                uid, parent = f"{j.task_key}.{j.task_spawned}", None
+            old = j.handle(uid)
+            if old is not None:  # a replay spawns it again: it was recovered already
+                return AgentRef(old, self.name, self, uid)
+            body, oob = journal_pack(serialize.dumps((cls, args, None, wopts), what))
+            j.shard.spawn(uid, None, parent, f"{cls.__module__}.{cls.__qualname__}", body, oob)
+            data, bufs = serialize.dumps((cls, args, None, wopts, deadline_at,
+                                          (uid, None, None, 0)), what)
         a = self.a
         h = self.alloc()
         w = self.w
@@ -964,7 +1158,7 @@ class Host:
         if not w.deque.push(h):
             w.push_any(h)
         a.notify_one()
-        return AgentRef(h, self.name, self)
+        return AgentRef(h, self.name, self, uid)
 
     @_api
     def run_blocking(self, fn: Any, args: tuple, kwargs: dict) -> Pending:
@@ -997,7 +1191,16 @@ class Host:
 
     # -- leaving -------------------------------------------------------------------------
     def stop_entry(self, e: _Entry) -> None:
-        """ref.stop(): the final value is ``on_stop()`` (None if the agent has none)."""
+        """ref.stop(): the final value is ``on_stop()`` (None if the agent has none).
+
+        At shutdown a journaled agent is *suspended*, not ended: a last snapshot, and no
+        end in the journal, so ``recover=True`` resumes it later."""
+        if self.stopping and e.uid is not None and self.journal is not None:
+            e.events = 1
+            self.checkpoint(e)  # (not possible mid-call: its last snapshot then stands)
+            if e.state == FINISHED:
+                return  # its state did not pickle: checkpoint() failed it
+            e.uid = None  # no end event
         fn = getattr(e.obj, "on_stop", None)
         if fn is None:
             self.finish(e, ST_OK, None)
@@ -1084,6 +1287,15 @@ class Host:
         # (killed after, they leak; they are never freed twice).
         ck = self.r.load64(d.entry(h) + D_CKPT)  # our own store (single writer)
         chain = d.older(head, self._ckpt_mark(ck))
+        if e.uid is not None and self.journal is not None:
+            from stealer.worker import encode_result
+
+            st, data, bufs = encode_result(status, value)
+            body, oob = journal_pack((data, bufs))
+            try:
+                self.journal.shard.end(e.uid, st, body, oob)
+            except JournalError as exc:
+                print(f"stealer: {exc}", file=sys.stderr)
         self.w.report(h, K_ROOT | F_AGENT, e.link, status, value)
         for m in chain:
             a.free(m)
@@ -1100,11 +1312,23 @@ class Host:
         d = self.dir
         a = self.a
         state: Any = None  # None: the state does not pickle; a restore starts from the spawn
+        j = self.journal if e.uid is not None else None
+        if j is not None:
+            e.ver += 1
         if not e.pinned:
+            jstate = None if j is None else (e.uid, e.ver, e.jseen, e.jsent, e.jspawned)
             try:
                 state = serialize.dumps((e.obj, e.gen, e.steps, e.msgs, self.tries(e.h),
-                                         (e.state, e.want_step, e.wake_at)), "agent state")
+                                         (e.state, e.want_step, e.wake_at), jstate),
+                                        "agent state")
             except BaseException as exc:
+                if j is not None:  # a journaled agent must pickle: it fails, saying why
+                    self.finish(e, ST_ERROR, JournalError(
+                        f"agent {e.uid!r} ({type(e.obj).__qualname__}) cannot be journaled: "
+                        f"{_unpicklable(e.obj)} ({type(exc).__name__}: {exc}). A journaled "
+                        "agent's state must pickle: keep such objects out of its attributes "
+                        "(make them in the step that uses them)"))
+                    return False
                 e.pinned = True
                 print(f"stealer: agent {e.h:#x} ({type(e.obj).__qualname__}) cannot be "
                       f"pickled, so it never moves and a worker death restarts it from its "
@@ -1133,6 +1357,12 @@ class Host:
         if mark and mark != old_mark:
             for m in d.older(mark, old_mark):
                 a.free(m)
+        if j is not None and state is not None:
+            body, oob = journal_pack(state)
+            try:
+                j.shard.snap(e.uid, e.ver, e.gen, e.jsent, e.jseen or {}, body, oob)
+            except JournalError as exc:
+                print(f"stealer: {exc}", file=sys.stderr)
         return state is not None
 
     def balance(self) -> None:

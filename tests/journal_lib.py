@@ -1,0 +1,95 @@
+"""Agents and a client script for the journal tests (importable by the workers)."""
+
+from __future__ import annotations
+
+import sys
+
+import stealer
+
+K = 40  # steps of each ring agent
+CALL_EVERY = 8  # every 8th step is a call (request/reply) instead of a send
+
+
+def value(i: int, k: int) -> int:
+    return i * 1000 + k
+
+
+class RingAgent(stealer.Agent):
+    """Steps K times; each step sends (or calls) its successor with a value; then waits.
+    Its final state does not depend on how steps and messages interleave."""
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+        self.k = 0
+        self.peer = None
+        self.got = 0  # sum of the values received
+        self.msgs = 0
+        self.echo = 0  # sum of the replies to its calls
+
+    def link(self, peer: stealer.AgentRef) -> None:
+        self.peer = peer
+
+    def step(self, ctx: stealer.Ctx):
+        if self.peer is None:
+            return ctx.wait()
+        if self.k >= K:
+            return ctx.wait()
+        self.k += 1
+        v = value(self.i, self.k)
+        if self.k % CALL_EVERY == 0:
+            return self._call(v)
+        self.peer.send("add", v)
+        return ctx.sleep(0.002)
+
+    def _call(self, v: int):
+        r = yield self.peer.call("add", v)
+        self.echo += r
+        return None
+
+    def add(self, v: int) -> int:
+        self.got += v
+        self.msgs += 1
+        return 2 * v
+
+    def state(self) -> tuple:
+        return (self.i, self.k, self.got, self.msgs, self.echo)
+
+
+def expected(n: int) -> dict[int, tuple]:
+    out = {}
+    for i in range(n):
+        p = (i - 1) % n
+        got = sum(value(p, k) for k in range(1, K + 1))
+        echo = sum(2 * value(i, k) for k in range(1, K + 1) if k % CALL_EVERY == 0)
+        out[i] = (i, K, got, K, echo)
+    return out
+
+
+def run_ring(path: str, n: int, mode: str) -> None:
+    """The client a test kills: spawn a ring of n named agents, link them, run."""
+    ex = stealer.Executor(2, journal=path, durability=mode)
+    refs = [ex.spawn_agent(RingAgent, i, name=f"a{i}", mailbox=256) for i in range(n)]
+    for i, r in enumerate(refs):
+        r.send("link", refs[(i + 1) % n])
+    print("linked", flush=True)
+    import time
+
+    time.sleep(600)
+
+
+def final_states(ex: stealer.Executor, n: int, timeout: float = 60.0) -> dict[int, tuple]:
+    """Poll every agent until all have stepped K times and received K messages."""
+    import time
+
+    end = time.monotonic() + timeout
+    while True:
+        states = {}
+        for i in range(n):
+            states[i] = ex.agent(f"a{i}").call("state").result(timeout)
+        if all(s[1] == K and s[3] >= K for s in states.values()) or time.monotonic() > end:
+            return states
+        time.sleep(0.1)
+
+
+if __name__ == "__main__":
+    run_ring(sys.argv[1], int(sys.argv[2]), sys.argv[3])

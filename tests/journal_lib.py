@@ -91,5 +91,89 @@ def final_states(ex: stealer.Executor, n: int, timeout: float = 60.0) -> dict[in
         time.sleep(0.1)
 
 
+class Sink(stealer.Agent):
+    """Keeps every sequence number it is sent (a message applied twice shows twice)."""
+
+    def __init__(self) -> None:
+        self.got: list[int] = []
+
+    def put(self, seq: int) -> None:
+        self.got.append(seq)
+
+    def received(self) -> list[int]:
+        return self.got
+
+
+def run_sender(path: str, mode: str) -> None:
+    """The client a test kills: send 1, 2, 3... to a sink, printing each once send returned
+    (acknowledged)."""
+    ex = stealer.Executor(2, journal=path, durability=mode)
+    sink = ex.spawn_agent(Sink, name="sink", mailbox=4096)
+    print("ready", flush=True)
+    seq = 0
+    while True:
+        seq += 1
+        sink.send("put", seq)
+        print(seq, flush=True)
+
+
+class Finisher(stealer.Agent):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def step(self, ctx: stealer.Ctx):
+        if self.n < 0:
+            raise ValueError("negative n")
+        return ctx.done(self.n * self.n)
+
+    def state(self) -> int:
+        return self.n
+
+
+KIDS = 12
+
+
+class Kid(stealer.Agent):
+    def __init__(self, v: int) -> None:
+        self.v = v
+
+    def value(self) -> int:
+        return self.v
+
+
+class Parent(stealer.Agent):
+    """Spawns a child per step (KIDS in all) and calls it; sums the answers."""
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+        self.n = 0
+        self.total = 0
+
+    def step(self, ctx: stealer.Ctx):
+        if self.n >= KIDS:
+            return ctx.wait()
+        return self._grow(ctx)
+
+    def _grow(self, ctx: stealer.Ctx):
+        kid = ctx.spawn_agent(Kid, 100 * self.i + self.n + 1)
+        v = yield kid.call("value")
+        self.n += 1
+        self.total += v
+        return ctx.sleep(0.01)
+
+    def state(self) -> tuple[int, int]:
+        return (self.n, self.total)
+
+
+def run_parents(path: str, n: int) -> None:
+    ex = stealer.Executor(2, journal=path)
+    for i in range(n):
+        ex.spawn_agent(Parent, i, name=f"p{i}", checkpoint_every=4)
+    print("ready", flush=True)
+    import time
+
+    time.sleep(600)
+
+
 if __name__ == "__main__":
     run_ring(sys.argv[1], int(sys.argv[2]), sys.argv[3])

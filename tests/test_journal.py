@@ -1,0 +1,174 @@
+"""The journal (issue 8): recovery after the whole client died, tried at random kill points.
+
+The client runs in a subprocess (tests/journal_lib.py) and is SIGKILLed at a
+random moment of a run of 200 stepping, messaging agents (a ring: each sends
+or calls its successor every step); a new executor recovers the journal and
+runs the agents to the end.  Their final states must equal a crash-free run's
+(computed by journal_lib.expected: they do not depend on interleaving), so a
+lost, duplicated or reordered message fails the test.  Half of the kills take
+the whole process group (client and workers at once).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import stealer
+from tests import journal_lib as L
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+N = 200
+
+
+def start_client(path: str, script: str, *args: object) -> subprocess.Popen:
+    root = os.path.dirname(HERE)
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    code = (f"from tests import journal_lib as L; L.{script}({path!r}, "
+            + ", ".join(map(repr, args)) + ")")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=env,
+                         start_new_session=True)
+    return p
+
+
+def kill(p: subprocess.Popen, group: bool) -> None:
+    if group:
+        os.killpg(p.pid, signal.SIGKILL)
+    else:
+        os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    p.stdout.close()
+
+
+def run_killed(tmp_path, mode: str, seed: int) -> None:
+    rng = random.Random(seed)
+    d = str(tmp_path / "j")
+    p = start_client(d, "run_ring", N, mode)
+    try:
+        assert p.stdout.readline().strip() == b"linked"
+        time.sleep(rng.uniform(0.1, 0.9))  # workers are ready ~0.25 s after "linked"
+    finally:
+        kill(p, group=seed % 2 == 1)
+    with stealer.Executor(2, journal=d, recover=True) as ex:
+        assert ex.recovered <= N
+        states = L.final_states(ex, N)
+    exp = L.expected(N)
+    bad = {i: (states[i], exp[i]) for i in range(N) if states[i] != exp[i]}
+    assert not bad, f"{len(bad)} agents differ from a crash-free run (state, expected): " \
+                    f"{list(bad.items())[:3]}"
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_client_killed_at_random_points_batch(tmp_path, seed):
+    run_killed(tmp_path, "batch", seed)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_client_killed_at_random_points_always(tmp_path, seed):
+    run_killed(tmp_path, "always", 100 + seed)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_client_killed_at_random_points_none(tmp_path, seed):
+    # "none" promises what the others do for a process crash (every event is committed
+    # when it happens); it only gives up fsync, which a kill does not need
+    run_killed(tmp_path, "none", 200 + seed)
+
+
+@pytest.mark.parametrize("mode", ["always", "batch", "none"])
+def test_acknowledged_client_sends_survive_a_kill(tmp_path, mode):
+    """Every send that returned before the kill is applied after recovery, once."""
+    d = str(tmp_path / "j")
+    p = start_client(d, "run_sender", mode)
+    acked = []
+    try:
+        assert p.stdout.readline().strip() == b"ready"
+        end = time.monotonic() + random.uniform(0.1, 0.4)
+        while time.monotonic() < end:
+            line = p.stdout.readline()
+            if not line:
+                break
+            acked.append(int(line))
+    finally:
+        kill(p, group=True)
+    assert len(acked) > 10
+    with stealer.Executor(2, journal=d, recover=True) as ex:
+        got = ex.agent("sink").call("received").result(30)
+    assert len(got) == len(set(got)), "a message was applied twice"
+    missing = set(acked) - set(got)
+    assert not missing, f"{len(missing)} acknowledged sends lost, e.g. {sorted(missing)[:5]}"
+    # and nothing that was never sent: the seqs are a prefix
+    assert sorted(got) == list(range(1, len(got) + 1))
+
+
+def test_shutdown_suspends_journaled_agents_and_recover_resumes_them(tmp_path):
+    d = str(tmp_path / "j")
+    with stealer.Executor(2, journal=d) as ex:
+        refs = [ex.spawn_agent(L.RingAgent, i, name=f"a{i}", mailbox=256) for i in range(20)]
+        for i, r in enumerate(refs):
+            r.send("link", refs[(i + 1) % 20])
+        time.sleep(0.05)
+    with stealer.Executor(2, journal=d, recover=True) as ex:
+        assert ex.recovered == 20
+        assert sorted(ex.agents()) == sorted(f"a{i}" for i in range(20))
+        states = L.final_states(ex, 20)
+    assert states == L.expected(20)
+
+
+def test_finished_agents_stay_finished_with_their_results(tmp_path):
+    d = str(tmp_path / "j")
+    with stealer.Executor(2, journal=d) as ex:
+        ok = ex.spawn_agent(L.Finisher, 7, name="ok")
+        bad = ex.spawn_agent(L.Finisher, -1, name="bad")
+        assert ok.result(30) == 49
+        with pytest.raises(ValueError, match="negative"):
+            bad.result(30)
+    with stealer.recover(d, 2) as ex:
+        assert ex.recovered == 0
+        assert ex.agent("ok").result(5) == 49
+        with pytest.raises(ValueError, match="negative"):
+            ex.agent("bad").result(5)
+        with pytest.raises(stealer.AgentStopped):
+            ex.agent("ok").call("state").result(5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_children_spawned_by_a_replaying_parent_are_not_spawned_twice(tmp_path, seed):
+    """A parent that spawned children after its last snapshot spawns them again when it
+    replays; the journal gives it the recovered children instead of new ones."""
+    random.seed(seed)
+    d = str(tmp_path / "j")
+    p = start_client(d, "run_parents", 10)
+    try:
+        assert p.stdout.readline().strip() == b"ready"
+        time.sleep(random.uniform(0.3, 0.4))  # mid-run (workers start ~0.25 s after "ready")
+    finally:
+        kill(p, group=True)  # workers too: alone, they would run the parents to the end
+    with stealer.Executor(2, journal=d, recover=True) as ex:
+        end = time.monotonic() + 60
+        while True:
+            st = [ex.agent(f"p{i}").call("state").result(30) for i in range(10)]
+            if all(s[0] == L.KIDS for s in st) or time.monotonic() > end:
+                break
+            time.sleep(0.05)
+    import sqlite3
+
+    spawns: dict[str, int] = {}  # spawn rows per child uid, over every shard
+    for name in os.listdir(d):
+        if name.endswith(".db") and name != "journal.db":
+            c = sqlite3.connect(os.path.join(d, name))
+            for (uid,) in c.execute("SELECT uid FROM spawns WHERE parent IS NOT NULL"):
+                spawns[uid] = spawns.get(uid, 0) + 1
+            c.close()
+    twice = {u: n for u, n in spawns.items() if n > 1}
+    assert not twice, f"children spawned more than once: {twice}"
+    assert len(spawns) == 10 * L.KIDS
+    for i, (n, total) in enumerate(st):
+        assert n == L.KIDS
+        assert total == sum(100 * i + k for k in range(1, L.KIDS + 1)), st

@@ -1195,7 +1195,10 @@ class Host:
 
         At shutdown a journaled agent is *suspended*, not ended: a last snapshot, and no
         end in the journal, so ``recover=True`` resumes it later."""
-        if self.stopping and e.uid is not None and self.journal is not None:
+        # (the shared flag, not self.stopping: an agent stopped by a peer's stop_all may
+        # be adopted here before this worker saw the flag)
+        if e.uid is not None and self.journal is not None and (
+                self.stopping or self.r.load32(H_STOP_AGENTS)):  # seq_cst: begin_shutdown
             e.events = 1
             self.checkpoint(e)  # (not possible mid-call: its last snapshot then stands)
             if e.state == FINISHED:

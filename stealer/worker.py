@@ -275,6 +275,9 @@ class Worker:
 
         self.host = Host(self)  # the agents living on this worker (stealer/agents/host.py)
 
+    # (status, pickle, buffers) of an outcome, for the agents' journal (host.py)
+    encode_result = staticmethod(encode_result)
+
     # -- main loop -----------------------------------------------------------
     def loop(self) -> int:
         inbox_pop = self.inbox.pop

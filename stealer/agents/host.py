@@ -797,9 +797,7 @@ class Host:
         e.rcache[sender] = (seq, status, value)
         if reply < 0:
             return  # a one-way send, or a call replayed from the journal (logged before)
-        from stealer.worker import encode_result
-
-        st, data, bufs = encode_result(status, value)
+        st, data, bufs = self.w.encode_result(status, value)
         body, oob = journal_pack((data, bufs))
         try:
             self.journal.shard.reply(sender, seq, st, body, oob)
@@ -1291,9 +1289,7 @@ class Host:
         ck = self.r.load64(d.entry(h) + D_CKPT)  # our own store (single writer)
         chain = d.older(head, self._ckpt_mark(ck))
         if e.uid is not None and self.journal is not None:
-            from stealer.worker import encode_result
-
-            st, data, bufs = encode_result(status, value)
+            st, data, bufs = self.w.encode_result(status, value)
             body, oob = journal_pack((data, bufs))
             try:
                 self.journal.shard.end(e.uid, st, body, oob)

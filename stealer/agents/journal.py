@@ -519,7 +519,7 @@ def plan(path: str, quiet: bool = False) -> Plan:
             _warn(warnings, f"{name}: cannot be opened ({exc}); its events are cut")
             continue
         try:
-            cut: set[str] = set()
+            cut: set[tuple[str, int]] = set()  # (agent, epoch) whose later messages are cut
             for rid, uid, nm, parent, _epoch, cls, body, oob, crc in _rows(
                     c, "spawns", "uid,name,parent,epoch,cls,body,oob,crc", name, warnings):
                 nrows += 1
@@ -535,27 +535,25 @@ def plan(path: str, quiet: bool = False) -> Plan:
                              name, warnings):
                 rid, target, sender, seq, epoch, ts, call, body, oob, crc = row
                 nrows += 1
-                if target in cut:
+                if (target, epoch) in cut:
                     continue
                 if _crc(target, sender, seq, call, body, oob) != crc:
                     _warn(warnings, f"{name}: a message to agent {target!r} (event {rid}, "
-                                    f"from {sender!r} #{seq}) fails its checksum; that "
-                                    f"agent's later messages in {name} are cut")
-                    cut.add(target)
+                                    f"from {sender!r} #{seq}) fails its checksum; it and "
+                                    f"that agent's later messages in {name} are cut")
+                    cut.add((target, epoch))
                     continue
                 ag(target).events += 1
                 msgs.append((epoch, ts, si, rid, target, sender, seq, call, body, oob))
-            cut = set()
             for row in _rows(c, "snaps", "uid,ver,gen,sent,seen,ts,body,oob,crc", name,
                              warnings):
                 rid, uid, ver, gen, sent, seen, ts, body, oob, crc = row
                 nrows += 1
-                if uid in cut:
-                    continue
                 if _crc(uid, ver, gen, sent, seen, body, oob) != crc:
+                    # each snapshot is whole: the others (older, or newer from a later
+                    # run) stand on their own
                     _warn(warnings, f"{name}: snapshot {ver} of agent {uid!r} (event {rid}) "
-                                    "fails its checksum; an older snapshot is used")
-                    cut.add(uid)
+                                    "fails its checksum; it is not used")
                     continue
                 p = ag(uid)
                 p.events += 1

@@ -289,9 +289,9 @@ class ControlDB:
 
 
 def _version() -> str:
-    from stealer import __version__
-
-    return __version__
+    # the package is loaded before any of its modules: read, not imported (an import
+    # would close a circle stealer -> executor -> journal -> stealer, tests/test_layers.py)
+    return getattr(sys.modules.get("stealer"), "__version__", "?")
 
 
 def check_dir(path: str, create: bool) -> str:

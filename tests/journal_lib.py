@@ -117,7 +117,9 @@ def run_sender(path: str, mode: str) -> None:
         print(seq, flush=True)
 
 
-class Finisher(stealer.Agent):
+class Squarer(stealer.Agent):
+    """Finishes at its first step with n*n, or fails for a negative n."""
+
     def __init__(self, n: int) -> None:
         self.n = n
 
@@ -173,6 +175,54 @@ def run_parents(path: str, n: int) -> None:
     import time
 
     time.sleep(600)
+
+
+# -- small agents for tests/test_journal_misuse.py -----------------------------------------
+class Acc(stealer.Agent):
+    """Message-only: ``add(v)`` appends v (so a lost, repeated or reordered message shows);
+    ``forward(ref, v)`` sends ``add(v)`` on to another agent (a message logged by a worker)."""
+
+    def __init__(self, tag: str = "") -> None:
+        self.tag = tag
+        self.vals: list = []
+
+    def add(self, v: object) -> int:
+        self.vals.append(v)
+        return len(self.vals)
+
+    def forward(self, ref: stealer.AgentRef, v: object) -> None:
+        ref.send("add", v)
+
+    def get(self) -> list:
+        return list(self.vals)
+
+
+class Finisher(stealer.Agent):
+    """Finishes at its first step: with ``value``, or failing with ValueError(value)."""
+
+    def __init__(self, value: object, fail: bool = False) -> None:
+        self.value = value
+        self.fail = fail
+
+    def step(self, ctx: stealer.Ctx):
+        if self.fail:
+            raise ValueError(self.value)
+        return ctx.done(self.value)
+
+
+class Locky(stealer.Agent):
+    """Keeps a lock in an attribute: its state does not pickle, so it cannot be journaled."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.guard = None
+
+    def step(self, ctx: stealer.Ctx):
+        import threading
+
+        self.guard = threading.Lock()
+        self.n += 1
+        return ctx.sleep(0.001) if self.n < 100 else ctx.done(self.n)
 
 
 if __name__ == "__main__":

@@ -124,8 +124,8 @@ def test_shutdown_suspends_journaled_agents_and_recover_resumes_them(tmp_path):
 def test_finished_agents_stay_finished_with_their_results(tmp_path):
     d = str(tmp_path / "j")
     with stealer.Executor(2, journal=d) as ex:
-        ok = ex.spawn_agent(L.Finisher, 7, name="ok")
-        bad = ex.spawn_agent(L.Finisher, -1, name="bad")
+        ok = ex.spawn_agent(L.Squarer, 7, name="ok")
+        bad = ex.spawn_agent(L.Squarer, -1, name="bad")
         assert ok.result(30) == 49
         with pytest.raises(ValueError, match="negative"):
             bad.result(30)

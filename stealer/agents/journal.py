@@ -21,10 +21,16 @@
     after recovery gets the same answer without calling again;
   - ``ends``: an agent finished, stopped or failed, with its final value.
 
-Every row carries a CRC32 of its fields; recovery cuts an agent's events
-at the first row that fails it (with a warning naming the agent and the
-event) and never applies it.  SQLite's WAL checksums already drop a torn
-tail of the log file; a damaged page ends the read of that table there.
+Every row carries a CRC32 of its fields (a message's also covers its epoch
+and time, which order the replay); a row that fails it is never applied, and
+a warning names the agent and the event.  A damaged message cuts the
+agent's later messages in that shard up to the end of the executor run
+(epoch) that wrote it: a recovery since then has cut it already, and what
+was logged after that recovery stands.  A damaged snapshot is skipped (the
+newest good one is used).  SQLite's WAL checksums already drop a torn tail
+of the log file; a damaged page ends the read of that table there; a shard
+that no longer opens for writing is moved aside (still read by recovery) and
+a new one started.
 
 Every event is committed when it happens (autocommit), so a *process*
 crash (SIGKILL, OOM) of the client or of any worker loses nothing that was
@@ -55,6 +61,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import math
 import os
 import pickle
 import sqlite3
@@ -157,6 +164,31 @@ def _explain(exc: BaseException, path: str) -> JournalError:
     return JournalError(f"the journal {path} failed: {type(exc).__name__}: {text}")
 
 
+def _damaged(exc: sqlite3.DatabaseError) -> bool:
+    """SQLite found the file damaged (SQLITE_CORRUPT, SQLITE_NOTADB): not full, read-only,
+    locked or unopenable, which are the user's to fix."""
+    code = getattr(exc, "sqlite_errorcode", None)  # Python >= 3.11
+    if code is not None:
+        return code & 0xFF in (11, 26)
+    return "malformed" in str(exc) or "not a database" in str(exc)
+
+
+def _move_aside(path: str, epoch: int) -> str:
+    """Rename damaged shard ``path`` (with its log) to ``<name>.damaged-<epoch>[.n].db``."""
+    base, n = path[:-3], 0
+    while True:
+        aside = f"{base}.damaged-{epoch}{f'.{n}' if n else ''}.db"
+        if not os.path.exists(aside):
+            break
+        n += 1
+    os.replace(path, aside)
+    if os.path.exists(path + "-wal"):  # its log holds pages of that file: it goes along
+        os.replace(path + "-wal", aside + "-wal")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path + "-shm")  # an index of that log (SQLite rebuilds it)
+    return aside
+
+
 class Shard:
     """One writer's database (client.db, w<k>.db): every event committed as it happens."""
 
@@ -169,12 +201,18 @@ class Shard:
         self.closed = False
         self._wal_fd = -1
         try:
-            c = self.c = sqlite3.connect(path, isolation_level=None, check_same_thread=False,
-                                         timeout=30.0)
-            os.chmod(path, 0o600)
-            c.execute("PRAGMA journal_mode=WAL")
-            c.execute("PRAGMA synchronous=" + ("FULL" if mode == "always" else "NORMAL"))
-            c.executescript(SCHEMA)
+            try:
+                self.c = self._open()
+            except sqlite3.DatabaseError as exc:
+                if not _damaged(exc):
+                    raise
+                # a damaged shard (torn page, cut file) is never written again: recovery
+                # reads what it can of it under its new name (still "*.db"); a new one starts
+                aside = _move_aside(path, epoch)
+                print(f"stealer: journal: {os.path.basename(path)} is damaged ({exc}); kept "
+                      f"as {os.path.basename(aside)} (recovery reads what it can of it), and "
+                      "a new one is started", file=sys.stderr)
+                self.c = self._open()
         except (sqlite3.Error, OSError) as exc:
             raise _explain(exc, path) from exc
         self.syncer: threading.Thread | None = None
@@ -182,6 +220,19 @@ class Shard:
             self.syncer = threading.Thread(target=self._sync_loop, daemon=True,
                                            name="stealer-journal-sync")
             self.syncer.start()
+
+    def _open(self) -> sqlite3.Connection:
+        c = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
+                            timeout=30.0)
+        try:
+            os.chmod(self.path, 0o600)
+            c.execute("PRAGMA journal_mode=WAL")
+            c.execute("PRAGMA synchronous=" + ("FULL" if self.mode == "always" else "NORMAL"))
+            c.executescript(SCHEMA)
+        except BaseException:
+            c.close()
+            raise
+        return c
 
     def _w(self, sql: str, params: tuple) -> None:
         with self.lock:
@@ -241,7 +292,7 @@ class Shard:
         self._w("INSERT INTO msgs(target,sender,seq,epoch,ts,call,body,oob,crc) VALUES "
                 "(?,?,?,?,?,?,?,?,?)",
                 (target, sender, seq, self.epoch, ts, int(call), body, oob,
-                 _crc(target, sender, seq, int(call), body, oob)))
+                 _crc(target, sender, seq, self.epoch, ts, int(call), body, oob)))
 
     def snap(self, uid: str, ver: int, gen: int, sent: int, seen: dict, body: bytes,
              oob: int) -> None:
@@ -289,9 +340,9 @@ class ControlDB:
 
 
 def _version() -> str:
-    from stealer import __version__
-
-    return __version__
+    # the package is loaded before any of its modules: read, not imported (an import
+    # would close a circle stealer -> executor -> journal -> stealer, tests/test_layers.py)
+    return getattr(sys.modules.get("stealer"), "__version__", "?")
 
 
 def check_dir(path: str, create: bool) -> str:
@@ -422,7 +473,9 @@ def open_for_client(path: str, mode: str, workers: int,
                                "executor: pass recover=True (or use stealer.recover(PATH)) "
                                "to resume them, or give a new directory")
         row = ctl.c.execute("SELECT MAX(epoch) FROM epochs").fetchone()
-        epoch = (row[0] or 0) + 1
+        # the shards' epochs too: a journal.db that lost its rows must not hand out
+        # the uids ("<epoch>.<n>") of agents that are in the shards
+        epoch = max(row[0] or 0, p.last_epoch) + 1
         ctl.c.execute("INSERT INTO epochs VALUES (?,?,?,?)",
                       (epoch, os.getpid(), time.time_ns(), workers))
         shard = Shard(os.path.join(path, "client.db"), mode, epoch)
@@ -465,6 +518,13 @@ class Plan:
     warnings: list[str]
     epochs: int
     rows: int
+    last_epoch: int = 0  # the newest epoch in journal.db or in any good row of a shard
+
+
+def _epoch_of(key: str) -> int:
+    """The epoch a uid or sender key was made in: "3.7", "3.7/2", "t3.0.1.5", "c3"."""
+    head = key.split(".", 1)[0].lstrip("ct") if isinstance(key, str) else ""
+    return int(head) if head.isdigit() else 0
 
 
 def _warn(warnings: list[str], text: str) -> None:
@@ -496,9 +556,10 @@ def plan(path: str, quiet: bool = False) -> Plan:
     ctl = ControlDB(os.path.join(path, CONTROL))
     try:
         check_meta(ctl, path, False)
-        epochs = ctl.c.execute("SELECT COUNT(*) FROM epochs").fetchone()[0]
+        epochs, top = ctl.c.execute("SELECT COUNT(*), MAX(epoch) FROM epochs").fetchone()
     finally:
         ctl.close()
+    top = top or 0
     warnings: list[str] = []
     agents: dict[str, AgentPlan] = {}
 
@@ -519,7 +580,7 @@ def plan(path: str, quiet: bool = False) -> Plan:
             _warn(warnings, f"{name}: cannot be opened ({exc}); its events are cut")
             continue
         try:
-            cut: set[tuple[str, int]] = set()  # (agent, epoch) whose later messages are cut
+            cut: set[str] = set()
             for rid, uid, nm, parent, _epoch, cls, body, oob, crc in _rows(
                     c, "spawns", "uid,name,parent,epoch,cls,body,oob,crc", name, warnings):
                 nrows += 1
@@ -531,17 +592,37 @@ def plan(path: str, quiet: bool = False) -> Plan:
                 if p.spawn is None:
                     p.name, p.parent, p.cls, p.spawn = nm, parent, cls, (body, oob)
                 p.events += 1
-            for row in _rows(c, "msgs", "target,sender,seq,epoch,ts,call,body,oob,crc",
-                             name, warnings):
+                top = max(top, _epoch_of(uid))
+            rows = _rows(c, "msgs", "target,sender,seq,epoch,ts,call,body,oob,crc", name,
+                         warnings)
+            good = [_crc(*r[1:9]) == r[9] for r in rows]
+            # A damaged message's epoch is suspect, but a shard's epochs only grow along
+            # its rows: the good rows around it bound it.  Its agent's messages are cut up
+            # to the end of that epoch: a later epoch began with a recovery that had cut
+            # it already (so its messages stand), and its own may have followed it.
+            bounds: list[float] = [0.0] * len(rows)
+            nxt: float = math.inf
+            for i in range(len(rows) - 1, -1, -1):
+                bounds[i] = nxt
+                if good[i]:
+                    nxt = rows[i][4]
+            cut: dict[str, float] = {}  # target -> its messages up to this epoch are cut
+            prev = 0
+            for i, row in enumerate(rows):
                 rid, target, sender, seq, epoch, ts, call, body, oob, crc = row
                 nrows += 1
-                if (target, epoch) in cut:
-                    continue
-                if _crc(target, sender, seq, call, body, oob) != crc:
+                if not good[i]:
+                    upto = epoch if isinstance(epoch, int) and prev <= epoch <= bounds[i] \
+                        else bounds[i]
+                    cut[target] = max(cut.get(target, 0), upto)
                     _warn(warnings, f"{name}: a message to agent {target!r} (event {rid}, "
-                                    f"from {sender!r} #{seq}) fails its checksum; it and "
-                                    f"that agent's later messages in {name} are cut")
-                    cut.add((target, epoch))
+                                    f"from {sender!r} #{seq}) fails its checksum; that "
+                                    f"agent's later messages in {name} of that executor run "
+                                    "are cut")
+                    continue
+                prev = epoch
+                top = max(top, epoch)
+                if target in cut and epoch <= cut[target]:
                     continue
                 ag(target).events += 1
                 msgs.append((epoch, ts, si, rid, target, sender, seq, call, body, oob))
@@ -550,10 +631,11 @@ def plan(path: str, quiet: bool = False) -> Plan:
                 rid, uid, ver, gen, sent, seen, ts, body, oob, crc = row
                 nrows += 1
                 if _crc(uid, ver, gen, sent, seen, body, oob) != crc:
-                    # each snapshot is whole: the others (older, or newer from a later
-                    # run) stand on their own
+                    # each snapshot stands alone: the newest good one is used (one taken
+                    # after a recovery from an older one has a higher version again)
                     _warn(warnings, f"{name}: snapshot {ver} of agent {uid!r} (event {rid}) "
-                                    "fails its checksum; it is not used")
+                                    "fails its checksum; it is skipped (the newest good "
+                                    "one is used)")
                     continue
                 p = ag(uid)
                 p.events += 1
@@ -607,7 +689,7 @@ def plan(path: str, quiet: bool = False) -> Plan:
             continue
         # only replies a replay will ask for again
         p.replies = {s: v for s, v in p.replies.items() if s > p.sent}
-    return Plan(path, agents, warnings, epochs, nrows)
+    return Plan(path, agents, warnings, epochs, nrows, top)
 
 
 class WorkerJournal:
@@ -642,35 +724,57 @@ class WorkerJournal:
 
 
 def agent_log(path: str, uid: str, limit: int = 20) -> list[tuple[str, int, str]]:
-    """The last ``limit`` events of agent ``uid`` across the shards: (shard, event id,
-    description), for ``stealer journal PATH --agent``."""
+    """The last ``limit`` events of agent ``uid`` across the shards, oldest first: (shard,
+    event id, description), for ``stealer journal PATH --agent``.
+
+    Event ids count per table and per shard, so only the rows' times order events across
+    them: snapshots and ends carry the wall clock, messages the writer's monotonic clock
+    (converted here: exact within one boot of the machine); a spawn has no time and comes
+    first, a logged reply right after the call it answers."""
     path = os.path.abspath(os.fspath(path))
-    out: list[tuple[str, int, str]] = []
+    off = time.time_ns() - time.monotonic_ns()
+    out: list[tuple[int, str, int, str]] = []  # (time, shard, id, description)
+    calls: dict[int, int] = {}  # the agent's calls: seq -> when it was logged
+    replies: list[tuple[int, str, int, str]] = []  # (seq, shard, id, description)
+
+    def ns(v: Any) -> int:
+        return v if isinstance(v, int) else 0  # a damaged row's time
+
     for name in sorted(n for n in os.listdir(path) if n.endswith(".db") and n != CONTROL):
         c = sqlite3.connect(os.path.join(path, name), isolation_level=None, timeout=30.0)
         try:
-            q = [("spawns", "SELECT id, name, parent, cls FROM spawns WHERE uid=?",
+            q = [("SELECT id, name, parent, cls FROM spawns WHERE uid=?", lambda r: -1,
                   lambda r: f"spawned {r[3]}" + (f" named {r[1]!r}" if r[1] else "")
                   + (f" by {r[2]}" if r[2] else "")),
-                 ("msgs", "SELECT id, sender, seq, call, length(body) FROM msgs WHERE "
-                  "target=?", lambda r: f"{'call' if r[3] else 'message'} #{r[2]} from "
-                  f"{r[1]} ({r[4]} bytes)"),
-                 ("snaps", "SELECT id, ver, gen, sent, length(body) FROM snaps WHERE uid=?",
+                 ("SELECT id, sender, seq, call, length(body), ts FROM msgs WHERE target=?",
+                  lambda r: ns(r[5]) + off,
+                  lambda r: f"{'call' if r[3] else 'message'} #{r[2]} from {r[1]} "
+                  f"({r[4]} bytes)"),
+                 ("SELECT id, ver, gen, sent, length(body), ts FROM snaps WHERE uid=?",
+                  lambda r: ns(r[5]),
                   lambda r: f"snapshot v{r[1]} (generation {r[2]}, {r[3]} sent, "
                   f"{r[4]} bytes)"),
-                 ("replies", "SELECT id, seq, status FROM replies WHERE caller=?",
+                 ("SELECT id, seq, status FROM replies WHERE caller=?", None,
                   lambda r: f"reply to its call #{r[1]} logged"
                   + (" (an error)" if r[2] else "")),
-                 ("ends", "SELECT id, status FROM ends WHERE uid=?",
+                 ("SELECT id, status, ts FROM ends WHERE uid=?", lambda r: ns(r[2]),
                   lambda r: "finished" + (" with an error" if r[1] else ""))]
-            for _table, sql, fmt in q:
+            for sql, key, fmt in q:
                 with contextlib.suppress(sqlite3.DatabaseError):
                     for r in c.execute(sql, (uid,)):
-                        out.append((name, r[0], fmt(r)))
+                        if key is None:
+                            replies.append((r[1], name, r[0], fmt(r)))
+                        else:
+                            out.append((key(r), name, r[0], fmt(r)))
+            with contextlib.suppress(sqlite3.DatabaseError):
+                for seq, ts in c.execute("SELECT seq, ts FROM msgs WHERE sender=? AND call=1",
+                                         (uid,)):
+                    calls[seq] = ns(ts) + off
         finally:
             c.close()
-    out.sort()
-    return out[-limit:]
+    out += [(calls.get(seq, -1) + 1, name, rid, text) for seq, name, rid, text in replies]
+    out.sort(key=lambda e: e[:3])
+    return [(name, rid, text) for _t, name, rid, text in out[max(0, len(out) - limit):]]
 
 
 def describe(path: str, agent: str | None = None, limit: int = 20) -> str:

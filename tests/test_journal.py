@@ -107,18 +107,23 @@ def test_acknowledged_client_sends_survive_a_kill(tmp_path, mode):
     assert sorted(got) == list(range(1, len(got) + 1))
 
 
-def test_shutdown_suspends_journaled_agents_and_recover_resumes_them(tmp_path):
+@pytest.mark.parametrize("rnd", range(3))
+def test_shutdown_suspends_journaled_agents_and_recover_resumes_them(tmp_path, rnd):
+    """Shut down mid-run (agents sending to agents already suspended, which must not fail
+    the senders) and resume: the states equal a run without the shutdown."""
     d = str(tmp_path / "j")
+    n = 60
     with stealer.Executor(2, journal=d) as ex:
-        refs = [ex.spawn_agent(L.RingAgent, i, name=f"a{i}", mailbox=256) for i in range(20)]
+        refs = [ex.spawn_agent(L.RingAgent, i, name=f"a{i}", mailbox=256) for i in range(n)]
         for i, r in enumerate(refs):
-            r.send("link", refs[(i + 1) % 20])
-        time.sleep(0.05)
+            r.send("link", refs[(i + 1) % n])
+        ex.wait_ready(30)
+        time.sleep(0.05 + 0.05 * rnd)
     with stealer.Executor(2, journal=d, recover=True) as ex:
-        assert ex.recovered == 20
-        assert sorted(ex.agents()) == sorted(f"a{i}" for i in range(20))
-        states = L.final_states(ex, 20)
-    assert states == L.expected(20)
+        assert ex.recovered == n
+        assert sorted(ex.agents()) == sorted(f"a{i}" for i in range(n))
+        states = L.final_states(ex, n)
+    assert states == L.expected(n)
 
 
 def test_finished_agents_stay_finished_with_their_results(tmp_path):
@@ -188,3 +193,24 @@ def test_shutdown_never_ends_a_journaled_agent(tmp_path):
     ended = [a.uid for a in pl.agents.values() if a.end is not None]
     assert not ended, f"{len(ended)} agents ended at shutdown, e.g. {ended[:3]}"
     assert sum(a.live for a in pl.agents.values()) == 1000
+
+
+@pytest.mark.parametrize("mode,sync", [("always", 2), ("batch", 1), ("none", 1)])
+def test_durability_modes_configure_sqlite_as_documented(tmp_path, monkeypatch, mode, sync):
+    """always: SQLite fsyncs every commit (synchronous=FULL); batch: commits reach the OS
+    and a thread fsyncs the log every few ms; none: no fsync of ours.  (Power loss itself is
+    not simulated here: that needs a block device that drops unsynced writes.)"""
+    from stealer.agents import journal as J
+
+    synced: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(J.os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    s = J.Shard(str(tmp_path / "s.db"), mode, 1)
+    try:
+        assert s.c.execute("PRAGMA synchronous").fetchone()[0] == sync
+        assert s.c.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        s.msg("1.1", "c1", 1, False, b"x", 0)
+        time.sleep(20 * J.SYNC_EVERY)
+        assert bool(synced) == (mode == "batch"), synced
+    finally:
+        s.close()

@@ -54,6 +54,7 @@ from stealer._layout import (
     D_STEPS,
     F_AGENT,
     K_CKPT,
+    K_MASK,
     K_MSG,
     K_REPLY,
     K_ROOT,
@@ -957,6 +958,8 @@ class Host:
             sender, seq = self._next_seq(e)
             data, bufs = encode_message(h, method, args, kwargs, -1, None, sender, seq)
             self._log_msg(uid, sender, seq, False, data, bufs)
+            self._send(h, data, bufs, block, True)
+            return
         self._send(h, data, bufs, block)
 
     def _next_seq(self, e: _Entry | None) -> tuple[str, int]:
@@ -973,10 +976,15 @@ class Host:
         body, oob = journal_pack((data, bufs))
         self.journal.shard.msg(target, sender, seq, call, body, oob)
 
-    def _send(self, h: int, data: bytes, bufs: list, block: bool) -> None:
+    def _send(self, h: int, data: bytes, bufs: list, block: bool,
+              logged: bool = False) -> None:
         a = self.a
         st = a.tr.state(h)
         if st is None or st[0] == S_DONE:
+            if logged and self.r.load32(H_STOP_AGENTS):  # seq_cst: begin_shutdown's store
+                # shutting down: the receiver was suspended (journal), not ended; the
+                # message is in the journal, so the recovered receiver gets it
+                return
             raise AgentStopped(f"agent {h:#x} was stopped, finished or failed", h)
         m = self.alloc()
         off = a.setup(m, K_MSG, 0, time.monotonic_ns())
@@ -1044,7 +1052,7 @@ class Host:
                 # drops it if its snapshot has it) and the logged reply is the answer
                 data, bufs = encode_message(h, method, args, kwargs, -1, deadline, sender, seq)
                 self._log_msg(uid, sender, seq, True, data, bufs)
-                self._send(h, data, bufs, True)
+                self._send(h, data, bufs, True, True)
                 return self._logged_reply(logged)
         if h < 0:
             p = CallPending(-1)
@@ -1064,7 +1072,7 @@ class Host:
                 a.free(rh)
                 raise
         try:
-            self._send(h, data, bufs, True)
+            self._send(h, data, bufs, True, j is not None)
         except AgentStopped as exc:
             a.free(rh)
             p = CallPending(-1)
@@ -1202,19 +1210,26 @@ class Host:
             if e.state == FINISHED:
                 return  # its state did not pickle: checkpoint() failed it
             e.uid = None  # no end event
+            suspend = True
+        else:
+            suspend = False
         fn = getattr(e.obj, "on_stop", None)
         if fn is None:
-            self.finish(e, ST_OK, None)
+            self.finish(e, ST_OK, None, suspend)
             return
         self.w.in_body = True
         try:
             value = fn()
         except BaseException as exc:
             self.w.in_body = False
-            self.finish(e, ST_ERROR, exc)
+            self.finish(e, ST_ERROR, exc, suspend)
             return
         self.w.in_body = False
-        self.finish(e, ST_OK, value)
+        self.finish(e, ST_OK, value, suspend)
+
+    def _agent_reply(self, rh: int) -> bool:
+        """Reply slot ``rh`` waits for an agent's call (K_REPLY), not a client's."""
+        return rh >= 0 and self.a.kind_link(self.a.off(rh))[0] & K_MASK == K_REPLY
 
     def failed(self, e: _Entry, exc: BaseException) -> None:
         """A step raised: restart by policy (OTP's restart intensity), else fail."""
@@ -1249,8 +1264,13 @@ class Host:
                 return
         self.finish(e, ST_ERROR, exc)
 
-    def finish(self, e: _Entry, status: int, value: Any) -> None:
-        """The agent is done (or stopped, or failed for good): close, drain, publish."""
+    def finish(self, e: _Entry, status: int, value: Any, suspend: bool = False) -> None:
+        """The agent is done (or stopped, or failed for good): close, drain, publish.
+
+        ``suspend``: a journaled agent stopped by the shutdown.  Calls from other agents
+        waiting in its mailbox get no AgentStopped (that would fail their callers, which
+        the shutdown is suspending too): the journal has them, and recovery delivers them
+        (the callers call again when they replay)."""
         a = self.a
         d = self.dir
         h = e.h
@@ -1266,10 +1286,11 @@ class Host:
         for m in list(e.pending or ()) + new:
             try:
                 msg = a.read_call(a.off(m))
-                self.reply(msg[4], ST_ERROR, stopped)
+                if not (suspend and self._agent_reply(msg[4])):
+                    self.reply(msg[4], ST_ERROR, stopped)
             except BaseException:
                 pass
-        if e.it_msg is not None:
+        if e.it_msg is not None and not (suspend and self._agent_reply(e.it_msg[1])):
             self.reply(e.it_msg[1], ST_ERROR, stopped)
         y = e.waiting
         if isinstance(y, CallPending) and y.rh >= 0 and not y.done:

@@ -23,16 +23,32 @@ def load(force_python: bool | None = None) -> ModuleType:
 
             return _cqueues
         except ImportError as exc:  # pragma: no cover - depends on the build
-            warnings.warn(
-                f"stealer: the native extension could not be loaded ({exc}); using the "
-                "pure-Python queues, which are much slower. Reinstall with a C compiler "
-                "available (pip install --force-reinstall stealer) to fix this.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            warnings.warn(_why_no_extension(exc), RuntimeWarning, stacklevel=2)
     from stealer import _pyqueues
 
     return _pyqueues
+
+
+def _why_no_extension(exc: ImportError) -> str:
+    """Say what actually happened: no extension was built, or one was built but fails."""
+    import glob
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    built = glob.glob(os.path.join(here, "_cqueues*.so")) + glob.glob(
+        os.path.join(here, "_cqueues*.pyd"))
+    if not built:
+        return ("stealer: this installation has no native extension (stealer/_cqueues*.so "
+                "was not built: the package was installed with STEALER_NO_EXTENSIONS=1, or "
+                "from a source without Cython and a C compiler), so the pure-Python "
+                "reference queues are used: several times slower, and a worker killed while "
+                "holding their lock breaks the executor. Set STEALER_NO_EXTENSIONS=1 at "
+                "run time to silence this, or reinstall with Cython and a C compiler "
+                "(pip install --force-reinstall --no-binary stealer stealer).")
+    return (f"stealer: the native extension {os.path.basename(built[0])} exists but does not "
+            f"load ({exc}); it was probably built for another Python or platform. Using the "
+            "pure-Python reference queues (several times slower, not kill-safe). Reinstall "
+            "stealer in this environment (pip install --force-reinstall stealer) to rebuild "
+            "it.")
 
 
 impl = load()

@@ -103,6 +103,7 @@ INJECTOR_BATCH = LEASE_SLOTS  # one lease slot per handle of a batch
 STEAL_CAP = 32
 FAIR_TICK = 61
 FLUSH_MASK = 63  # publish counters every 64 steps (and before parking)
+FLUSH_NS = 2_000_000  # ... and at least this often while busy (stats() is never far behind)
 _COUNTERS = struct.Struct(f"={metrics.NCOUNTERS}Q")
 (C_TASKS, C_STEALS, C_STEAL_ATTEMPTS, C_PARKS, C_WAKEUPS, C_INJECTOR_TAKES, C_SPAWNS, C_RESUMES,
  C_ERRORS, C_BUSY_NS, C_AGENT_STEPS, C_AGENT_MSGS, C_MIGRATIONS, C_THROTTLED, C_PREEMPT
@@ -265,6 +266,7 @@ class Worker:
         self.in_spawn = False  # inside spawn(): Ctrl-C waits for its end
         self.interrupted = False  # a Ctrl-C held back by spawn()
         self.tick = 0
+        self.flushed_ns = 0  # monotonic ns of the last flush() of the counters
         self.journal: Any = None  # the agents' journal (Executor(journal=PATH)): our shard
         jcfg = getattr(a, "journal", None)
         if jcfg is not None:
@@ -417,6 +419,7 @@ class Worker:
         """Publish the local counters to this worker's metrics block (single writer)."""
         if self.metrics_on:
             _COUNTERS.pack_into(self.seg.mm, self.mbase, *self.c)
+            self.flushed_ns = time.monotonic_ns()
 
     def orphaned(self) -> None:
         """Our client died without shutting down: remove its files and exit."""
@@ -484,10 +487,11 @@ class Worker:
             self.cur = None
             self.r.store64(self.cur_off, 0)  # release: nothing running now
             if self.metrics_on:
-                dt = time.monotonic_ns() - t0
+                t1 = time.monotonic_ns()
+                dt = t1 - t0
                 c[C_BUSY_NS] += dt
                 self.r.hist_record(self.run_off, dt)
-                if c[C_TASKS] & FLUSH_MASK == 0:
+                if c[C_TASKS] & FLUSH_MASK == 0 or t1 - self.flushed_ns > FLUSH_NS:
                     self.flush()
 
     def not_started(self, h: int) -> None:

@@ -121,3 +121,19 @@ def test_metrics_off_records_nothing():
 def test_counters_module_constants():
     assert len(metrics.COUNTERS) <= metrics.NCOUNTERS
     assert metrics.TIER_NAMES[metrics.DEFAULT_TIER] == "interactive"
+
+
+def test_stats_of_a_busy_worker_are_not_64_steps_behind():
+    """Counters were published every 64 steps or before parking: a worker busy with a long
+    task after 20 short ones showed none of them.  Now also every ~2 ms while busy."""
+    with stealer.Executor(1, cpus=None) as ex:
+        ex.wait_ready(30)
+        base = ex.stats().totals()["tasks"]
+        fs = [ex.submit(tasks.sleep_then, 0.003) for _ in range(20)]
+        long = ex.submit(tasks.sleep_then, 1.5)
+        for f in fs:
+            f.result(30)
+        time.sleep(0.05)
+        assert not long.done()
+        assert ex.stats().totals()["tasks"] - base >= 20
+        long.result(30)

@@ -92,19 +92,15 @@ def recovery(agents: int, events: int, workers: int) -> dict[str, Any]:
         # shard (what a client killed after sending them leaves behind)
         t = time.perf_counter()
         shard = J.Shard(os.path.join(d, "client.db"), "none", 1)
-        c = shard.c
-        c.execute("BEGIN")
+        shard.c.execute("BEGIN")  # one transaction around the shard's own writes
         seq = 0
         for k in range(events):
             for uid in uids:
                 seq += 1
                 data, bufs = encode_message(-1, "bump", (k,), None, -1, None, "cbench", seq)
                 body, oob = J.pack((data, bufs))
-                c.execute("INSERT INTO msgs(target,sender,seq,epoch,ts,call,body,oob,crc) "
-                          "VALUES (?,?,?,?,?,?,?,?,?)",
-                          (uid, "cbench", seq, 1, time.monotonic_ns(), 0, body, oob,
-                           J._crc(uid, "cbench", seq, 0, body, oob)))
-        c.execute("COMMIT")
+                shard.msg(uid, "cbench", seq, False, body, oob)
+        shard.c.execute("COMMIT")
         shard.close()
         t_write = time.perf_counter() - t
         t = time.perf_counter()

@@ -3,6 +3,8 @@
 Public names only; each lives in its own module.
 """
 
+from typing import TYPE_CHECKING
+
 from stealer.agents import Agent, AgentRef, Ctx
 from stealer.errors import (
     AffinityError,
@@ -22,10 +24,22 @@ from stealer.errors import (
     StepTimeout,
     WorkerCrashedError,
 )
-from stealer.executor import Executor, recover
 from stealer.forkjoin import Child, run_inline, spawn
 
+if TYPE_CHECKING:
+    from stealer.executor import Executor, recover
+
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # The executor (and with it the client side: pool, result thread, numpy) loads on first
+    # use: a worker process imports stealer.worker, which must not pay for the client.
+    if name in ("Executor", "recover"):
+        from stealer import executor
+
+        return getattr(executor, name)
+    raise AttributeError(f"module 'stealer' has no attribute {name!r}")
 
 __all__ = [
     "AffinityError",

@@ -23,7 +23,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
+from stealer._lazy import lazy_numpy
+
+np: Any = lazy_numpy(globals())  # numpy, imported on first use
+
 
 __all__ = [
     "COUNTERS", "TIERS", "TIER_NAMES", "KINDS", "NBUCKETS", "HIST_BYTES", "BLOCK_BYTES",
@@ -83,9 +86,16 @@ def bucket_bounds(i: int) -> tuple[int, int]:
     return m << e, (m + 1) << e
 
 
-_LOWS = np.array([bucket_bounds(i)[0] for i in range(NBUCKETS)], dtype=np.float64)
-_HIGHS = np.array([bucket_bounds(i)[1] for i in range(NBUCKETS)], dtype=np.float64)
-_MIDS = (_LOWS + _HIGHS - 1) / 2.0
+_MIDS_CACHE: list[Any] = []
+
+
+def _mids() -> Any:
+    """Each bucket's midpoint (made on first use: numpy is imported lazily)."""
+    if not _MIDS_CACHE:
+        lows = np.array([bucket_bounds(i)[0] for i in range(NBUCKETS)], dtype=np.float64)
+        highs = np.array([bucket_bounds(i)[1] for i in range(NBUCKETS)], dtype=np.float64)
+        _MIDS_CACHE.append((lows + highs - 1) / 2.0)
+    return _MIDS_CACHE[0]
 
 
 def hist_offset(tier: int, kind: int) -> int:
@@ -145,7 +155,8 @@ class Histogram:
         i = int(np.searchsorted(cum, rank))
         if q >= 100.0 and self.max_ns:
             return float(self.max_ns)
-        return float(min(_MIDS[i], self.max_ns)) if self.max_ns else float(_MIDS[i])
+        mids = _mids()
+        return float(min(mids[i], self.max_ns)) if self.max_ns else float(mids[i])
 
     def percentiles(self, qs: Sequence[float] = (50, 90, 99, 99.9)) -> dict[str, float]:
         return {f"p{q:g}": self.percentile(q) for q in qs}

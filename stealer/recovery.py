@@ -32,8 +32,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from stealer import failpoints, serialize
 from stealer._layout import (
     GEN_MASK,
@@ -57,8 +55,11 @@ from stealer._layout import (
     STATE_SHIFT,
     WHO_SHIFT,
 )
+from stealer._lazy import lazy_numpy
 from stealer.errors import WorkerCrashedError
 from stealer.records import Outcome
+
+np: Any = lazy_numpy(globals())  # numpy, imported on first use
 
 __all__ = ["Recovery", "ping_parent"]
 

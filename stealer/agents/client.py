@@ -31,7 +31,7 @@ from stealer._layout import (
     ST_ERROR,
 )
 from stealer.agents.api import AgentRef, _clients
-from stealer.agents.journal import pack as journal_pack
+from stealer.agents.jblob import pack as journal_pack
 from stealer.agents.mailbox import CLOSED, Directory
 from stealer.agents.options import DEFAULT_OPTIONS, AgentOptions
 from stealer.errors import (
@@ -166,7 +166,7 @@ class AgentClient:
         mailbox.  Returns how many agents were restarted."""
         from stealer._layout import D_COUNT
         from stealer.agents import api
-        from stealer.agents.journal import loads, unpack
+        from stealer.agents.jblob import loads, unpack
 
         a = self.a
         r = self.pool.region
@@ -309,7 +309,7 @@ class AgentClient:
         status, body, oob = got
         f = _AgentFuture(self.pool, -1, f"agent {uid}")
         try:
-            from stealer.agents.journal import loads
+            from stealer.agents.jblob import loads
 
             status, value = result_value(status, loads(body, oob))
         except BaseException as exc:

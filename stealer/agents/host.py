@@ -70,8 +70,8 @@ from stealer._layout import (
 from stealer.agents import api
 from stealer.agents.api import AgentRef, Ctx, Done, Pending, Sleep, Wait
 from stealer.agents.client import AGENT_FID, encode_message
-from stealer.agents.journal import pack as journal_pack
-from stealer.agents.journal import sender_is_agent
+from stealer.agents.jblob import pack as journal_pack
+from stealer.agents.jblob import sender_is_agent
 from stealer.agents.mailbox import Directory
 from stealer.agents.options import DEFAULT_OPTIONS, AgentOptions
 from stealer.agents.runqueue import RunQueue
@@ -1089,7 +1089,7 @@ class Host:
 
     @staticmethod
     def _logged_reply(logged: tuple) -> CallPending:
-        from stealer.agents.journal import loads
+        from stealer.agents.jblob import loads
 
         status, body, oob = logged
         p = CallPending(-1)

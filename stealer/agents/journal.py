@@ -63,9 +63,7 @@ import fcntl
 import json
 import math
 import os
-import pickle
 import sqlite3
-import struct
 import sys
 import threading
 import time
@@ -73,7 +71,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from stealer import serialize
+from stealer.agents.jblob import loads, pack, sender_is_agent, unpack  # noqa: F401 (re-exported)
 from stealer.errors import JournalError
 
 __all__ = ["FORMAT", "MODES", "Shard", "ControlDB", "open_for_client", "plan", "Plan",
@@ -86,8 +84,6 @@ MIN_FREE = 8 << 20  # bytes the journal's disk must have free at start
 CONTROL = "journal.db"
 LOCK = "LOCK"
 OWNED = (CONTROL, LOCK, "client.db")
-_HDR = struct.Struct("=IIQ")
-_LEN = struct.Struct("=Q")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS spawns(id INTEGER PRIMARY KEY, uid TEXT, name TEXT, parent TEXT,
@@ -102,44 +98,6 @@ CREATE TABLE IF NOT EXISTS replies(id INTEGER PRIMARY KEY, caller TEXT, seq INTE
 CREATE TABLE IF NOT EXISTS ends(id INTEGER PRIMARY KEY, uid TEXT, status INTEGER,
     ts INTEGER, body BLOB, oob INTEGER, crc INTEGER);
 """
-
-
-def sender_is_agent(key: str | None) -> bool:
-    """Agents' uids start with a digit; the client's keys with 'c', plain tasks' with 't'."""
-    return bool(key) and key[0].isdigit()
-
-
-# -- blobs: a pickle and its out-of-band buffers as one bytes value -----------------------
-def pack(pair: tuple[bytes, list]) -> tuple[bytes, int]:
-    """(blob, oob) of a (pickle, buffers) pair from serialize.dumps."""
-    data, bufs = pair
-    if not bufs:
-        return bytes(data), 0
-    out = bytearray(serialize.frame_size(data, bufs))
-    serialize.write_frame(out, 0, data, bufs)
-    return bytes(out), 1
-
-
-def unpack(blob: bytes, oob: int) -> tuple[bytes, list]:
-    """The (pickle, buffers) pair :meth:`Arena.put` takes."""
-    if not oob:
-        return blob, []
-    mv = memoryview(blob)
-    nbuf, _, plen = _HDR.unpack_from(mv, 0)
-    p = _HDR.size
-    lens = [_LEN.unpack_from(mv, p + _LEN.size * i)[0] for i in range(nbuf)]
-    p += _LEN.size * nbuf
-    data = bytes(mv[p : p + plen])
-    p += plen
-    bufs = []
-    for n in lens:
-        bufs.append(pickle.PickleBuffer(bytearray(mv[p : p + n])))
-        p += n
-    return data, bufs
-
-
-def loads(blob: bytes, oob: int) -> Any:
-    return serialize.loads_frame(blob, bool(oob))
 
 
 def _crc(*fields: Any) -> int:

@@ -383,3 +383,31 @@ def test_peer_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     systems, skipped = runner.load_systems(["process", "ghost"])
     assert [s.name for s in systems] == ["process"]
     assert "not installed" in skipped["ghost"]
+
+
+def test_latency_reports_unfrozen_small_and_large_heaps_and_frozen_on_request(
+        tmp_path: Path, capsys: Any) -> None:
+    """Issue 10: the latency users get (the collector running, small and large client heap);
+    the frozen variant only with --frozen-latency, beside them; the heap is never left
+    frozen; the client's collections per 100k tasks are counted."""
+    import gc
+
+    out = tmp_path / "b.json"
+    rc = main(["bench", "--tiny", "--systems", "stealer", "--workloads", "latency",
+               "--no-plots", "--json", str(out), "--frozen-latency"])
+    assert rc == 0
+    table = capsys.readouterr().out
+    r = json.loads(out.read_text())["results"]["latency"]["systems"]["stealer"]
+    assert r["heaps"] == ["small", "large", "frozen"]
+    for k in ("p99_ms", "large_p99_ms", "large_p99_9_ms", "frozen_p99_ms", "gc0_per_100k",
+              "gc2_per_100k", "large_gc0_per_100k"):
+        assert isinstance(r[k], (int, float)), k
+    assert r["gc0_per_100k"] > 0  # the client collects while it runs: counted, not frozen
+    assert "large heap: p99 ms" in table and "frozen heap: p99 ms" in table
+    assert gc.get_freeze_count() == 0
+    rc = main(["bench", "--tiny", "--systems", "stealer", "--workloads", "latency",
+               "--no-plots", "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())["results"]["latency"]["systems"]["stealer"]
+    assert r["heaps"] == ["small", "large"] and "frozen_p99_ms" not in r
+    assert "frozen heap" not in capsys.readouterr().out

@@ -23,9 +23,13 @@ Workloads (``--quick`` sizes in brackets; all but ``agent_scale`` together finis
   arrival, so a client that falls behind counts against the executor, as in an open system.
   p50/p90/p99/p99.9/max in ms; ``start_p99_ms`` is scheduled arrival to the task starting in
   its worker (one monotonic clock on Linux) and ``client_lag_max_ms`` how late the client
-  submitted.  Before the timed loop the harness runs ``gc.collect(); gc.freeze()`` (for every
-  system alike), so the client's cyclic-GC pauses scan only objects made during the run, not
-  the harness's own heap (numpy, matplotlib): those pauses were the largest client stalls.  ``samples_ms`` keeps the latency distribution for the CDF plot (sorted,
+  submitted.  The heap is *not* frozen: the client's collector runs as it does for users.
+  It runs twice: with the harness's own heap ("small": the main rows) and with 100,000 more
+  live objects ("large": ``large_*``); ``--frozen-latency`` adds a third run after
+  ``gc.collect(); gc.freeze()`` ("frozen": collections then scan only what the run makes;
+  fair between systems, but a tail users do not see).  ``gcN_per_100k``: the client's
+  generation-N collections during the run per 100,000 tasks.  ``samples_ms`` keeps the
+  (small-heap) latency distribution for the CDF plot (sorted,
   downsampled to at most :data:`MAX_SAMPLES` quantiles; not shown in the table).
 - ``skew``: 2,000 [400] tasks of capped Pareto durations (shape 1.5, mean 2 ms, cap 200 ms,
   seeded), all submitted at once; makespan and efficiency ``(sum of work / W) / makespan``.
@@ -451,8 +455,37 @@ def latency_trace(workers: int, quick: bool | str) -> tuple[list[float], float]:
     return _ideal.poisson_arrivals(n, rate, seed=LATENCY_SEED), LATENCY_TASK_S
 
 
+#: The latency workload's client heaps: "small" (the harness only) and "large" (100,000 more
+#: live objects), neither frozen: the tail users get, with the collector running as it does
+#: for them.  ``--frozen-latency`` adds "frozen" (gc.collect(); gc.freeze() first: the
+#: collections then scan only what the run makes; fair between systems, but no user does it).
+LATENCY_HEAPS = ["small", "large"]
+LATENCY_BALLAST = 100_000
+
+
+def _gc_counts() -> list[int]:
+    return [g["collections"] for g in gc.get_stats()]
+
+
 def run_latency(system: System, workers: int, quick: bool | str) -> dict[str, Any]:
-    """Open-loop Poisson arrivals of 1 ms tasks at 70% load; arrival-to-result latency."""
+    """Open-loop Poisson arrivals of 1 ms tasks at 70% load; arrival-to-result latency, for
+    each client heap of LATENCY_HEAPS (the first gives the main keys, the others theirs
+    prefixed: ``large_p99_ms``...)."""
+    result: dict[str, Any] = {}
+    for i, heap in enumerate(LATENCY_HEAPS):
+        r = _latency_once(system, workers, quick, heap)
+        if i == 0:
+            result.update(r)
+        else:
+            for k in ("p50_ms", "p99_ms", "p99_9_ms", "max_ms", "gc0_per_100k", "gc1_per_100k",
+                      "gc2_per_100k"):
+                result[f"{heap}_{k}"] = r[k]
+    result["heaps"] = list(LATENCY_HEAPS)
+    return result
+
+
+def _latency_once(system: System, workers: int, quick: bool | str,
+                  heap: str) -> dict[str, Any]:
     arrivals, dur = latency_trace(workers, quick)
     n = len(arrivals)
     done_at = [math.nan] * n
@@ -465,11 +498,11 @@ def run_latency(system: System, workers: int, quick: bool | str) -> dict[str, An
         return record
 
     ex, ready = _open(system, workers)
-    # Freeze what exists before the timed loop (this harness, numpy, matplotlib...): the
-    # client's collections then scan only objects made during the run (the executor's
-    # own garbage included), not the whole heap. Same for every system.
+    ballast = [[i] for i in range(LATENCY_BALLAST)] if heap == "large" else None
     gc.collect()
-    gc.freeze()
+    if heap == "frozen":  # the collections then scan only what the run makes
+        gc.freeze()
+    gc0 = _gc_counts()
     try:
         futures: list[cf.Future[tuple[int, int]]] = []
         t0 = time.perf_counter() + 0.02
@@ -482,10 +515,13 @@ def run_latency(system: System, workers: int, quick: bool | str) -> dict[str, An
             f.add_done_callback(on_done(i))
             futures.append(f)
         _wait_all(futures)
+        gc1 = _gc_counts()
         starts_ns = [f.result()[0] for f in futures]
     finally:
-        gc.unfreeze()
+        if heap == "frozen":
+            gc.unfreeze()
         ex.shutdown(wait=True)
+        del ballast
     if any(math.isnan(d) for d in done_at):  # callbacks run before wait() returns
         raise RuntimeError(f"{system.name}: a done callback did not run")
     lat = [d - (t0 + a) for d, a in zip(done_at, arrivals)]
@@ -501,6 +537,10 @@ def run_latency(system: System, workers: int, quick: bool | str) -> dict[str, An
     result["ready_s"] = ready
     result["samples_ms"] = downsample([x * 1e3 for x in lat])
     result["ideal"] = ideal_latency(workers, quick)
+    result["heap"] = heap
+    # the client's collections during the run, per 100,000 tasks (gen0, gen1, gen2)
+    for g, (a, b) in enumerate(zip(gc0, gc1)):
+        result[f"gc{g}_per_100k"] = (b - a) * 100_000 / n
     return result
 
 
@@ -1450,6 +1490,14 @@ _ROWS: dict[str, list[tuple[str, str, str]]] = {
         ("max_ms", "max ms", ".2f"),
         ("start_p99_ms", "arrival→start p99 ms", ".2f"),
         ("client_lag_max_ms", "client lag max ms", ".2f"),
+        ("gc0_per_100k", "client GC gen0 /100k tasks", ",.0f"),
+        ("gc1_per_100k", "client GC gen1 /100k tasks", ",.0f"),
+        ("gc2_per_100k", "client GC gen2 /100k tasks", ",.0f"),
+        ("large_p99_ms", "large heap: p99 ms", ".2f"),
+        ("large_p99_9_ms", "large heap: p99.9 ms", ".2f"),
+        ("large_gc2_per_100k", "large heap: GC gen2 /100k", ",.0f"),
+        ("frozen_p99_ms", "frozen heap: p99 ms", ".2f"),
+        ("frozen_p99_9_ms", "frozen heap: p99.9 ms", ".2f"),
     ],
     "skew": [
         ("makespan_s", "makespan s", ".3f"),
@@ -1526,6 +1574,8 @@ def format_table(results: dict[str, dict[str, Any]], system_names: Sequence[str]
         ideal = res.get("ideal", {})
         for key, label, spec in _ROWS.get(workload, []):
             vals = [per_system.get(name, {}).get(key) for name in system_names]
+            if key.startswith("frozen_") and all(v is None for v in vals):
+                continue  # the frozen-heap latency runs only with --frozen-latency
             row = [workload, label, *(_fmt(v, spec) for v in vals), _fmt(ideal.get(key), spec)]
             ratio = None
             if len(vals) >= 2 and isinstance(vals[0], (int, float)) and vals[1]:
@@ -1671,6 +1721,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="write all results and runs as JSON here")
     p.add_argument("--plots", metavar="DIR", help="write PNG plots here")
     p.add_argument("--no-plots", action="store_true", help="do not draw plots")
+    p.add_argument("--frozen-latency", action="store_true",
+                   help="latency also with the client heap frozen (gc.freeze) first")
     p.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, default=None,
         help="progress bar on stderr (default: when stderr is a terminal)",
@@ -1743,6 +1795,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     0, or 1 when the first system failed a workload (or nothing ran), 2 for bad usage (and
     for ``--plots DIR`` without matplotlib, checked before anything runs)."""
     args = _parse(argv)
+    LATENCY_HEAPS[:] = ["small", "large"] + (["frozen"] if args.frozen_latency else [])
     if args.plots and not args.no_plots:
         try:  # asked for plots: say how to get them before spending minutes on the run
             _load_plots()

@@ -51,6 +51,7 @@ class _NoLock:
 
 
 _SETTLED = _NoLock()
+_MAKE_LOCK = threading.Lock()  # makes a future's condition or list once (rare: a waiter)
 _SETTLED_STATES = frozenset((_fbase.CANCELLED, _fbase.CANCELLED_AND_NOTIFIED, _fbase.FINISHED))
 
 
@@ -92,16 +93,49 @@ class _Future(Future):
     _exception: BaseException | None = None
     _st_handle: int | None = None
     _st_backlog = False  # waiting in the client-side backlog (no record yet)
+    _st_cond: threading.Condition | None = None  # made by the first waiter (_condition)
+    _st_w: list[Any] | None = None  # _waiters, made on first use
+    _st_cb: list[Any] | None = None  # _done_callbacks, made on first use
 
     def __init__(self, pool: _Pool, fid: int, fn: Any) -> None:
-        # Future.__init__ without the Condition (created lazily, see _condition);
-        # _result, _exception and _st_handle start as the class-level None.
+        # Future.__init__ without the Condition and the two lists (made on first use): a
+        # future nobody waits on is one GC-tracked object, not four (its attributes stay
+        # inline: nothing here reads self.__dict__, which would make it a dict).
+        # Every attribute a future may ever get is set here, always in this order: the
+        # instances then share one key layout and keep their values inline (CPython makes a
+        # per-object dict, a second GC-tracked object, for one that adds keys in another
+        # order: results before handles, a waiter's condition first...).
         self._state = _fbase.PENDING
-        self._waiters: list[Any] = []
-        self._done_callbacks: list[Any] = []
         self._st_pool = pool
         self._st_fid = fid
         self._st_fn = fn  # for messages only (see _st_name)
+        self._st_handle = None
+        self._st_backlog = False
+        self._result = None
+        self._exception = None
+        self._st_cond = None
+        self._st_w = None
+        self._st_cb = None
+
+    @property
+    def _waiters(self) -> list[Any]:  # type: ignore[override]
+        w = self._st_w
+        if w is None:
+            with _MAKE_LOCK:
+                w = self._st_w
+                if w is None:
+                    w = self._st_w = []
+        return w
+
+    @property
+    def _done_callbacks(self) -> list[Any]:  # type: ignore[override]
+        cb = self._st_cb
+        if cb is None:
+            with _MAKE_LOCK:
+                cb = self._st_cb
+                if cb is None:
+                    cb = self._st_cb = []
+        return cb
 
     @property
     def _st_name(self) -> str:
@@ -110,18 +144,19 @@ class _Future(Future):
 
     @property
     def _condition(self) -> threading.Condition:  # type: ignore[override]
-        d = self.__dict__
-        cond = d.get("_st_cond")
+        cond = self._st_cond
         if cond is None:
             if self._state in _SETTLED_STATES:
                 return _SETTLED  # type: ignore[return-value]
-            cond = d.setdefault("_st_cond", threading.Condition())  # atomic under the GIL
+            with _MAKE_LOCK:  # one condition per future, whoever asks first
+                cond = self._st_cond
+                if cond is None:
+                    cond = self._st_cond = threading.Condition()
         return cond
 
     def _st_resolve(self, result: Any, exc: BaseException | None) -> None:
         """Result thread: set the outcome (raises InvalidStateError if already set)."""
-        d = self.__dict__
-        if "_st_cond" in d:  # somebody is (or was) waiting: the stdlib's locked path
+        if self._st_cond is not None:  # somebody is (or was) waiting: the stdlib's locked path
             if exc is None:
                 Future.set_result(self, result)
             else:
@@ -133,16 +168,16 @@ class _Future(Future):
         if exc is not None:
             self._exception = exc
         self._state = _fbase.FINISHED  # publish first ...
-        cond = d.get("_st_cond")  # ... then look for a waiter that came meanwhile
+        cond = self._st_cond  # ... then look for a waiter that came meanwhile
         if cond is not None:
             with cond:
-                for waiter in self._waiters:
+                for waiter in self._st_w or ():
                     if exc is None:
                         waiter.add_result(self)
                     else:
                         waiter.add_exception(self)
                 cond.notify_all()
-        if self._done_callbacks:
+        if self._st_cb:
             self._invoke_callbacks()
 
     def result(self, timeout: float | None = None) -> Any:

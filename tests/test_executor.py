@@ -471,3 +471,23 @@ def test_workers_steal_in_topology_order():
             seen[k] = offsets
         for k, offsets in seen.items():
             assert offsets == [pool.layout.deque(i) for i in expected[k]]
+
+
+def test_a_future_nobody_waits_on_is_one_gc_tracked_object(ex):
+    """Issue 10: the client's collections come from its allocations per task.  A future
+    was four tracked objects (itself, a materialized __dict__, _waiters, _done_callbacks);
+    now one, whatever order its attributes were set in (waited on, cancelled, failed)."""
+    import gc
+
+    ex.submit(tasks.square, 1).result(30)  # a waited-on one first: its keys come first
+    ex.submit(tasks.raise_value_error, "x").exception(30)
+    fs = [ex.submit(tasks.square, i) for i in range(200)]
+    cf.wait(fs[:5], timeout=30)
+    while not all(f.done() for f in fs):
+        time.sleep(0.01)
+    plain = fs[5:]
+    for f in plain:
+        assert f.result() is not None
+        inner = [type(o).__name__ for o in gc.get_referents(f)]
+        assert "dict" not in inner and "list" not in inner, inner
+    assert [f.result() for f in fs] == [i * i for i in range(200)]

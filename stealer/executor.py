@@ -43,6 +43,7 @@ from stealer import pool as _poolmod
 from stealer.agents.api import AgentRef
 from stealer.arena import INLINE, K_ROOT
 from stealer.errors import BrokenExecutor, ExecutorShutdownError, SerializationError
+from stealer.forkjoin import run_chunk
 from stealer.futures import _Future
 from stealer.pool import _Pool
 from stealer.progress import Counted, map_progress
@@ -50,14 +51,6 @@ from stealer.shm import H_STARTED
 from stealer.stats import Stats, collect
 
 __all__ = ["Executor"]
-
-
-def _run_chunk(fref: Any, chunk: list[tuple]) -> list:
-    """Worker side of map(chunksize>1): run fn over a chunk of argument tuples."""
-    from stealer import forkjoin
-
-    fn = forkjoin._current.fns.get(fref) if type(fref) is int else fref
-    return [fn(*args) for args in chunk]
 
 
 def _check_retries(retries: Any) -> None:
@@ -367,7 +360,7 @@ class Executor(_fbase.Executor):
         if chunksize > 1:
             fref = self._pool.fns.id_of(fn)
             fn_ref: Any = fref if fref >= 0 else fn
-            call = _run_chunk
+            call = run_chunk
             chunks = iter(lambda: list(itertools.islice(args_iter, chunksize)), [])
             items = ((fn_ref, chunk) for chunk in chunks)
         fs: collections.deque[Future] = collections.deque()

@@ -275,3 +275,11 @@ def spawn_big(nbytes):
     c = stealer.spawn(nbytes_of, b"x" * nbytes)
     n = yield c
     return n
+
+
+def client_modules_loaded(_=None):
+    """Which client-side modules this (worker) process has imported."""
+    import sys
+
+    return sorted(m for m in ("stealer.executor", "stealer.pool", "stealer.stats", "numpy",
+                              "sqlite3") if m in sys.modules)

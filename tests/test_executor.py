@@ -491,3 +491,15 @@ def test_a_future_nobody_waits_on_is_one_gc_tracked_object(ex):
         inner = [type(o).__name__ for o in gc.get_referents(f)]
         assert "dict" not in inner and "list" not in inner, inner
     assert [f.result() for f in fs] == [i * i for i in range(200)]
+
+
+def test_workers_do_not_import_the_client_side():
+    """Issue 10 (start-up): a worker imports neither the executor/pool (the client) nor
+    numpy nor SQLite, at start or at the first chunked map (map's chunk runner lived in
+    executor.py: a worker imported the client at its first chunk, ~50 ms)."""
+    with stealer.Executor(2) as ex:
+        assert list(ex.map(tasks.square, range(100), chunksize=8)) == [i * i for i in range(100)]
+        assert ex.submit(tasks.fib, 18, 12).result(30) == tasks.fib_seq(18)
+        got = {tuple(f.result(30)) for f in [ex.submit(tasks.client_modules_loaded)
+                                             for _ in range(8)]}
+    assert got == {()}, got

@@ -831,6 +831,7 @@ def run_agents(system: System, workers: int, quick: bool | str) -> dict[str, Any
     ]
     ex, ready = _open(system, workers)
     try:
+        _wait_all([ex.submit(_wl.hold_numpy, 0.02) for _ in range(2 * workers)])
         before = _agent_totals(ex) if native else None
         gc.collect()
         t0 = time.monotonic()

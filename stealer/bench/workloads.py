@@ -99,6 +99,15 @@ def noop(x: Any = None) -> Any:
     return x
 
 
+def hold_numpy(seconds: float) -> None:
+    """Import numpy in this worker and hold it ``seconds`` (so each worker gets one): the
+    warm-up of workloads whose payloads carry arrays.  Workers import numpy at the first
+    payload that needs one (about 30 ms once); the workloads time steady state."""
+    import numpy  # noqa: F401
+
+    busy(seconds)
+
+
 def timed_busy(seconds: float) -> tuple[int, int]:
     """Busy-wait like :func:`busy`; return ``(start_ns, end_ns)`` of :func:`time.perf_counter_ns`.
 

@@ -40,17 +40,78 @@ from typing import Any
 
 from stealer import affinity, serialize
 from stealer import pool as _poolmod
+from stealer._layout import S_CANCELLED, S_QUEUED
 from stealer.agents.api import AgentRef
 from stealer.arena import INLINE, K_ROOT
-from stealer.errors import BrokenExecutor, ExecutorShutdownError, SerializationError
-from stealer.forkjoin import run_chunk
+from stealer.errors import (
+    BrokenExecutor,
+    ExecutorShutdownError,
+    RemoteTraceback,
+    SerializationError,
+)
+from stealer.forkjoin import run_chunk, run_items
 from stealer.futures import _Future
 from stealer.pool import _Pool
 from stealer.progress import Counted, map_progress
+from stealer.records import Outcome as _Outcome
 from stealer.shm import H_STARTED
 from stealer.stats import Stats, collect
 
 __all__ = ["Executor"]
+
+
+AUTO_CHUNK_MAX = 64  # map's automatic chunksize grows 1, 2, 4... up to this
+
+
+def _auto_chunks(args_iter: Iterator[tuple], cap: int) -> Iterator[list[tuple]]:
+    """Chunks of 1, 2, 4... inputs up to ``cap``: the first results come at once, the
+    rest pay the per-task cost once per chunk."""
+    k = 1
+    while True:
+        chunk = list(itertools.islice(args_iter, k))
+        if not chunk:
+            return
+        yield chunk
+        if k < cap:
+            k = min(cap, 2 * k)
+
+
+class _MapToken:
+    """The record a map's chunks read between inputs (forkjoin.run_items): QUEUED on no
+    queue while the map runs; cancel() (closed, timed out, failed) moves it to CANCELLED;
+    freed once every chunk's future is done (a chunk may read it until then)."""
+
+    __slots__ = ("a", "h", "left", "lock")
+
+    def __init__(self, a: Any, h: int) -> None:
+        self.a = a
+        self.h = h
+        self.left = 0
+        self.lock = threading.Lock()
+
+    def watch(self, fs: collections.deque[Future]) -> None:
+        if not fs:
+            self._free()
+            return
+        with self.lock:
+            self.left = len(fs)
+        for f in list(fs):
+            f.add_done_callback(self._one_done)
+
+    def _one_done(self, _f: Future) -> None:
+        with self.lock:
+            self.left -= 1
+            last = self.left == 0
+        if last:
+            self._free()
+
+    def _free(self) -> None:
+        a = self.a
+        if a.release(self.h, S_QUEUED, 0, 0) is not _Outcome.OK:
+            a.release(self.h, S_CANCELLED, 0, 0)  # cancelled first: still ours to free
+
+    def cancel(self) -> None:
+        self.a.tr.cancel(self.h)  # generation-checked CAS QUEUED -> CANCELLED; once
 
 
 def _check_retries(retries: Any) -> None:
@@ -118,13 +179,28 @@ def _result_or_cancel(f: Future, end_time: float | None) -> Any:
 
 
 def _map_results(fs: collections.deque[Future], end_time: float | None, chunked: bool,
-                 feed: _MapFeed | None) -> Iterator[Any]:
-    """The iterator of map(): no local holds a result across a yield (CPython issue 14406)."""
+                 feed: _MapFeed | None, token: _MapToken | None = None) -> Iterator[Any]:
+    """The iterator of map(): no local holds a result across a yield (CPython issue 14406).
+    ``token``: the chunks are per-input outcomes (forkjoin.run_items)."""
     try:
         while fs:
             if feed is not None:
                 feed.top_up(fs)  # before waiting: nothing in hand is lost if it is refused
-            if chunked:
+            if token is not None:
+                chunk = _result_or_cancel(fs.popleft(), end_time)
+                chunk.reverse()
+                while chunk:
+                    status, value = chunk.pop()
+                    if status:
+                        if status == 2:
+                            raise _fbase.CancelledError()
+                        exc, tb = value
+                        if tb:
+                            exc.__cause__ = RemoteTraceback(tb)
+                        del value
+                        raise exc
+                    yield value
+            elif chunked:
                 chunk = _result_or_cancel(fs.popleft(), end_time)
                 chunk.reverse()
                 while chunk:
@@ -134,6 +210,8 @@ def _map_results(fs: collections.deque[Future], end_time: float | None, chunked:
         if feed is not None:
             feed.raise_refused()
     finally:
+        if token is not None:
+            token.cancel()  # inputs of running chunks not started yet: not run
         for f in fs:
             f.cancel()
 
@@ -319,9 +397,19 @@ class Executor(_fbase.Executor):
         raise ExecutorShutdownError("cannot schedule new futures after shutdown")
 
     def map(self, fn: Callable[..., Any], *iterables: Iterable[Any], timeout: float | None = None,
-            chunksize: int = 1, buffersize: int | None = None,
+            chunksize: int | None = None, buffersize: int | None = None,
             progress: bool = False) -> Iterator[Any]:
         """Like ``ProcessPoolExecutor.map``, with Python 3.14's ``buffersize``.
+
+        ``chunksize`` (inputs per task) is chosen as the map goes by default:
+        1, 2, 4... up to 64, and at most a quarter of the inputs per worker
+        when they have a length (as ``multiprocessing.Pool.map`` does).  The
+        results are the same as with one task per input: every input runs, an
+        input's exception is raised at that input after the results before it,
+        and closing the iterator (or a timeout) withdraws every input not
+        started, also inside a running chunk.  ``chunksize=1`` gives one task
+        per input; with ``buffersize`` the default is 1 (the buffer then bounds
+        the inputs read ahead).
 
         By default every task (one per ``chunksize`` inputs) is submitted
         before ``map`` returns, as in the stdlib: the tasks run even if nobody
@@ -344,7 +432,7 @@ class Executor(_fbase.Executor):
         on stderr while the results are read, when stderr is a terminal (tqdm's
         if tqdm is installed, else a plain one; see stealer.progress).
         """
-        if chunksize < 1:
+        if chunksize is not None and chunksize < 1:
             raise ValueError("chunksize must be >= 1.")
         if buffersize is not None:
             if not isinstance(buffersize, int):
@@ -357,7 +445,24 @@ class Executor(_fbase.Executor):
             args_iter = counted = Counted(args_iter)  # the total: how many inputs were read
         call: Callable[..., Any] = fn
         items: Iterator[tuple] = args_iter
-        if chunksize > 1:
+        token: _MapToken | None = None
+        if chunksize is None:
+            chunksize = 1
+            if buffersize is None:
+                token = self._map_token()
+        if token is not None:
+            cap = AUTO_CHUNK_MAX
+            try:
+                n = min(len(it) for it in iterables)  # type: ignore[arg-type]
+                cap = max(1, min(cap, -(-n // (4 * self._max_workers))))
+            except (TypeError, ValueError):  # an input without a length, or no input
+                pass
+            fref = self._pool.fns.id_of(fn)
+            fn_item: Any = fref if fref >= 0 else fn
+            call = run_items
+            tok = token.h
+            items = ((fn_item, tok, chunk) for chunk in _auto_chunks(args_iter, cap))
+        elif chunksize > 1:
             fref = self._pool.fns.id_of(fn)
             fn_ref: Any = fref if fref >= 0 else fn
             call = run_chunk
@@ -368,14 +473,31 @@ class Executor(_fbase.Executor):
             for args in (items if buffersize is None else itertools.islice(items, buffersize)):
                 fs.append(self.submit(call, *args))
         except BaseException:
+            if token is not None:
+                token.cancel()
+                token.watch(fs)  # freed once the chunks submitted so far are done
             for f in fs:
                 f.cancel()
             raise
+        if token is not None:
+            token.watch(fs)
         feed = None if buffersize is None else _MapFeed(self, call, items, buffersize)
-        results = _map_results(fs, end_time, chunksize > 1, feed)
+        results = _map_results(fs, end_time, chunksize > 1, feed, token)
         if progress:
             return map_progress(results, counted, iterables, read_all=buffersize is None)
         return results
+
+    def _map_token(self) -> _MapToken | None:
+        """A fresh token record for a map (None if no record is free: one task per input)."""
+        pool = self._pool
+        if pool.shutdown or pool.broken:
+            return None  # submit() refuses anyway
+        a = pool.arena
+        h = a.alloc()
+        if h < 0:
+            return None
+        a.setup(h, K_ROOT, 0, time.monotonic_ns())  # QUEUED on no queue, like a reply slot
+        return _MapToken(a, h)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         pool = self._pool

@@ -34,7 +34,7 @@ from typing import Any
 
 from stealer.errors import NotInTaskError
 
-__all__ = ["Child", "spawn", "run_inline", "run_chunk"]
+__all__ = ["Child", "spawn", "run_inline", "run_chunk", "run_items"]
 
 
 class Child:
@@ -151,3 +151,28 @@ def run_chunk(fref: Any, chunk: list[tuple]) -> list:
     """
     fn = _current.fns.get(fref) if type(fref) is int else fref
     return [fn(*args) for args in chunk]
+
+
+def run_items(fref: Any, token: int, chunk: list[tuple]) -> list:
+    """Worker side of ``Executor.map`` with the automatic chunksize: every input of the
+    chunk runs, each outcome apart ((0, value), (1, error payload)), so the map raises an
+    input's exception at that input, after the results before it, as with one task per
+    input.  Between inputs it reads the map's *token*, a record the client moves from
+    QUEUED to CANCELLED (generation-checked) when the map is closed or times out: the
+    inputs not started by then are not run ((2, None)), as queued tasks are withdrawn."""
+    from stealer._layout import S_QUEUED
+
+    w = _current
+    tr = w.arena.tr
+    fn = w.fns.get(fref) if type(fref) is int else fref
+    out: list[tuple[int, Any]] = []
+    for args in chunk:
+        st = tr.state(token)  # acquire load of its state word: pairs with the client's cancel CAS
+        if st is None or st[0] != S_QUEUED:
+            out.append((2, None))  # the map was closed: not started, not run
+            continue
+        try:
+            out.append((0, fn(*args)))
+        except Exception as exc:
+            out.append((1, w.error_payload(exc)))
+    return out

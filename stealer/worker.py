@@ -279,6 +279,8 @@ class Worker:
 
     # (status, pickle, buffers) of an outcome, for the agents' journal (host.py)
     encode_result = staticmethod(encode_result)
+    # (exception, traceback) that always pickles: map's per-input outcomes (forkjoin.run_items)
+    error_payload = staticmethod(error_payload)
 
     # -- main loop -----------------------------------------------------------
     def loop(self) -> int:

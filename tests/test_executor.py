@@ -503,3 +503,36 @@ def test_workers_do_not_import_the_client_side():
         got = {tuple(f.result(30)) for f in [ex.submit(tasks.client_modules_loaded)
                                              for _ in range(8)]}
     assert got == {()}, got
+
+
+def test_map_chunks_by_default_yet_behaves_as_one_task_per_input(tmp_path):
+    """Issue 10: map's default chunksize grows 1, 2, 4... (far fewer tasks than inputs),
+    with the same results as one task per input: every input runs, an input's exception
+    comes at that input after the results before it, closing withdraws the inputs not
+    started even inside a running chunk, and the map's token record is freed (no record
+    left behind by complete, closed, failed, timed-out or empty maps)."""
+    from tests.probes import records_in_use
+
+    with stealer.Executor(2) as ex:
+        before = ex.stats().totals()["tasks"]
+        assert list(ex.map(tasks.square, range(1000))) == [i * i for i in range(1000)]
+        time.sleep(0.05)
+        ran = ex.stats().totals()["tasks"] - before
+        assert ran < 100, f"{ran} tasks for 1000 inputs: not chunked"
+        assert list(ex.map(tasks.square, iter(range(300)))) == [i * i for i in range(300)]
+        it = ex.map(tasks.raise_value_error, ["a", "b"])  # the second input fails too
+        with pytest.raises(ValueError, match="a"):
+            next(it)
+        got = []
+        with pytest.raises(ZeroDivisionError):
+            for x in ex.map(divmod, [5] * 40, [2] * 20 + [0] + [3] * 19):
+                got.append(x)
+        assert got == [(2, 1)] * 20
+        with pytest.raises(cf.TimeoutError):
+            list(ex.map(tasks.sleep_then, [0.0, 0.0, 1.5, 0.0, 0.0, 0.0, 0.0, 0.0],
+                        timeout=0.3))
+        assert list(ex.map(tasks.square, [])) == []
+        it = ex.map(tasks.square, range(500))
+        next(it)
+        it.close()
+        assert records_in_use(ex, timeout=15) == 0

@@ -134,13 +134,18 @@ def test_finished_agents_stay_finished_with_their_results(tmp_path):
         assert ok.result(30) == 49
         with pytest.raises(ValueError, match="negative"):
             bad.result(30)
+    from stealer.agents import api
+
     with stealer.recover(d, 2) as ex:
+        client = ex._pool.agents
+        assert client._remap in api._remap  # refs from the dead run are remapped here
         assert ex.recovered == 0
         assert ex.agent("ok").result(5) == 49
         with pytest.raises(ValueError, match="negative"):
             ex.agent("bad").result(5)
         with pytest.raises(stealer.AgentStopped):
             ex.agent("ok").call("state").result(5)
+    assert client._remap not in api._remap  # and no longer once it is shut down
 
 
 @pytest.mark.parametrize("seed", range(3))

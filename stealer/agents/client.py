@@ -99,6 +99,11 @@ class AgentClient:
     def close(self) -> None:
         _clients.pop(self.name, None)
         if self.j is not None:
+            from stealer.agents import api
+
+            # (a bound method: compared by ==, so remove() finds the one recover() added)
+            if self._remap in api._remap:
+                api._remap.remove(self._remap)
             self.j.close()
 
     # -- records ------------------------------------------------------------------

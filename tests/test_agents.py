@@ -455,3 +455,25 @@ def test_a_task_sending_to_a_full_mailbox_on_its_own_worker_does_not_hang(ex1):
     assert ref.call("get").result(T) == 30
     ref.stop()
     ref.result(T)
+
+
+def test_sleeping_agents_that_migrate_are_not_rescheduled_by_a_stale_timer():
+    """A sleeping agent woken by a message and then handed to a peer left its timer on the
+    old worker; the timer rescheduled it there and publish_one crashed that worker ("its
+    record left RUNNING").  A ring of stepping, sleeping, messaging, calling agents (no
+    journal) must end in its crash-free states with no worker replaced."""
+    from tests import journal_lib as J
+
+    n = 60
+    with stealer.Executor(2) as ex:
+        refs = [ex.spawn_agent(J.RingAgent, i, mailbox=256) for i in range(n)]
+        for i, r in enumerate(refs):
+            r.send("link", refs[(i + 1) % n])
+        end = time.monotonic() + 60
+        while True:
+            st = {i: refs[i].call("state").result(30) for i in range(n)}
+            if all(s[1] == J.K and s[3] >= J.K for s in st.values()) or time.monotonic() > end:
+                break
+            time.sleep(0.05)
+        assert ex.stats().client["replacements"] == 0
+    assert st == J.expected(n)

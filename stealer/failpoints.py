@@ -47,6 +47,11 @@ POINTS = {
     "agent.migrate_after_ckpt": "a migrating agent is checkpointed, before RUNNING -> QUEUED",
     "agent.migrate_after_cas": "a migrating agent is QUEUED (leased), before its push",
     "agent.finish_after_close": "a finishing agent's mailbox is closed, before calls are failed",
+    # the agents' journal (stealer/agents/host.py; Executor(journal=...))
+    "journal.after_msg_logged": "a worker logged a message, before it reaches the mailbox",
+    "journal.after_reply_logged": "a call's reply is logged, before it is stored for the caller",
+    "journal.before_snap_logged": "a checkpoint is in shared memory, before its snapshot row",
+    "journal.after_end_logged": "an agent's end is logged, before its final value is published",
     # client side
     "client.result_thread": "the result thread, each loop",
     "client.after_drain": "worker death handling, after draining its completion ring",

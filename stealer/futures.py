@@ -117,25 +117,24 @@ class _Future(Future):
         self._st_w = None
         self._st_cb = None
 
+    def _st_list(self, slot: str) -> list[Any]:
+        """The list in ``slot``, made on first use (once, whoever asks first)."""
+        lst = getattr(self, slot)
+        if lst is None:
+            with _MAKE_LOCK:
+                lst = getattr(self, slot)
+                if lst is None:
+                    lst = []
+                    setattr(self, slot, lst)
+        return lst
+
     @property
     def _waiters(self) -> list[Any]:  # type: ignore[override]
-        w = self._st_w
-        if w is None:
-            with _MAKE_LOCK:
-                w = self._st_w
-                if w is None:
-                    w = self._st_w = []
-        return w
+        return self._st_w if self._st_w is not None else self._st_list("_st_w")
 
     @property
     def _done_callbacks(self) -> list[Any]:  # type: ignore[override]
-        cb = self._st_cb
-        if cb is None:
-            with _MAKE_LOCK:
-                cb = self._st_cb
-                if cb is None:
-                    cb = self._st_cb = []
-        return cb
+        return self._st_cb if self._st_cb is not None else self._st_list("_st_cb")
 
     @property
     def _st_name(self) -> str:

@@ -660,8 +660,13 @@ class Worker:
         Never raises: a result that cannot be pickled or stored is reported as
         an error of that task (records.py: the record is ours until DONE).
         """
+        self.report_encoded(h, kind, link, *encode_result(status, value))
+
+    def report_encoded(self, h: int, kind: int, link: int, status: int, data: bytes,
+                       bufs: list) -> None:
+        """:meth:`report` of an outcome already pickled by :func:`encode_result` (the
+        agents' journal logs the same bytes: pickled once)."""
         a = self.arena
-        status, data, bufs = encode_result(status, value)
         if not bufs and not FP.ON:  # (failpoints: take the Python path, which has them)
             done = a.finish_inline(h, status, data, self.completions, self.who)
             if done == 1 or done == -1:

@@ -283,3 +283,13 @@ def client_modules_loaded(_=None):
 
     return sorted(m for m in ("stealer.executor", "stealer.pool", "stealer.stats", "numpy",
                               "sqlite3") if m in sys.modules)
+
+
+def wait_for_path(path, timeout=60.0):
+    """Busy (sleeping in short steps) until ``path`` exists: a task that ends when told."""
+    import os
+
+    end = time.monotonic() + timeout
+    while not os.path.exists(path) and time.monotonic() < end:
+        time.sleep(0.005)
+    return os.path.exists(path)

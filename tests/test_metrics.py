@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+import os
 import time
 
 import numpy as np
@@ -126,14 +127,18 @@ def test_counters_module_constants():
 def test_stats_of_a_busy_worker_are_not_64_steps_behind():
     """Counters were published every 64 steps or before parking: a worker busy with a long
     task after 20 short ones showed none of them.  Now also every ~2 ms while busy."""
+    import tempfile
+
+    gate = os.path.join(tempfile.mkdtemp(), "gate")
     with stealer.Executor(1, cpus=None) as ex:
         ex.wait_ready(30)
         base = ex.stats().totals()["tasks"]
         fs = [ex.submit(tasks.sleep_then, 0.003) for _ in range(20)]
-        long = ex.submit(tasks.sleep_then, 1.5)
+        long = ex.submit(tasks.wait_for_path, gate)  # busy until the gate opens
         for f in fs:
             f.result(30)
         time.sleep(0.05)
         assert not long.done()
         assert ex.stats().totals()["tasks"] - base >= 20
+        open(gate, "w").close()
         long.result(30)

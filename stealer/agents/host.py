@@ -758,9 +758,9 @@ class Host:
         except BaseException as exc:
             w.in_body = False
             self.handled(e, m, replay)
-            if sender is not None and self.journal is not None:
-                self.answered(e, sender, seq, reply, ST_ERROR, exc)
-            self.reply(reply, ST_ERROR, exc)  # the caller gets it; the agent goes on
+            enc = (self.answered(e, sender, seq, reply, ST_ERROR, exc)
+                   if sender is not None and self.journal is not None else None)
+            self.reply(reply, ST_ERROR, exc, enc)  # the caller gets it; the agent goes on
             return
         w.in_body = False
         if type(res) is GeneratorType:
@@ -769,9 +769,9 @@ class Host:
             self.drive(e, None, None)
             return
         self.handled(e, m, replay)
-        if sender is not None and self.journal is not None:
-            self.answered(e, sender, seq, reply, ST_OK, res)
-        self.reply(reply, ST_OK, res)
+        enc = (self.answered(e, sender, seq, reply, ST_OK, res)
+               if sender is not None and self.journal is not None else None)
+        self.reply(reply, ST_OK, res, enc)
         if e.state == WAITING and e.want_step is False and hasattr(e.obj, "step"):
             e.want_step = True  # ctx.wait(): step again once a message was handled
 
@@ -788,22 +788,26 @@ class Host:
 
     # -- the journal: replies and duplicates ------------------------------------------------
     def answered(self, e: _Entry, sender: str, seq: int, reply: int, status: int,
-                 value: Any) -> None:
+                 value: Any) -> tuple | None:
         """A call from agent ``sender`` was handled: log the reply (a caller replaying after
-        a recovery takes it instead of calling again) and keep it for a re-sent call."""
+        a recovery takes it instead of calling again) and keep it for a re-sent call.
+        Returns the encoded reply (encode_result), which :meth:`reply` stores as is."""
         if not sender_is_agent(sender):
-            return
+            return None
         if e.rcache is None:
             e.rcache = {}
         e.rcache[sender] = (seq, status, value)
         if reply < 0:
-            return  # a one-way send, or a call replayed from the journal (logged before)
-        st, data, bufs = self.w.encode_result(status, value)
-        body, oob = journal_pack((data, bufs))
+            return None  # a one-way send, or a call replayed from the journal (logged before)
+        enc = self.w.encode_result(status, value)
+        body, oob = journal_pack(enc[1:])
         try:
-            self.journal.shard.reply(sender, seq, st, body, oob)
+            self.journal.shard.reply(sender, seq, enc[0], body, oob)
         except JournalError as exc:
             print(f"stealer: {exc}", file=sys.stderr)
+        if FP.ON:
+            FP.hit("journal.after_reply_logged")
+        return enc
 
     def duplicate(self, e: _Entry, sender: str, seq: int, reply: int) -> None:
         """Message #seq of ``sender`` was applied before (a replay sent it again)."""
@@ -817,8 +821,9 @@ class Host:
             f"call #{seq} from {sender} to agent {e.h:#x} was made again by a replay after "
             "a crash, and its first reply is gone: it is not run twice", e.h, e.gen))
 
-    def reply(self, rh: int, status: int, value: Any) -> None:
-        """Store a reply in slot ``rh`` (QUEUED, made by the caller) and publish it."""
+    def reply(self, rh: int, status: int, value: Any, enc: tuple | None = None) -> None:
+        """Store a reply in slot ``rh`` (QUEUED, made by the caller) and publish it
+        (``enc``: the reply already encoded by :meth:`answered`)."""
         if rh < 0:
             return
         a = self.a
@@ -829,7 +834,10 @@ class Host:
                 a.release(rh, S_CANCELLED, 0, self.who)  # the caller gave up on it
             return  # stale: a replayed message whose reply was sent before
         kind, _status, link = a.kind_link(a.off(rh))
-        self.w.report(rh, kind, link, status, value)
+        if enc is None:
+            self.w.report(rh, kind, link, status, value)
+        else:
+            self.w.report_encoded(rh, kind, link, *enc)
 
     # -- generators ---------------------------------------------------------------------
     def drive(self, e: _Entry, send: Any, exc: BaseException | None) -> None:
@@ -926,9 +934,9 @@ class Host:
             return
         m, reply, replay, sender, seq = msg
         self.handled(e, m, replay)
-        if sender is not None and self.journal is not None:
-            self.answered(e, sender, seq, reply, status, value)
-        self.reply(reply, status, value)
+        enc = (self.answered(e, sender, seq, reply, status, value)
+               if sender is not None and self.journal is not None else None)
+        self.reply(reply, status, value, enc)
 
     def drop_reply(self, rh: int) -> None:
         """We stop waiting for reply slot ``rh``: free it, or cancel it (the callee frees it)."""
@@ -975,6 +983,8 @@ class Host:
         """Write-ahead: the message is in the journal before any mailbox has it."""
         body, oob = journal_pack((data, bufs))
         self.journal.shard.msg(target, sender, seq, call, body, oob)
+        if FP.ON:
+            FP.hit("journal.after_msg_logged")
 
     def _send(self, h: int, data: bytes, bufs: list, block: bool,
               logged: bool = False) -> None:
@@ -1310,13 +1320,17 @@ class Host:
         ck = self.r.load64(d.entry(h) + D_CKPT)  # our own store (single writer)
         chain = d.older(head, self._ckpt_mark(ck))
         if e.uid is not None and self.journal is not None:
-            st, data, bufs = self.w.encode_result(status, value)
-            body, oob = journal_pack((data, bufs))
+            enc = self.w.encode_result(status, value)  # pickled once: the end and the result
+            body, oob = journal_pack(enc[1:])
             try:
-                self.journal.shard.end(e.uid, st, body, oob)
+                self.journal.shard.end(e.uid, enc[0], body, oob)
             except JournalError as exc:
                 print(f"stealer: {exc}", file=sys.stderr)
-        self.w.report(h, K_ROOT | F_AGENT, e.link, status, value)
+            if FP.ON:
+                FP.hit("journal.after_end_logged")
+            self.w.report_encoded(h, K_ROOT | F_AGENT, e.link, *enc)
+        else:
+            self.w.report(h, K_ROOT | F_AGENT, e.link, status, value)
         for m in chain:
             a.free(m)
         if ck:
@@ -1378,6 +1392,8 @@ class Host:
             for m in d.older(mark, old_mark):
                 a.free(m)
         if j is not None and state is not None:
+            if FP.ON:
+                FP.hit("journal.before_snap_logged")
             body, oob = journal_pack(state)
             try:
                 j.shard.snap(e.uid, e.ver, e.gen, e.jsent, e.jseen or {}, body, oob)

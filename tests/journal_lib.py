@@ -197,6 +197,30 @@ class Acc(stealer.Agent):
         return list(self.vals)
 
 
+class Caller(stealer.Agent):
+    """Calls ``peer.add`` with each of ``vals`` in turn; after the last reply, the first
+    time only (a marker file), it SIGKILLs its own worker before any checkpoint: its
+    restart makes every call again, and each must get its first reply, not run twice."""
+
+    def __init__(self, peer: stealer.AgentRef, vals: list, marker: str) -> None:
+        self.peer = peer
+        self.vals = vals
+        self.marker = marker
+
+    def step(self, ctx: stealer.Ctx):
+        import os
+        import signal
+
+        got = []
+        for v in self.vals:
+            got.append((yield self.peer.call("add", v)))
+        if not os.path.exists(self.marker):
+            with open(self.marker, "w"):
+                pass
+            os.kill(os.getpid(), signal.SIGKILL)
+        return ctx.done(got)
+
+
 class Finisher(stealer.Agent):
     """Finishes at its first step: with ``value``, or failing with ValueError(value)."""
 

@@ -227,12 +227,7 @@ def test_durability_modes_configure_sqlite_as_documented(tmp_path, monkeypatch, 
 
 
 JOURNAL_POINTS = [
-    pytest.param(p, marks=pytest.mark.xfail(
-        run=False, reason="known bug, found by this test: after a worker is killed here, an "
-        "agent handles one message twice as new and its mailbox count wraps below zero "
-        "(D_COUNT 2**32-1: the mailbox looks full for good, senders hang)"))
-    if p == "journal.after_reply_logged" else p
-    for p in __import__("stealer.failpoints").failpoints.POINTS if p.startswith("journal.")
+    p for p in __import__("stealer.failpoints").failpoints.POINTS if p.startswith("journal.")
 ] + ["agent.ckpt_after_switch"]
 
 
@@ -265,3 +260,20 @@ def test_worker_killed_between_a_journal_write_and_its_effect(monkeypatch, tmp_p
         assert ex.recovered == n
         assert [ex.agent(f"sq{k}").result(30) for k in range(6)] == [k * k for k in range(6)]
         assert L.final_states(ex, n) == L.expected(n)
+
+
+@pytest.mark.kills_workers
+def test_a_caller_restarted_after_its_replies_gets_each_first_reply(tmp_path):
+    """A caller gets the replies to several calls, then its worker dies before it
+    checkpoints: restarted from its spawn, it calls again with the same sequence numbers,
+    and the callee (whose own checkpoint covers the first calls) answers each from the
+    replies it keeps until the caller's checkpoint acknowledges them: none runs twice."""
+    with stealer.Executor(2, journal=str(tmp_path / "j")) as ex:
+        acc = ex.spawn_agent(L.Acc, checkpoint_every=1)
+        caller = ex.spawn_agent(L.Caller, acc, [5, 6, 7], str(tmp_path / "killed"),
+                                checkpoint_every=1000, checkpoint_seconds=1000)
+        assert caller.result(60) == [1, 2, 3]
+        assert acc.call("get").result(60) == [5, 6, 7]
+        assert os.path.exists(tmp_path / "killed")
+        assert ex._pool.crashes == 1
+

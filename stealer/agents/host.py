@@ -161,6 +161,7 @@ class _Entry:
         "handled",
         "it",
         "it_msg",
+        "jacked",
         "jreplies",
         "jseen",
         "jsent",
@@ -242,9 +243,12 @@ class _Entry:
         self.ver = 0
         self.jseen: dict[str, int] | None = None
         self.jsent = 0
+        self.jacked = 0  # jsent when the latest checkpoint was taken: the `ack` we send
         self.jspawned = 0
         self.jreplies: dict[int, tuple] | None = None
-        self.rcache: dict[str, tuple] | None = None
+        # per calling agent: seq -> (status, value) of the calls answered that the caller's
+        # checkpoint may not cover yet (pruned by the `ack` of its later messages)
+        self.rcache: dict[str, dict[int, tuple]] | None = None
 
 
 class CallPending(Pending):
@@ -269,7 +273,8 @@ class Host:
         self.k = w.k
         self.dir = Directory(w.r, w.arena, w.seg.layout.offsets["agents"], w.inboxes, w.idle)
         self.agents: dict[int, _Entry] = {}
-        self.away: dict[int, _Entry] = {}  # published for a thief; ours again if we start it
+        # published for a thief (with its R_TRIES then): ours again if we start it
+        self.away: dict[int, tuple[_Entry, int]] = {}
         self.rq = RunQueue()
         self.timers: list[tuple[float, int, _Entry]] = []
         self.tseq = 0
@@ -331,9 +336,13 @@ class Host:
         if self.stopping:  # shutting down: it stops at its first turn here
             self.r.or64(d.entry(h) + D_FLAGS, AF_STOP)  # seq_cst: read by our own turn
         self.r.store32(d.entry(h) + D_OWNER, self.who)  # stats only: read by collect()
-        e = self.away.pop(h, None)
+        e, tries = self.away.pop(h, (None, 0))
         ck = self.r.load64(d.entry(h) + D_CKPT)  # acquire: pairs with checkpoint()'s store
-        if e is not None and e.last_ckpt == ck:  # we published it and took it back
+        # we published it and took it back, and nobody ran it in between: an owner that
+        # handled messages and died before checkpointing leaves the same checkpoint but
+        # a moved D_DONE and one more R_TRIES (then: restore, replay, a new generation)
+        if (e is not None and e.last_ckpt == ck and tries == self.tries(h)
+                and d.done_mark(h) == self._ckpt_mark(ck)):
             e.pending = None
             e.replay = 0
             e.seen = self._ckpt_mark(ck)
@@ -367,7 +376,9 @@ class Host:
                 # a new generation per worker death since the checkpoint, not per move
                 e.gen = gen + self.tries(h) - tries
                 if jstate is not None:
-                    _uid, e.ver, e.jseen, e.jsent, e.jspawned = jstate
+                    _uid, e.ver, e.jseen, e.jsent, e.jspawned = jstate[:5]
+                    e.jacked = e.jsent
+                    e.rcache = jstate[5] if len(jstate) > 5 else None
                     if jinfo is not None and ck == jinfo[3]:  # the snapshot recovered from
                         e.gen = gen + 1 + self.tries(h)  # the journal: a new generation
                 e.steps, e.msgs = steps, msgs
@@ -714,13 +725,23 @@ class Host:
             e.replay -= 1
         e.handled += 1
         try:
-            target, method, args, kwargs, reply, deadline, sender, seq = a.read_call(a.off(m))
+            msg = a.read_call(a.off(m))
+            target, method, args, kwargs, reply, deadline, sender, seq = msg[:8]
         except BaseException:  # a message that does not unpickle here: nobody to answer
             self.handled(e, m, replay)
             return
+        call = reply >= 0
         if sender is not None:  # journaled: deduplicated by (sender, seq)
             if a.kind_link(a.off(m))[2] == 1:  # replayed from the journal by a recovery
                 target, reply, deadline = e.h, -1, None
+            rc = e.rcache
+            if rc and len(msg) > 8 and sender in rc:  # replies its checkpoint covers now
+                ack = msg[8]
+                kept = rc[sender]
+                for s in [s for s in kept if s <= ack]:
+                    del kept[s]
+                if not kept:
+                    del rc[sender]
             seen = e.jseen
             if seen is None:
                 seen = e.jseen = {}
@@ -758,18 +779,18 @@ class Host:
         except BaseException as exc:
             w.in_body = False
             self.handled(e, m, replay)
-            enc = (self.answered(e, sender, seq, reply, ST_ERROR, exc)
+            enc = (self.answered(e, sender, seq, call, reply, ST_ERROR, exc)
                    if sender is not None and self.journal is not None else None)
             self.reply(reply, ST_ERROR, exc, enc)  # the caller gets it; the agent goes on
             return
         w.in_body = False
         if type(res) is GeneratorType:
             e.it = res
-            e.it_msg = (m, -1 if replay else reply, replay, sender, seq)
+            e.it_msg = (m, -1 if replay else reply, replay, sender, seq, call)
             self.drive(e, None, None)
             return
         self.handled(e, m, replay)
-        enc = (self.answered(e, sender, seq, reply, ST_OK, res)
+        enc = (self.answered(e, sender, seq, call, reply, ST_OK, res)
                if sender is not None and self.journal is not None else None)
         self.reply(reply, ST_OK, res, enc)
         if e.state == WAITING and e.want_step is False and hasattr(e.obj, "step"):
@@ -787,16 +808,21 @@ class Host:
         self.dir.give_back(e.h)
 
     # -- the journal: replies and duplicates ------------------------------------------------
-    def answered(self, e: _Entry, sender: str, seq: int, reply: int, status: int,
+    def answered(self, e: _Entry, sender: str, seq: int, call: bool, reply: int, status: int,
                  value: Any) -> tuple | None:
-        """A call from agent ``sender`` was handled: log the reply (a caller replaying after
-        a recovery takes it instead of calling again) and keep it for a re-sent call.
+        """Message #seq from ``sender`` was handled.  If it was a call from an agent: keep
+        the reply until the caller's checkpoint covers the call (a caller restarted from an
+        older checkpoint calls again and gets it from here, see deliver's ``ack``), and log
+        it (a caller replaying after a recovery takes it instead of calling again).
         Returns the encoded reply (encode_result), which :meth:`reply` stores as is."""
-        if not sender_is_agent(sender):
+        if not call or not sender_is_agent(sender):
             return None
         if e.rcache is None:
             e.rcache = {}
-        e.rcache[sender] = (seq, status, value)
+        kept = e.rcache.get(sender)
+        if kept is None:
+            kept = e.rcache[sender] = {}
+        kept[seq] = (status, value)
         if reply < 0:
             return None  # a one-way send, or a call replayed from the journal (logged before)
         enc = self.w.encode_result(status, value)
@@ -813,9 +839,10 @@ class Host:
         """Message #seq of ``sender`` was applied before (a replay sent it again)."""
         if reply < 0:
             return
-        c = e.rcache.get(sender) if e.rcache else None
-        if c is not None and c[0] == seq:
-            self.reply(reply, c[1], c[2])
+        kept = e.rcache.get(sender) if e.rcache else None
+        c = kept.get(seq) if kept else None
+        if c is not None:
+            self.reply(reply, c[0], c[1])
             return
         self.reply(reply, ST_ERROR, AgentError(
             f"call #{seq} from {sender} to agent {e.h:#x} was made again by a replay after "
@@ -932,9 +959,9 @@ class Host:
             else:
                 self.failed(e, value)
             return
-        m, reply, replay, sender, seq = msg
+        m, reply, replay, sender, seq, call = msg
         self.handled(e, m, replay)
-        enc = (self.answered(e, sender, seq, reply, status, value)
+        enc = (self.answered(e, sender, seq, call, reply, status, value)
                if sender is not None and self.journal is not None else None)
         self.reply(reply, status, value, enc)
 
@@ -964,11 +991,17 @@ class Host:
             data, bufs = encode_message(h, method, args, kwargs, -1, None)
         else:
             sender, seq = self._next_seq(e)
-            data, bufs = encode_message(h, method, args, kwargs, -1, None, sender, seq)
+            data, bufs = encode_message(h, method, args, kwargs, -1, None, sender, seq,
+                                        self._ack(e))
             self._log_msg(uid, sender, seq, False, data, bufs)
             self._send(h, data, bufs, block, True)
             return
         self._send(h, data, bufs, block)
+
+    @staticmethod
+    def _ack(e: _Entry | None) -> int:
+        """What our messages up to this seq need no longer: our checkpoint covers them."""
+        return e.jacked if e is not None and e.uid is not None else 0
 
     def _next_seq(self, e: _Entry | None) -> tuple[str, int]:
         if e is not None and e.uid is not None:
@@ -1060,7 +1093,8 @@ class Host:
                 # replaying after a recovery, and the reply is in the journal: the call goes
                 # again as a one-way message (in order with the sender's others; the callee
                 # drops it if its snapshot has it) and the logged reply is the answer
-                data, bufs = encode_message(h, method, args, kwargs, -1, deadline, sender, seq)
+                data, bufs = encode_message(h, method, args, kwargs, -1, deadline, sender, seq,
+                                            e.jacked)
                 self._log_msg(uid, sender, seq, True, data, bufs)
                 self._send(h, data, bufs, True, True)
                 return self._logged_reply(logged)
@@ -1075,7 +1109,8 @@ class Host:
         if j is None:
             data, bufs = encode_message(h, method, args, kwargs, rh, deadline)
         else:
-            data, bufs = encode_message(h, method, args, kwargs, rh, deadline, sender, seq)
+            data, bufs = encode_message(h, method, args, kwargs, rh, deadline, sender, seq,
+                                        e.jacked)
             try:
                 self._log_msg(uid, sender, seq, True, data, bufs)
             except BaseException:
@@ -1350,7 +1385,10 @@ class Host:
         if j is not None:
             e.ver += 1
         if not e.pinned:
-            jstate = None if j is None else (e.uid, e.ver, e.jseen, e.jsent, e.jspawned)
+            # rcache too: a caller restored from an older checkpoint calls again, and the
+            # reply must come from the cache when this checkpoint covers the first call
+            jstate = (None if j is None else
+                      (e.uid, e.ver, e.jseen, e.jsent, e.jspawned, e.rcache))
             try:
                 state = serialize.dumps((e.obj, e.gen, e.steps, e.msgs, self.tries(e.h),
                                          (e.state, e.want_step, e.wake_at), jstate),
@@ -1386,6 +1424,8 @@ class Host:
             FP.hit("agent.ckpt_after_switch")
         e.last_ckpt = ch + 1
         e.ckpt_time = time.monotonic_ns()
+        if state is not None:
+            e.jacked = e.jsent  # a restart re-sends only what comes after: acked from now
         if old:
             a.free(old - 1)
         if mark and mark != old_mark:
@@ -1436,7 +1476,7 @@ class Host:
         e.queued = False
         h = e.h
         self.agents.pop(h, None)
-        self.away[h] = e
+        self.away[h] = (e, self.tries(h))
         if len(self.away) > 64:
             self._prune_away()
         self.r.store32(self.dir.entry(h) + D_OWNER, 0)  # stats only: read by collect()

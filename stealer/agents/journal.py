@@ -53,6 +53,14 @@ still arrive in order.  A call whose reply is in the journal is sent again
 as a one-way message (its effect) and A takes the logged reply at once.
 Duplicates (a re-send of a message already applied) are dropped by
 (sender, sequence number).
+
+Without a recovery, a worker death restarts its agents from their
+in-memory checkpoints, and a caller may call again a call whose reply it had
+already received.  So a callee keeps each reply to an agent's call until
+the caller acknowledges it: every journaled message carries ``ack``, the
+sender's sequence number when its latest checkpoint was taken, and the
+callee forgets that sender's replies up to it.  The kept replies are part of
+the callee's checkpoint (and snapshot), so they survive its own restart.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 * overhead: ``Parallel(n_jobs=2)(delayed(f)(i) for i in range(20_000))`` with a trivial
   ``f``, on an executor already started (each backend reuses its executor), and the
   first call of a fresh process (start included): seconds and µs per item.
-* nested: an outer ``Parallel`` of 8 items, each an inner ``Parallel(n_jobs=-1)`` of 64
-  busy-wait items of 2 ms (1.02 s of work): wall time, and the most child processes
+* nested: an outer ``Parallel`` of 8 items (``--outer``; also 1: fewer outer items
+  than workers), each an inner ``Parallel(n_jobs=-1)`` of 64 busy-wait items of 2 ms
+  (1.02 s of work for 8): wall time, and the most child processes
   alive at once (the workers and multiprocessing's resource tracker); sequential is
   joblib's "sequential" backend.  The ideal is the work divided by the workers.  Each
   system runs in a fresh Python process of its own (so only its processes are counted),
@@ -13,6 +14,7 @@
 Medians of ``--repeat`` runs (default 3); the overhead runs interleave the backends.
 
     python benchmarks/joblib_backend.py [--workers 2] [--repeat 3] [--items 20000]
+                                        [--outer 8,1]
 """
 
 from __future__ import annotations
@@ -78,16 +80,16 @@ def overhead(backend: str, workers: int, items: int) -> float:
     return dt
 
 
-def nested(backend: str, workers: int) -> tuple[float, int]:
+def nested(backend: str, workers: int, outer: int) -> tuple[float, int]:
     with parallel_config(backend=backend, n_jobs=workers):
         w = Watch()
         w.start()
         t0 = time.perf_counter()
-        out = Parallel()(delayed(inner)(i) for i in range(OUTER))
+        out = Parallel()(delayed(inner)(i) for i in range(outer))
         dt = time.perf_counter() - t0
         w.stop.set()
         w.join()
-    assert abs(sum(out) - OUTER * INNER * ITEM_S) < 1e-9
+    assert abs(sum(out) - outer * INNER * ITEM_S) < 1e-9
     return dt, w.most
 
 
@@ -96,13 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--items", type=int, default=20_000)
+    p.add_argument("--outer", default=f"{OUTER},1", help="outer item counts (comma-separated)")
     p.add_argument("--nested-only", metavar="BACKEND", help=argparse.SUPPRESS)  # one system
     args = p.parse_args(argv)
     w = args.workers
+    outers = [int(x) for x in args.outer.split(",")]
     if args.nested_only:
         with parallel_config(backend=args.nested_only, n_jobs=w):
             Parallel()(delayed(noop)(i) for i in range(w))  # start the workers
-        runs = [nested(args.nested_only, w) for _ in range(args.repeat)]
+        runs = {o: [nested(args.nested_only, w, o) for _ in range(args.repeat)] for o in outers}
         stealer.joblib.shutdown()
         print(json.dumps(runs))
         return 0
@@ -122,20 +126,23 @@ def main(argv: list[str] | None = None) -> int:
     stealer.joblib.shutdown()
 
     systems = ("stealer", "loky", "sequential")
-    runs: dict[str, list[tuple[float, int]]] = {}
+    runs: dict[str, dict[str, list[tuple[float, int]]]] = {}
     for s in systems:
         r = subprocess.run([sys.executable, os.path.abspath(__file__), "--nested-only", s,
-                            "--workers", str(w), "--repeat", str(args.repeat)],
+                            "--workers", str(w), "--repeat", str(args.repeat),
+                            "--outer", args.outer],
                            capture_output=True, text=True, timeout=300, check=True)
         runs[s] = json.loads(r.stdout.strip().splitlines()[-1])
-    work = OUTER * INNER * ITEM_S
-    print(f"\nnested: outer Parallel of {OUTER} x inner Parallel(n_jobs=-1) of {INNER} x "
-          f"{ITEM_S * 1e3:.0f} ms busy items ({work:.2f} s of work; ideal {work / w:.2f} s)")
-    print(f"{'system':<11} {'wall s':>7} {'max child processes':>20}")
-    for s in systems:
-        wall = statistics.median(r[0] for r in runs[s])
-        most = max(r[1] for r in runs[s])
-        print(f"{s:<11} {wall:7.3f} {most:>20}")
+    for o in outers:
+        work = o * INNER * ITEM_S
+        print(f"\nnested: outer Parallel of {o} x inner Parallel(n_jobs=-1) of {INNER} x "
+              f"{ITEM_S * 1e3:.0f} ms busy items ({work:.2f} s of work; ideal "
+              f"{work / w:.2f} s)")
+        print(f"{'system':<11} {'wall s':>7} {'max child processes':>20}")
+        for s in systems:
+            wall = statistics.median(r[0] for r in runs[s][str(o)])
+            most = max(r[1] for r in runs[s][str(o)])
+            print(f"{s:<11} {wall:7.3f} {most:>20}")
     return 0
 
 

@@ -24,7 +24,7 @@ from stealer.errors import (
     StepTimeout,
     WorkerCrashedError,
 )
-from stealer.forkjoin import Child, run_inline, spawn
+from stealer.forkjoin import Child, join, run_inline, spawn
 
 if TYPE_CHECKING:
     from stealer.executor import Executor, recover
@@ -63,6 +63,7 @@ __all__ = [
     "SharedMemoryFullError",
     "StealerError",
     "WorkerCrashedError",
+    "join",
     "recover",
     "run_inline",
     "spawn",

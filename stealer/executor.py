@@ -329,6 +329,18 @@ class Executor(_fbase.Executor):
             view._retries = retries
         return view
 
+    def __copy__(self) -> Executor:  # (options() views: not the __reduce__ below)
+        view = object.__new__(type(self))
+        view.__dict__.update(self.__dict__)
+        return view
+
+    def __reduce__(self) -> tuple:
+        # An executor captured by one of its own tasks: there it spawns children of the
+        # running task on the same workers (forkjoin.NestedExecutor), not new processes.
+        from stealer.forkjoin import NestedExecutor
+
+        return (NestedExecutor, (self._pool.name,))
+
     # -- concurrent.futures API ----------------------------------------------
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
         pool = self._pool

@@ -34,7 +34,8 @@ from typing import Any
 
 from stealer.errors import NotInTaskError
 
-__all__ = ["Child", "spawn", "run_inline", "run_chunk", "run_items"]
+__all__ = ["Child", "ChildFuture", "NestedExecutor", "join", "spawn", "run_inline", "run_chunk",
+           "run_items"]
 
 
 class Child:
@@ -51,6 +52,10 @@ class Child:
     def __repr__(self) -> str:
         state = "done" if self.done else "pending"
         return f"<stealer.Child {self.handle:#x} {state}>"
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Its result (or its exception raised): a blocking :func:`join` of this child."""
+        return join(self, timeout)
 
 
 # Set by a worker process while it runs a task (stealer.worker.Worker), or
@@ -76,6 +81,39 @@ def spawn(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Child:
     if cur is _INLINE:
         return inline_child(fn, args, kwargs)
     return cur.spawn(fn, args, kwargs)
+
+
+def join(children: Child | list[Child] | tuple[Child, ...], timeout: float | None = None
+         ) -> Any:
+    """Blocking join, for task bodies that are plain functions (not generators).
+
+    Returns the child's result (or the list of results, for a list); a child's
+    exception is raised here.  While it waits, the worker runs the waiting task's
+    own descendants (its children not yet stolen, and theirs), never unrelated work,
+    while free workers steal the rest; so joins nest to any depth without deadlock
+    or extra processes.  ``timeout`` (seconds) raises TimeoutError; the
+    children still finish (a task's end waits for all of its children).  A child
+    this worker runs itself while it waits is not interrupted: the timeout is seen
+    between children.
+
+    In a generator task, ``yield`` the children instead: the worker then runs other
+    work while they are pending.  Agents must yield (a blocking join would hold
+    their turn).
+    """
+    kids, single = children_of(children)
+    cur = _current
+    if cur is None:
+        raise NotInTaskError(
+            "stealer.join() joins children spawned by the running task: call it inside a "
+            "task running on a stealer Executor (or under stealer.run_inline())")
+    if all(c.done for c in kids):  # inline children, or joined before
+        for c in kids:
+            if c.exc is not None:
+                raise c.exc
+        return kids[0].value if single else [c.value for c in kids]
+    if cur is _INLINE:
+        raise RuntimeError("a child spawned on a worker cannot be joined inline")
+    return cur.join_blocking(kids, single, timeout)
 
 
 def inline_child(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Child:
@@ -141,6 +179,111 @@ def run_inline(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         return drive_inline(fn(*args, **kwargs))
     finally:
         _current = saved
+
+
+class ChildFuture:
+    """What ``Executor.submit`` returns inside one of the executor's own tasks: a child of
+    the running task (:func:`spawn`).  ``result()``/``exception()`` join it (a helping
+    join, :func:`join`).  Not a ``concurrent.futures.Future``: ``wait`` and
+    ``as_completed`` would block the worker without running the child; join in order
+    (``result()``, or ``ex.map``) instead."""
+
+    __slots__ = ("child",)
+
+    def __init__(self, child: Child) -> None:
+        self.child = child
+
+    def result(self, timeout: float | None = None) -> Any:
+        return join(self.child, timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        try:
+            join(self.child, timeout)
+        except TimeoutError:
+            if not self.child.done:
+                raise
+            return self.child.exc
+        except BaseException as exc:
+            return exc
+        return None
+
+    def done(self) -> bool:
+        c = self.child
+        return c.done or c.handle == -1 or _current.child_done(c)
+
+    def running(self) -> bool:
+        return not self.done()
+
+    def cancelled(self) -> bool:
+        return False
+
+    def cancel(self) -> bool:
+        return False  # a spawned child runs (the task's end waits for it)
+
+    def __repr__(self) -> str:
+        return f"<stealer.ChildFuture {'done' if self.done() else 'pending'}>"
+
+
+class NestedExecutor:
+    """An :class:`~stealer.Executor` as seen from inside one of its own tasks.
+
+    A task that uses its executor (a closure over ``ex``, or ``ex`` passed as an
+    argument) gets this in the worker: ``submit`` and ``map`` spawn children of the
+    running task on the same workers (no new process, no deadlock at any depth), and
+    their results are joined as :func:`join` does.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __reduce__(self) -> tuple:
+        return (NestedExecutor, (self._name,))
+
+    def _check(self) -> None:
+        w = _current
+        if w is None or w is _INLINE or getattr(w, "name", None) != self._name:
+            raise RuntimeError(
+                "this stealer Executor was pickled and used outside its own workers: an "
+                "executor travels into its own tasks only (to submit children there)")
+        if w.cur is None or w.host.current is not None:
+            raise RuntimeError(
+                "inside an agent, spawn children with stealer.spawn() and yield them: "
+                "ex.submit/ex.map would block the agent's turn")
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> ChildFuture:
+        """``fn(*args, **kwargs)`` as a child of the running task."""
+        self._check()
+        return ChildFuture(spawn(fn, *args, **kwargs))
+
+    def map(self, fn: Callable[..., Any], *iterables: Any, timeout: float | None = None,
+            chunksize: int = 1, **_ignored: Any) -> Any:
+        """Like ``Executor.map``: every input is spawned now (``chunksize`` inputs per
+        child), the results come in order as they are joined."""
+        self._check()
+        if not isinstance(chunksize, int) or chunksize < 1:
+            raise ValueError(f"chunksize must be a positive int, not {chunksize!r}")
+        items = list(zip(*iterables))
+        if chunksize == 1:
+            kids = [spawn(fn, *args) for args in items]
+        else:
+            kids = [spawn(run_chunk, fn, items[i:i + chunksize])
+                    for i in range(0, len(items), chunksize)]
+        return _results(kids, chunksize > 1, timeout)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        raise RuntimeError("a task cannot shut down the executor it runs on")
+
+
+def _results(kids: list[Child], chunked: bool, timeout: float | None) -> Any:
+    import time
+
+    end = None if timeout is None else time.monotonic() + timeout
+    for c in kids:
+        left = None if end is None else max(0.0, end - time.monotonic())
+        if chunked:
+            yield from join(c, left)
+        else:
+            yield join(c, left)
 
 
 def run_chunk(fref: Any, chunk: list[tuple]) -> list:

@@ -155,6 +155,22 @@ class Idle:
             self.notify_worker(k)
 
     # -- parking (worker k) ---------------------------------------------------
+    def wait_ping(self, k: int, ready: Any, timeout: float) -> bool:
+        """Worker ``k``, blocked in a task's join (Worker.join_blocking): sleep until
+        notify_worker(k) (a child's ping), ``ready()`` or ``timeout``.  Not in the parked
+        set: notify_one, which wakes a worker for *new* work, never picks one that would
+        not take it."""
+        r = self.r
+        w = self.park_words[k]
+        r.store32(w, PARKED)  # seq_cst: read by notify_worker's CAS (PARKED -> NOTIFIED)
+        try:
+            r.fence()  # seq_cst: PARKED before the re-check; pairs with notify_worker's fence
+            if ready():
+                return True
+            return r.futex_wait(w, PARKED, timeout)
+        finally:
+            r.store32(w, RUNNING)  # seq_cst: overwrites NOTIFIED; a later CAS then fails
+
     def park(self, k: int, has_work: Any, timeout: float) -> bool:
         """Sleep until notified, work appears, or ``timeout``; False on timeout."""
         r = self.r

@@ -37,14 +37,15 @@ What joblib users get, and how:
 
 Nested parallelism: a ``Parallel`` call made inside a task (scikit-learn's
 ``GridSearchCV(RandomForestClassifier(n_jobs=-1), n_jobs=-1)``: the forest's
-own ``Parallel`` inside each fit) runs its items sequentially in the worker
-that runs the task.  So the whole nest uses exactly the executor's N worker
-processes, at any depth, and cannot deadlock (no worker ever waits for
-another).  The outer level's items keep every worker busy when there are at
-least N of them.  (Running inner items as stealable children, the waiting
-worker running its own children while it waits, needs a blocking-join
-entry point in stealer.worker; the backend would use it here, in
-:meth:`StealerBackend.configure`, when a worker offers one.)
+own ``Parallel`` inside each fit) runs its batches as *children* of that
+task on the same workers (:func:`stealer.spawn`): they go to the worker's own
+deque, idle workers steal them, and the waiting worker runs its own children
+while it waits (:func:`stealer.join`, a helping join that only runs the
+waiting task's descendants from its own deque, so no nesting depth can
+deadlock).  The whole
+nest uses exactly the executor's N worker processes and keeps them all busy
+even when the outer level has fewer items than workers.  Inside an agent
+(which must not block its turn) a nested call runs sequentially.
 
 ``import stealer`` never imports this module or joblib; joblib is the
 optional extra ``stealer[joblib]``.
@@ -72,7 +73,8 @@ from stealer import affinity, forkjoin
 from stealer.errors import ExecutorShutdownError, WorkerCrashedError
 from stealer.executor import Executor
 
-__all__ = ["StealerBackend", "TerminatedWorkerError", "get_executor", "shutdown", "register"]
+__all__ = ["NestedBackend", "StealerBackend", "TerminatedWorkerError", "get_executor", "register",
+           "shutdown"]
 
 NAME = "stealer"
 
@@ -93,9 +95,17 @@ def usable_cpus() -> int:
 
 
 def in_worker() -> bool:
-    """Whether this process is a stealer worker (a nested ``Parallel`` call runs inline)."""
+    """Whether this process is a stealer worker (a ``Parallel`` call here is nested)."""
     cur = forkjoin._current
     return cur is not None and cur is not forkjoin._INLINE
+
+
+def _task_worker() -> Any:
+    """The worker running the current plain task (children can be joined), else None."""
+    w = forkjoin._current
+    if w is None or w is forkjoin._INLINE or w.cur is None or w.host.current is not None:
+        return None
+    return w
 
 
 # -- the executor shared by every Parallel call ---------------------------------------
@@ -171,8 +181,8 @@ def shutdown(wait: bool = True) -> None:
 # -- the backend ---------------------------------------------------------------------
 
 
-class StealerBackend(AutoBatchingMixin, ParallelBackendBase):
-    """joblib ``ParallelBackendBase`` running batches on a reusable :class:`stealer.Executor`."""
+class _Options(AutoBatchingMixin, ParallelBackendBase):
+    """What both backends share: their options, batching, and how they travel."""
 
     # joblib grows batches until one takes this long.  A task costs microseconds here,
     # not loky's milliseconds, so a smaller target loses nothing and leaves smaller
@@ -181,8 +191,6 @@ class StealerBackend(AutoBatchingMixin, ParallelBackendBase):
     MIN_IDEAL_BATCH_DURATION = 0.05
     MAX_IDEAL_BATCH_DURATION = 1.0
 
-    default_n_jobs = -1
-    supports_retrieve_callback = True  # futures call joblib back: generators and timeouts
     supports_inner_max_num_threads = True
     supports_sharedmem = False
     uses_threads = False
@@ -196,6 +204,31 @@ class StealerBackend(AutoBatchingMixin, ParallelBackendBase):
             raise ValueError(f"retries must be an int from 0 to 255, not {retries!r}")
         self.retries = retries
         self.cpus = cpus
+
+    def __reduce__(self) -> tuple:
+        # Travels with every batch as the nested backend: options only, no executor.
+        return (_rebuild, (self.nesting_level, self.inner_max_num_threads, self.retries,
+                           self.cpus))
+
+    def get_nested_backend(self) -> tuple[ParallelBackendBase, int | None]:
+        # Unpickled in the worker, where StealerBackend.configure() falls back to
+        # NestedBackend.
+        level = (self.nesting_level or 0) + 1
+        return StealerBackend(nesting_level=level, inner_max_num_threads=self.inner_max_num_threads,
+                              retries=self.retries, cpus=self.cpus), None
+
+
+class StealerBackend(_Options):
+    """joblib ``ParallelBackendBase`` running batches on a reusable :class:`stealer.Executor`."""
+
+    default_n_jobs = -1
+    supports_retrieve_callback = True  # futures call joblib back: generators and timeouts
+
+    def __init__(self, nesting_level: int | None = None,
+                 inner_max_num_threads: int | None = None, *, retries: int = 0,
+                 cpus: Any = "auto", **backend_kwargs: Any) -> None:
+        super().__init__(nesting_level, inner_max_num_threads, retries=retries, cpus=cpus,
+                         **backend_kwargs)
         self._shared: _Shared | None = None  # the executor leased from configure to terminate
         self._submit: Any = None  # its submit (kept after terminate: see there)
         # Futures not done yet, by the Parallel call that submitted them (BatchCompletionCallBack
@@ -204,16 +237,12 @@ class StealerBackend(AutoBatchingMixin, ParallelBackendBase):
         self._pending: dict[Any, set[Future]] = {}
         self._pending_lock = threading.Lock()
 
-    def __reduce__(self) -> tuple:
-        # Travels with every batch as the nested backend: options only, no executor.
-        return (_rebuild, (self.nesting_level, self.inner_max_num_threads, self.retries,
-                           self.cpus))
-
     def effective_n_jobs(self, n_jobs: int | None) -> int:
         if n_jobs == 0:
             raise ValueError("n_jobs == 0 in Parallel has no meaning")
-        if in_worker():
-            return 1  # nested inside a stealer task: run inline, no new process (see above)
+        if in_worker():  # nested inside a stealer task: its children, on the same workers
+            w = _task_worker()
+            return w.n if w is not None else 1
         if n_jobs is None:
             n_jobs = self.default_n_jobs
         if n_jobs < 0:
@@ -225,6 +254,11 @@ class StealerBackend(AutoBatchingMixin, ParallelBackendBase):
         n = self.effective_n_jobs(n_jobs)
         if n == 1:
             raise FallbackToBackend(SequentialBackend(nesting_level=self.nesting_level))
+        if in_worker():
+            raise FallbackToBackend(NestedBackend(
+                nesting_level=self.nesting_level,
+                inner_max_num_threads=self.inner_max_num_threads, retries=self.retries,
+                cpus=self.cpus))
         self._release()
         thread_limit = self.inner_max_num_threads
         if thread_limit is None:
@@ -302,11 +336,56 @@ class StealerBackend(AutoBatchingMixin, ParallelBackendBase):
         if shared is not None:
             _release(shared)
 
-    def get_nested_backend(self) -> tuple[ParallelBackendBase, int | None]:
-        # Unpickled in the worker, where configure() makes it run inline.
-        level = (self.nesting_level or 0) + 1
-        return StealerBackend(nesting_level=level, inner_max_num_threads=self.inner_max_num_threads,
-                              retries=self.retries, cpus=self.cpus), None
+
+class NestedBackend(_Options):
+    """A ``Parallel`` call inside a stealer task: its batches are children of that task.
+
+    Each batch is :func:`stealer.spawn`-ed (the worker's own deque, stealable);
+    joblib's retrieval loop joins them in order with :func:`stealer.join`, during
+    which this worker runs them (and their own nested batches) itself.  No executor,
+    thread or process of its own.
+    """
+
+    supports_retrieve_callback = False  # results are joined in the task's own thread
+    supports_timeout = True
+
+    def effective_n_jobs(self, n_jobs: int | None) -> int:
+        if n_jobs == 0:
+            raise ValueError("n_jobs == 0 in Parallel has no meaning")
+        w = _task_worker()
+        return w.n if w is not None else 1
+
+    def configure(self, n_jobs: int = 1, parallel: Any = None, prefer: Any = None,
+                  require: Any = None, **backend_kwargs: Any) -> int:
+        n = self.effective_n_jobs(n_jobs)
+        if n == 1:
+            raise FallbackToBackend(SequentialBackend(nesting_level=self.nesting_level))
+        self.parallel = parallel
+        return n
+
+    def submit(self, func: Any, callback: Any = None) -> _ChildJob:
+        return _ChildJob(forkjoin.spawn(func), callback)
+
+    def abort_everything(self, ensure_ready: bool = True) -> None:
+        """Nothing to withdraw: children not joined finish, and the task's end waits for
+        them (a child cannot be cancelled once spawned)."""
+
+
+class _ChildJob:
+    """What :meth:`NestedBackend.submit` returns: joblib calls ``get`` to retrieve it."""
+
+    __slots__ = ("callback", "child")
+
+    def __init__(self, child: forkjoin.Child, callback: Any) -> None:
+        self.child = child
+        self.callback = callback
+
+    def get(self, timeout: float | None = None) -> Any:
+        out = self.child.result(timeout)  # a blocking, helping join (stealer.join)
+        cb, self.callback = self.callback, None
+        if cb is not None:
+            cb(out)  # joblib's batch bookkeeping: counts it done, dispatches the next batch
+        return out
 
 
 def _rebuild(nesting_level: int | None, inner: int | None, retries: int,

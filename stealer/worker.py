@@ -102,6 +102,8 @@ PARK_TIMEOUT = 0.5  # seconds; on timeout the worker checks that its client is a
 INJECTOR_BATCH = LEASE_SLOTS  # one lease slot per handle of a batch
 STEAL_CAP = 32
 FAIR_TICK = 61
+JOIN_WAIT = 0.002  # seconds a blocking join sleeps between looks (a child's ping wakes it)
+MAX_NEST = 1024  # deepest child chain a blocking join looks up (a task's descendants)
 FLUSH_MASK = 63  # publish counters every 64 steps (and before parking)
 FLUSH_NS = 2_000_000  # ... and at least this often while busy (stats() is never far behind)
 _COUNTERS = struct.Struct(f"={metrics.NCOUNTERS}Q")
@@ -264,6 +266,8 @@ class Worker:
         self.cur: tuple[int, int, int] | None = None  # (handle, kind, link) of the running task
         self.in_body = False  # True only while user code runs (see _on_sigint)
         self.in_spawn = False  # inside spawn(): Ctrl-C waits for its end
+        self.joined_ns = 0  # ns spent in blocking joins (join_blocking), not busy time
+        self.joining: set[int] = set()  # tasks waiting in a blocking join on our stack
         self.interrupted = False  # a Ctrl-C held back by spawn()
         self.tick = 0
         self.flushed_ns = 0  # monotonic ns of the last flush() of the counters
@@ -454,6 +458,7 @@ class Worker:
         c = self.c
         c[C_TASKS] += 1
         self.cur = (h, kind, link)
+        joined = self.joined_ns
         status = ST_OK
         try:
             if data is None:
@@ -490,7 +495,7 @@ class Worker:
             self.r.store64(self.cur_off, 0)  # release: nothing running now
             if self.metrics_on:
                 t1 = time.monotonic_ns()
-                dt = t1 - t0
+                dt = t1 - t0 - (self.joined_ns - joined)  # less its blocking joins
                 c[C_BUSY_NS] += dt
                 self.r.hist_record(self.run_off, dt)
                 if c[C_TASKS] & FLUSH_MASK == 0 or t1 - self.flushed_ns > FLUSH_NS:
@@ -589,6 +594,117 @@ class Worker:
             if c.exc is not None:
                 return None, c.exc
         return (kids[0].value if single else [c.value for c in kids]), None
+
+    # -- a blocking join inside a plain task body (forkjoin.join, nested Parallel) ------
+    def join_blocking(self, kids: list[Child], single: bool, timeout: float | None) -> Any:
+        """Wait, inside the running task's body, until every child in ``kids`` is DONE,
+        and return their results as a generator's ``yield`` would (a helping join).
+
+        Meanwhile this worker runs the waiting task's *descendants* from its own deque
+        only (its children, newest first, and theirs), and resumes their suspended
+        frames when pinged.  A task outside that subtree, run on top of this one, could
+        wait for a task that waits for this one: a deadlock across workers.  It steals
+        nothing either: only free workers steal (a stolen task is at the bottom of its
+        thief's stack), so every stack is a chain of descendants and each join waits
+        only for subtrees that finish on their own (measured: stealing descendants back
+        in joins let two joining workers bounce each other's tasks to the injector, which
+        no joining worker reads, and hang).  Other pings wait in a list for the end of
+        the join; a non-descendant popped from our deque is pushed back.
+        """
+        frame = self.frame
+        if self.host.current is not None:
+            raise RuntimeError(
+                "an agent joins its children by yielding them (yield child, or a list): a "
+                "blocking join would hold its turn")
+        if frame is None or any(not c.done and frame.kids.get(c.handle) is not c
+                                for c in kids):
+            raise TypeError("a task can only join children it spawned itself")
+        top = frame.h
+        cur = self.cur
+        state = self.arena.tr.state
+        inbox = self.inbox
+        deque = self.deque
+        deferred: list[int] = []
+        t0 = time.monotonic_ns()
+        joined = self.joined_ns
+        deadline = None if timeout is None else time.monotonic() + timeout
+        joining = self.joining
+        joining.add(top)
+        self.in_body = False  # Ctrl-C is ignored here (as when idle): nothing half-moved
+        try:
+            while True:
+                for c in kids:
+                    if not c.done:
+                        st = state(c.handle)
+                        if st is not None and st[0] != S_DONE:
+                            break
+                else:
+                    break
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"the children were not all done within {timeout} s")
+                h = inbox.pop()
+                if h >= 0:
+                    # a ping for a task waiting in a join on this stack: dropped (each join
+                    # looks at its children's states itself)
+                    if h not in joining:
+                        if h in self.conts and self._descends(h, top):
+                            self._nested(self.on_ping, h, frame, cur)
+                        else:
+                            deferred.append(h)  # pinged again after the join
+                    continue
+                h = deque.pop()
+                if h >= 0 and not self._descends(h, top):
+                    if not deque.push(h):  # back where it was (we are its deque's owner)
+                        while not self.injector.push(h):
+                            time.sleep(0.0001)
+                    h = -1
+                if h >= 0:
+                    self._nested(self.execute, h, frame, cur)
+                    continue
+                if (not self.idle.wait_ping(self.k, inbox.__len__, JOIN_WAIT)
+                        and self.client.gone()):  # our client died while we waited: exit
+                    self.orphaned()
+        finally:
+            joining.discard(top)
+            self.in_body = True
+            for h in deferred:
+                while not inbox.push(h):
+                    time.sleep(0.0001)
+            # the join's time is not this task's busy time (the tasks run inside count their own)
+            self.joined_ns = joined + time.monotonic_ns() - t0
+        frame.waiting = (kids, single)
+        send, exc = self.collect(frame)
+        if exc is not None:
+            raise exc
+        return send
+
+    def child_done(self, c: Child) -> bool:
+        st = self.arena.tr.state(c.handle)
+        return st is None or st[0] == S_DONE
+
+    def _nested(self, run: Any, h: int, frame: _Frame, cur: Any) -> None:
+        """Run a task (or resume a frame) on top of the waiting task, then make that one
+        current again."""
+        self.cur = None
+        self.frame = None  # (execute and drive take theirs from here)
+        try:
+            run(h)
+        finally:
+            self.cur = cur
+            self.frame = frame
+            self.r.store64(self.cur_off, frame.h + 1)  # release: read by the recoverer
+
+    def _descends(self, h: int, top: int) -> bool:
+        """Whether record ``h`` is a child, grandchild... of task ``top``."""
+        a = self.arena
+        for _ in range(MAX_NEST):
+            kind, _status, link = a.kind_link(a.off(h))  # set before its push: stable
+            if kind & K_MASK != K_CHILD:
+                return False
+            if link == top:
+                return True
+            h = link
+        return False
 
     def on_ping(self, h: int) -> None:
         """A child of ``h`` finished (or a recoverer says one may have): resume it if ready."""

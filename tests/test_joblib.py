@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 
 import pytest
 
@@ -314,12 +315,63 @@ class _ProcessWatch(threading.Thread):
             time.sleep(0.005)
 
 
-def test_nested_parallel_runs_inline_on_the_same_workers():
+def _busy_pid(ms):
+    end = time.perf_counter() + ms / 1000
+    while time.perf_counter() < end:
+        pass
+    return os.getpid()
+
+
+def _one_outer(n):
+    """One outer item whose inner Parallel (n items of 3 ms) should use every worker."""
+    return os.getpid(), Parallel(batch_size=1)(delayed(_busy_pid)(3) for _ in range(n))
+
+
+def _deep(depth):
+    """Parallel inside Parallel inside Parallel...: the sum of 2**depth ones."""
+    if depth == 0:
+        return 1
+    return sum(Parallel(n_jobs=-1)(delayed(_deep)(depth - 1) for _ in range(2)))
+
+
+def test_nested_parallel_runs_on_the_same_workers():
     with parallel_config(backend="stealer", n_jobs=2):
         out = Parallel(batch_size=1)(delayed(_inner_pids)(i) for i in range(6))
     workers = set(sj.get_executor().worker_pids())
     for outer, inner in out:
-        assert outer in workers and inner == {outer}
+        assert outer in workers and inner <= workers
+
+
+def test_a_nested_parallel_keeps_every_worker_busy():
+    """One outer item: its inner items are children that the idle worker steals (not run
+    sequentially by the one busy worker)."""
+    with parallel_config(backend="stealer", n_jobs=2):
+        [(outer, inner)] = Parallel()(delayed(_one_outer)(40) for _ in range(1))
+    workers = set(sj.get_executor().worker_pids())
+    assert outer in workers
+    assert set(inner) == workers, "the idle worker never ran an inner item"
+
+
+def test_nesting_to_any_depth_neither_deadlocks_nor_adds_processes():
+    with parallel_config(backend="stealer", n_jobs=2):
+        Parallel()(delayed(tasks.square)(i) for i in range(2))  # the executor is up
+        workers = set(sj.get_executor().worker_pids())
+        assert Parallel()(delayed(_deep)(d) for d in range(7)) == [2 ** d for d in range(7)]
+        assert set(sj.get_executor().worker_pids()) == workers
+
+
+def test_a_nested_error_comes_through_with_its_traceback():
+    with parallel_config(backend="stealer", n_jobs=2), pytest.raises(ZeroDivisionError) as info:
+        Parallel()(delayed(_nested_fail)(i) for i in range(4))
+    assert "_divide" in "".join(traceback.format_exception(info.value))
+
+
+def _divide(x):
+    return 1 / x
+
+
+def _nested_fail(i):
+    return Parallel(batch_size=1)(delayed(_divide)(j - i) for j in range(8))
 
 
 def test_nested_gridsearch_uses_only_the_workers():

@@ -405,3 +405,30 @@ def test_nested_gridsearch_uses_only_the_workers():
     assert not extra, f"processes other than the {len(workers)} workers: {extra}"
     helpers = {p for p, c in watch.seen.items() if helper(c)}
     assert watch.most <= len(workers) + len(helpers)
+
+
+def _inner_killer(marker, n):
+    """An outer item whose inner Parallel has one item that SIGKILLs its worker (once)."""
+    return Parallel(batch_size=1)(delayed(_maybe_die)(marker, i == n // 2) for i in range(n))
+
+
+def _maybe_die(marker, die):
+    if die and not os.path.exists(marker):
+        with open(marker, "w"):
+            pass
+        os.kill(os.getpid(), 9)
+    time.sleep(0.002)
+    return die
+
+
+@pytest.mark.kills_workers
+def test_worker_killed_under_a_nested_parallel(tmp_path):
+    """The inner item (or the worker blocked in the inner join) dies: the whole call
+    fails with TerminatedWorkerError by default, and re-runs to the end with retries."""
+    with parallel_config(backend="stealer", n_jobs=2):
+        with pytest.raises(sj.TerminatedWorkerError):
+            Parallel()(delayed(_inner_killer)(str(tmp_path / "a"), 16) for _ in range(2))
+        assert Parallel()(delayed(tasks.square)(i) for i in range(4)) == [0, 1, 4, 9]
+    with parallel_config(backend="stealer", n_jobs=2, retries=2):
+        out = Parallel()(delayed(_inner_killer)(str(tmp_path / "b"), 16) for _ in range(2))
+    assert [sum(o) for o in out] == [1, 1]

@@ -52,6 +52,10 @@ class _NoLock:
 
 _SETTLED = _NoLock()
 _MAKE_LOCK = threading.Lock()  # makes a future's condition or list once (rare: a waiter)
+# Hands a future's done callbacks over to whoever calls them, each exactly once: the
+# resolver takes the whole list; an adder that finds the future settled right after its
+# append takes its own back (held for a list copy or one remove, never around user code).
+_CB_LOCK = threading.Lock()
 _SETTLED_STATES = frozenset((_fbase.CANCELLED, _fbase.CANCELLED_AND_NOTIFIED, _fbase.FINISHED))
 
 
@@ -178,6 +182,45 @@ class _Future(Future):
                 cond.notify_all()
         if self._st_cb:
             self._invoke_callbacks()
+
+    def add_done_callback(self, fn: Any) -> None:
+        """As the stdlib's, without making the future's condition (a lock, a deque and a
+        Condition, GC-tracked, per future: ``asyncio.wrap_future`` and most callers of
+        this method never wait on it otherwise).
+
+        Append, then read the state; the resolver publishes the state, then reads the
+        list (:meth:`_st_resolve`): under the GIL one of the two sees the other.  If
+        the future settled in between, both may have seen ``fn``: whichever takes it out
+        of the list under ``_CB_LOCK`` calls it."""
+        if self._state not in _SETTLED_STATES:
+            cbs = self._done_callbacks
+            cbs.append(fn)
+            if self._state not in _SETTLED_STATES:
+                return
+            with _CB_LOCK:
+                for i, cb in enumerate(cbs):
+                    if cb is fn:
+                        del cbs[i]
+                        break
+                else:
+                    return  # the resolver took it: it calls it
+        try:
+            fn(self)
+        except Exception:
+            _fbase.LOGGER.exception("exception calling callback for %r", self)
+
+    def _invoke_callbacks(self) -> None:
+        cbs = self._st_cb
+        if not cbs:
+            return
+        with _CB_LOCK:
+            todo = cbs[:]
+            cbs.clear()
+        for cb in todo:
+            try:
+                cb(self)
+            except Exception:
+                _fbase.LOGGER.exception("exception calling callback for %r", self)
 
     def result(self, timeout: float | None = None) -> Any:
         if self._state == _fbase.FINISHED and self._exception is None:

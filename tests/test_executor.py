@@ -125,6 +125,35 @@ def test_done_callbacks_run(ex):
     assert seen == [16]
 
 
+def test_done_callbacks_added_while_futures_settle_run_exactly_once(ex):
+    """Callbacks added (two per future) while the result thread settles the same
+    futures: each runs once, none is lost or run twice, and none makes the future's
+    condition (the lean path; wait() below makes it only for unfinished ones)."""
+    import functools
+
+    for _ in range(4):
+        n = 2000
+        counts = [0] * n
+        lock = threading.Lock()
+
+        def cb(counts, lock, k, _f):
+            with lock:
+                counts[k] += 1
+
+        fs = [ex.submit(tasks.square, i) for i in range(n)]
+        for k, f in enumerate(fs):
+            f.add_done_callback(functools.partial(cb, counts, lock, k))
+            f.add_done_callback(functools.partial(cb, counts, lock, k))
+        lean = sum(f._st_cond is None for f in fs)
+        for f in fs:
+            f.result(30)
+        end = time.monotonic() + 30  # the resolver calls them right after publishing
+        while sum(counts) < 2 * n and time.monotonic() < end:
+            time.sleep(0.01)
+        assert counts == [2] * n
+        assert lean == n
+
+
 # -- errors -------------------------------------------------------------------------
 def test_exception_reraised_with_remote_traceback(ex):
     f = ex.submit(tasks.raise_value_error, "bad input 42")

@@ -128,3 +128,27 @@ class SubmitsInside(stealer.Agent):
         except RuntimeError as exc:
             return ctx.done(str(exc))
         return ctx.done("submitted")
+
+
+# -- random trees for the property test: ("b"|"g"|"x", [subtrees]) or an int leaf ----------
+def evaluate(tree, ex=None):
+    """Sum of the leaves, each node fanning out its subtrees as children and joining them
+    its own way: "b" blocking join (stealer.join), "x" through the executor captured
+    (ex.submit / result), "g" a generator task (yield).  Returns the sum, or raises the
+    first failing leaf's error (a negative leaf fails)."""
+    if isinstance(tree, int):
+        if tree < 0:
+            raise ValueError(f"leaf {tree}")
+        return tree
+    how, kids = tree
+    if how == "g":
+        return _evaluate_gen(kids, ex)
+    if how == "x" and ex is not None:
+        fs = [ex.submit(evaluate, k, ex) for k in kids]
+        return sum(f.result() for f in fs)
+    return sum(stealer.join([stealer.spawn(evaluate, k, ex) for k in kids]))
+
+
+def _evaluate_gen(kids, ex):
+    vals = yield [stealer.spawn(evaluate, k, ex) for k in kids]
+    return sum(vals)

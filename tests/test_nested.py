@@ -98,3 +98,50 @@ def test_an_options_view_is_still_the_executor(ex):
     view = ex.options(retries=0)  # a copy, not the in-task stand-in an executor pickles to
     assert isinstance(view, stealer.Executor)
     assert view.submit(N.square, 5).result(30) == 25
+
+
+# -- a property: random trees of blocking, generator and executor joins ----------------
+def _trees():
+    from hypothesis import strategies as st
+
+    leaf = st.integers(min_value=-1, max_value=9)
+    return st.recursive(
+        leaf,
+        lambda kids: st.tuples(st.sampled_from("bgx"), st.lists(kids, min_size=1, max_size=5)),
+        max_leaves=40)
+
+
+def _oracle(tree):
+    """Sequential: the sum, or the first failing leaf in depth-first order."""
+    if isinstance(tree, int):
+        if tree < 0:
+            raise ValueError(f"leaf {tree}")
+        return tree
+    return sum(_oracle(k) for k in tree[1])
+
+
+def _outcome(fn, *args):
+    try:
+        return ("ok", fn(*args))
+    except ValueError as exc:
+        return ("error", str(exc))
+
+
+def test_random_join_trees_match_a_sequential_oracle(ex):
+    """Any mix of blocking joins, yield joins and ex.submit inside tasks, to any depth,
+    gives the sequential sum (or a failing leaf's error) and never hangs."""
+    from hypothesis import HealthCheck, given, settings
+
+    @settings(max_examples=150, deadline=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(_trees())
+    def check(tree):
+        want = _outcome(_oracle, tree)
+        got = _outcome(lambda: ex.submit(N.evaluate, tree, ex).result(60))
+        if want[0] == "ok":
+            assert got == want
+        else:
+            assert got[0] == "error"  # which failing leaf is raised first may differ
+
+    check()
+    assert records_in_use(ex) == 0

@@ -20,6 +20,12 @@ finishes (Cilk's "sync" semantics: a join waits for every child spawned so
 far; results not yet yielded are kept until they are).  The generator
 itself never leaves its worker (it cannot be pickled); children can.
 
+A task that is a plain function may instead block: :func:`join` (or
+``child.result()``) waits, and meanwhile its worker runs the waiting task's
+own descendants (see Worker.join_blocking for why nothing else).  An
+executor captured by one of its own tasks becomes a :class:`NestedExecutor`
+there, whose ``submit``/``map`` spawn children the same way.
+
 Outside a worker :func:`spawn` raises :class:`~stealer.errors.NotInTaskError`;
 :func:`run_inline` runs a fork-join task sequentially in the calling process
 (children are evaluated depth-first at the ``spawn`` call), which is the

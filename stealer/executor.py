@@ -49,7 +49,7 @@ from stealer.errors import (
     RemoteTraceback,
     SerializationError,
 )
-from stealer.forkjoin import run_chunk, run_items
+from stealer.forkjoin import NestedExecutor, run_chunk, run_items
 from stealer.futures import _Future
 from stealer.pool import _Pool
 from stealer.progress import Counted, map_progress
@@ -337,8 +337,6 @@ class Executor(_fbase.Executor):
     def __reduce__(self) -> tuple:
         # An executor captured by one of its own tasks: there it spawns children of the
         # running task on the same workers (forkjoin.NestedExecutor), not new processes.
-        from stealer.forkjoin import NestedExecutor
-
         return (NestedExecutor, (self._pool.name,))
 
     # -- concurrent.futures API ----------------------------------------------

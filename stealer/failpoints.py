@@ -36,6 +36,8 @@ POINTS = {
     "worker.in_join": "a fork-join frame is suspended, before the worker moves on",
     "worker.after_resume": "a frame was resumed from a ping, before it runs",
     "worker.in_collect": "a frame is collecting (freeing) its children's records",
+    "worker.join_after_pop": "a blocking join popped a handle (leased), before it runs or goes back",
+    "worker.join_after_nested": "a blocking join ran a descendant, the waiting task current again",
     "recovery.after_take_over": "a recoverer claimed a dead worker's task, before re-run/fail",
     # agents (stealer/agents/host.py)
     "agent.adopt": "an agent record was started here, before its mailbox is walked",

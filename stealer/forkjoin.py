@@ -34,6 +34,7 @@ one-process baseline and handy in unit tests of user code.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from types import GeneratorType
 from typing import Any
@@ -205,12 +206,10 @@ class ChildFuture:
     def exception(self, timeout: float | None = None) -> BaseException | None:
         try:
             join(self.child, timeout)
-        except TimeoutError:
-            if not self.child.done:
+        except BaseException:
+            if not self.child.done:  # a timeout (or an interrupt) while it is pending
                 raise
             return self.child.exc
-        except BaseException as exc:
-            return exc
         return None
 
     def done(self) -> bool:
@@ -281,8 +280,6 @@ class NestedExecutor:
 
 
 def _results(kids: list[Child], chunked: bool, timeout: float | None) -> Any:
-    import time
-
     end = None if timeout is None else time.monotonic() + timeout
     for c in kids:
         left = None if end is None else max(0.0, end - time.monotonic())

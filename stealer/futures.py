@@ -204,10 +204,7 @@ class _Future(Future):
                         break
                 else:
                     return  # the resolver took it: it calls it
-        try:
-            fn(self)
-        except Exception:
-            _fbase.LOGGER.exception("exception calling callback for %r", self)
+        self._st_call(fn)
 
     def _invoke_callbacks(self) -> None:
         cbs = self._st_cb
@@ -217,10 +214,14 @@ class _Future(Future):
             todo = cbs[:]
             cbs.clear()
         for cb in todo:
-            try:
-                cb(self)
-            except Exception:
-                _fbase.LOGGER.exception("exception calling callback for %r", self)
+            self._st_call(cb)
+
+    def _st_call(self, fn: Any) -> None:
+        """Call one done callback as the stdlib does (its exception is logged)."""
+        try:
+            fn(self)
+        except Exception:
+            _fbase.LOGGER.exception("exception calling callback for %r", self)
 
     def result(self, timeout: float | None = None) -> Any:
         if self._state == _fbase.FINISHED and self._exception is None:

@@ -100,12 +100,13 @@ def in_worker() -> bool:
     return cur is not None and cur is not forkjoin._INLINE
 
 
-def _task_worker() -> Any:
-    """The worker running the current plain task (children can be joined), else None."""
+def _nested_n_jobs() -> int:
+    """Jobs for a Parallel call inside a task: the executor's workers, as children of the
+    running plain task; 1 (sequential) inside an agent, which must not block its turn."""
     w = forkjoin._current
     if w is None or w is forkjoin._INLINE or w.cur is None or w.host.current is not None:
-        return None
-    return w
+        return 1
+    return w.n
 
 
 # -- the executor shared by every Parallel call ---------------------------------------
@@ -241,8 +242,7 @@ class StealerBackend(_Options):
         if n_jobs == 0:
             raise ValueError("n_jobs == 0 in Parallel has no meaning")
         if in_worker():  # nested inside a stealer task: its children, on the same workers
-            w = _task_worker()
-            return w.n if w is not None else 1
+            return _nested_n_jobs()
         if n_jobs is None:
             n_jobs = self.default_n_jobs
         if n_jobs < 0:
@@ -352,8 +352,7 @@ class NestedBackend(_Options):
     def effective_n_jobs(self, n_jobs: int | None) -> int:
         if n_jobs == 0:
             raise ValueError("n_jobs == 0 in Parallel has no meaning")
-        w = _task_worker()
-        return w.n if w is not None else 1
+        return _nested_n_jobs()
 
     def configure(self, n_jobs: int = 1, parallel: Any = None, prefer: Any = None,
                   require: Any = None, **backend_kwargs: Any) -> int:

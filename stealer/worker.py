@@ -621,7 +621,7 @@ class Worker:
             raise TypeError("a task can only join children it spawned itself")
         top = frame.h
         cur = self.cur
-        state = self.arena.tr.state
+        child_done = self.child_done
         inbox = self.inbox
         deque = self.deque
         deferred: list[int] = []
@@ -633,12 +633,7 @@ class Worker:
         self.in_body = False  # Ctrl-C is ignored here (as when idle): nothing half-moved
         try:
             while True:
-                for c in kids:
-                    if not c.done:
-                        st = state(c.handle)
-                        if st is not None and st[0] != S_DONE:
-                            break
-                else:
+                if all(c.done or child_done(c) for c in kids):
                     break
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"the children were not all done within {timeout} s")
@@ -652,11 +647,12 @@ class Worker:
                         else:
                             deferred.append(h)  # pinged again after the join
                     continue
-                h = deque.pop()
+                h = deque.pop()  # leased: killed from here on, a recoverer pushes it again
+                if FP.ON and h >= 0:
+                    FP.hit("worker.join_after_pop")
                 if h >= 0 and not self._descends(h, top):
-                    if not deque.push(h):  # back where it was (we are its deque's owner)
-                        while not self.injector.push(h):
-                            time.sleep(0.0001)
+                    # back where it was: cannot fail (we own the deque and just popped it)
+                    deque.push(h)
                     h = -1
                 if h >= 0:
                     self._nested(self.execute, h, frame, cur)
@@ -693,6 +689,8 @@ class Worker:
             self.cur = cur
             self.frame = frame
             self.r.store64(self.cur_off, frame.h + 1)  # release: read by the recoverer
+        if FP.ON:
+            FP.hit("worker.join_after_nested")
 
     def _descends(self, h: int, top: int) -> bool:
         """Whether record ``h`` is a child, grandchild... of task ``top``."""

@@ -70,9 +70,16 @@ def joins_gen_children(n: int) -> list[int]:
     return stealer.join(kids)
 
 
-def slow_join(timeout: float) -> str:
-    c = stealer.spawn(busy_pid, 300)
-    busy_pid(100)  # the idle worker steals the child meanwhile (ours would run it whole)
+def started_then_busy(marker: str, ms: float) -> int:
+    with open(marker, "w"):
+        pass
+    return busy_pid(ms)
+
+
+def slow_join(marker: str, timeout: float) -> str:
+    c = stealer.spawn(started_then_busy, marker, 300)
+    while not os.path.exists(marker):  # running on the other worker (ours is busy here)
+        time.sleep(0.001)
     try:
         stealer.join(c, timeout)
     except TimeoutError:

@@ -106,6 +106,15 @@ def fib(n, cutoff):
     return x + y
 
 
+def fib_blocking(n, cutoff):
+    """fib with blocking joins (stealer.join in a plain function, not a generator)."""
+    if n <= cutoff:
+        return fib_seq(n)
+    a = stealer.spawn(fib_blocking, n - 1, cutoff)
+    b = stealer.spawn(fib_blocking, n - 2, cutoff)
+    return sum(stealer.join([a, b]))
+
+
 def chain(depth):
     """A spawn chain ``depth`` deep: each task spawns one child and joins it."""
     if depth == 0:

@@ -23,7 +23,7 @@ from stealer import failpoints
 WORKER_POINTS = [p for p in failpoints.POINTS if p.startswith("worker.")]
 # Points that only fork-join work reaches, and how often they are hit there.
 FORKJOIN_POINTS = {"worker.after_spawn", "worker.in_join", "worker.after_resume",
-                   "worker.in_collect"}
+                   "worker.in_collect", "worker.join_after_pop", "worker.join_after_nested"}
 AFTER_BODY = ["worker.after_body", "worker.after_store", "worker.after_finish",
               "worker.after_publish"]
 
@@ -32,9 +32,11 @@ def _run_mixed_load(e: stealer.Executor) -> None:
     plain = [e.submit(tasks.square, i) for i in range(300)]
     big = [e.submit(tasks.make_bytes, 5000 + i) for i in range(5)]  # results in blocks
     trees = [e.submit(tasks.fib, 16, 10) for _ in range(3)]
+    blocking = [e.submit(tasks.fib_blocking, 15, 10) for _ in range(2)]  # stealer.join
     assert [f.result(timeout=60) for f in plain] == [i * i for i in range(300)]
     assert [f.result(timeout=60) for f in big] == [tasks.make_bytes(5000 + i) for i in range(5)]
     assert [f.result(timeout=60) for f in trees] == [tasks.fib_seq(16)] * 3
+    assert [f.result(timeout=60) for f in blocking] == [tasks.fib_seq(15)] * 2
 
 
 def _crashes_seen(e: stealer.Executor, want: int = 1, timeout: float = 10.0) -> int:

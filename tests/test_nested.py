@@ -51,8 +51,9 @@ def test_generator_children_resume_inside_a_blocking_join(ex):
     assert ex.submit(N.joins_gen_children, 12).result(60) == want
 
 
-def test_join_timeout_raises_and_the_child_still_finishes(ex):
-    assert ex.submit(N.slow_join, 0.05).result(60) == "timed out, then True"
+def test_join_timeout_raises_and_the_child_still_finishes(ex, tmp_path):
+    marker = str(tmp_path / "started")
+    assert ex.submit(N.slow_join, marker, 0.05).result(60) == "timed out, then True"
 
 
 def test_unjoined_children_are_waited_for_and_freed(ex):

@@ -737,9 +737,14 @@ class Host:
             rc = e.rcache
             if rc and len(msg) > 8 and sender in rc:  # replies its checkpoint covers now
                 ack = msg[8]
+                # in seq order: answered() adds a sender's calls as they come (were one
+                # ever out of order, pruning stops at it: a reply kept longer, not lost)
                 kept = rc[sender]
-                for s in [s for s in kept if s <= ack]:
-                    del kept[s]
+                while kept:
+                    first = next(iter(kept))
+                    if first > ack:
+                        break
+                    del kept[first]
                 if not kept:
                     del rc[sender]
             seen = e.jseen

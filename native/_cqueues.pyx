@@ -570,6 +570,7 @@ cdef class SPSCRing(_Ring):
 from libc.string cimport memcpy, memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.object cimport PyObject_Call
 
 
 cdef class HotPath:
@@ -680,26 +681,17 @@ cdef class HotPath:
         """Wake one parked worker if nobody searches; the worker index woken, or -1."""
         return self.c_notify_one()
 
-    def submit_inline(self, uint32_t kind, uint64_t link, const unsigned char[::1] data,
-                      uint32_t retries=0):
-        """Client: take a record, fill it with an inline payload, push it on the injector,
-        and wake a parked worker if nobody searches.
-
-        The submit time is CLOCK_MONOTONIC (time.monotonic_ns()).  Returns the
-        handle, -1 when no record is free, or ``-2 - h`` when record ``h`` was set
-        up but the injector was full.  ``len(data)`` must be <= INLINE.
-        """
+    cdef int64_t c_submit_inline(self, uint32_t kind, uint64_t link, const char *data,
+                                 Py_ssize_t n, uint32_t retries) noexcept nogil:
+        # submit_inline's body (n <= INLINE checked by the caller).
         cdef timespec ts
         clock_gettime(CLOCK_MONOTONIC, &ts)
         cdef uint64_t t_submit = <uint64_t>ts.tv_sec * 1000000000ULL + <uint64_t>ts.tv_nsec
-        cdef Py_ssize_t n = data.shape[0]
-        if n > INLINE:
-            raise ValueError("payload too large for the inline path")
         cdef uint64_t idx
         if self.free_ring.c_pop(&idx) != ST_SUCCESS:
             return -1
         if idx >= self.nrecords:
-            raise IndexError("corrupt free ring: record index out of range")
+            return -3 - <int64_t>0x7FFFFFFFFFFF   # corrupt free ring (the caller raises)
         cdef char *r = self.rec_base + RECORD_BYTES * idx
         cdef uint64_t gen = st_load_relaxed_u64(r) & 0xFFFFFFFFU
         memset(r + 8, 0, R_INLINE - 8)
@@ -709,12 +701,29 @@ cdef class HotPath:
         (<uint64_t *>(r + R_PLEN))[0] = <uint64_t>n
         (<uint64_t *>(r + R_TSUBMIT))[0] = t_submit
         if n:
-            memcpy(r + R_INLINE, &data[0], n)
+            memcpy(r + R_INLINE, data, n)
         st_store_relaxed_u64(r, gen | (<uint64_t>S_QUEUED << STATE_SHIFT))  # alloc: published by the push below
         cdef uint64_t h = (gen << 32) | idx
         if self.injector.c_push(h) != ST_SUCCESS:   # release (cell seq): the worker's pop acquires it
             return -2 - <int64_t>h   # set up, not queued: the caller pushes it when there is room
         self.c_notify_one()
+        return <int64_t>h
+
+    def submit_inline(self, uint32_t kind, uint64_t link, bytes data not None,
+                      uint32_t retries=0):
+        """Client: take a record, fill it with an inline payload, push it on the injector,
+        and wake a parked worker if nobody searches.
+
+        The submit time is CLOCK_MONOTONIC (time.monotonic_ns()).  Returns the
+        handle, -1 when no record is free, or ``-2 - h`` when record ``h`` was set
+        up but the injector was full.  ``len(data)`` must be <= INLINE.
+        """
+        cdef Py_ssize_t n = len(data)
+        if n > INLINE:
+            raise ValueError("payload too large for the inline path")
+        cdef int64_t h = self.c_submit_inline(kind, link, <const char *>data, n, retries)
+        if h == -3 - <int64_t>0x7FFFFFFFFFFF:
+            raise IndexError("corrupt free ring: record index out of range")
         return h
 
     def start(self, uint64_t h, Py_ssize_t current_off, uint64_t t_start,
@@ -752,7 +761,7 @@ cdef class HotPath:
             return kind, link, PyBytes_FromStringAndSize(r + R_INLINE, <Py_ssize_t>n)
         return kind, link, None
 
-    def finish_inline(self, uint64_t h, uint32_t status, const unsigned char[::1] data,
+    def finish_inline(self, uint64_t h, uint32_t status, bytes data not None,
                       SPSCRing completions, uint64_t who=0):
         """Worker ``who - 1``: store a small result inline, then the ``finish`` transition
         RUNNING|who -> DONE|who, then (a root task) push the completion.
@@ -763,7 +772,7 @@ cdef class HotPath:
         parked), 2 for a child (the caller pings its parent).
         """
         self._check_handle(h)
-        cdef Py_ssize_t n = data.shape[0]
+        cdef Py_ssize_t n = len(data)
         cdef char *r = self.rec(h)
         cdef uint64_t at = 0
         if (<uint32_t *>(r + R_PCLASS))[0] == 0:
@@ -771,7 +780,7 @@ cdef class HotPath:
         if at > INLINE or n > INLINE - <Py_ssize_t>at:
             return 0
         if n:
-            memcpy(r + R_INLINE + at, &data[0], n)
+            memcpy(r + R_INLINE + at, <const char *>data, n)
         (<uint32_t *>(r + R_RCLASS))[0] = 0
         (<uint64_t *>(r + R_RLEN))[0] = <uint64_t>n
         cdef uint32_t kind = (<uint32_t *>(r + R_KIND))[0] & ~(<uint32_t>F_RBUFFERS)
@@ -793,19 +802,14 @@ cdef class HotPath:
             st_futex_wake(w, 1)
         return 1
 
-    def complete_take(self, uint64_t h):
-        """Client: (kind, status, link, inline result or None) of a completed record.
-
-        When both the call and the result are inline, the result is copied
-        out and the record freed; otherwise (data None) the record stays for
-        the Python path to read and free.
-        """
+    cdef object c_take(self, uint64_t h, uint32_t *kind, uint32_t *status, uint64_t *link):
+        # complete_take's body: the inline result (record freed), or None (record kept).
         self._check_handle(h)
         cdef char *r = self.rec(h)
         st_load_acquire_u64(r)                        # pairs with the finish CAS (DONE)
-        cdef uint32_t kind = (<uint32_t *>(r + R_KIND))[0]
-        cdef uint32_t status = (<uint32_t *>(r + R_STATUS))[0]
-        cdef uint64_t link = (<uint64_t *>(r + R_LINK))[0]
+        kind[0] = (<uint32_t *>(r + R_KIND))[0]
+        status[0] = (<uint32_t *>(r + R_STATUS))[0]
+        link[0] = (<uint64_t *>(r + R_LINK))[0]
         cdef object data = None
         cdef uint64_t at, n
         if (<uint32_t *>(r + R_PCLASS))[0] == 0 and (<uint32_t *>(r + R_RCLASS))[0] == 0:
@@ -815,7 +819,147 @@ cdef class HotPath:
                 raise ValueError(f"corrupt record {h:#x}: inline result out of bounds")
             data = PyBytes_FromStringAndSize(r + R_INLINE + at, <Py_ssize_t>n)
             self.c_free(h)
+        return data
+
+    def complete_take(self, uint64_t h):
+        """Client: (kind, status, link, inline result or None) of a completed record.
+
+        When both the call and the result are inline, the result is copied
+        out and the record freed; otherwise (data None) the record stays for
+        the Python path to read and free.
+        """
+        cdef uint32_t kind, status
+        cdef uint64_t link
+        data = self.c_take(h, &kind, &status, &link)
         return kind, status, link, data
+
+    def complete_batch(self, list hs, dict futures, object loads, object slow, object other):
+        """Client: ``stealer.pool._Pool.complete_batch`` (the reference) in one native call.
+
+        For each completed handle: an inline ``ST_OK`` result is unpickled with
+        ``loads`` and set on its future, popped from ``futures``; a future
+        nobody waits on and with no callbacks is settled here (``_result``,
+        then ``_state``: no thread runs between the checks and the stores, the
+        GIL is held throughout), any other through its ``_st_resolve``; no
+        future: ``other(fid, value)`` (agents).  Everything else (errors,
+        out-of-line results, a failed unpickle) goes to ``slow(h, kind,
+        status, fid, data)``.
+        """
+        cdef uint32_t kind, status
+        cdef uint64_t link
+        cdef object data, value, f
+        for hobj in hs:
+            data = self.c_take(<uint64_t>hobj, &kind, &status, &link)
+            if data is None or status != ST_OK or (kind & F_RBUFFERS):
+                slow(hobj, kind, status, link, data)
+                continue
+            try:
+                value = loads(data)
+            except BaseException:
+                slow(hobj, kind, status, link, data)
+                continue
+            f = futures.pop(link, None)
+            if f is None:
+                other(link, value)
+            elif f._st_cond is None and f._st_cb is None and f._state == _PENDING:
+                f._result = value
+                f._state = _FINISHED
+            else:
+                try:
+                    f._st_resolve(value, None)
+                except _InvalidStateError:
+                    pass  # cancelled meanwhile
+
+
+cdef str _PENDING = "PENDING"      # concurrent.futures._base's states (checked at import
+cdef str _FINISHED = "FINISHED"    # by stealer.futures, which owns the Future subclass)
+from concurrent.futures import InvalidStateError as _InvalidStateError
+
+
+class _OutOfBand(Exception):
+    """Raised by the fast submit's pickler at the first out-of-band buffer (before it is
+    copied): such a payload takes the Python path, which keeps its buffers apart."""
+
+
+def _refuse_buffers(buf):
+    raise _OutOfBand
+
+
+cdef dict _NO_OOB = {"buffer_callback": _refuse_buffers}   # shared, never mutated
+
+
+cdef class ClientSubmit:
+    """Client: ``Executor.submit``'s common case in one native call.
+
+    The common case: the executor takes work, the function has an id in the
+    function table, the pickled call has no out-of-band buffer and fits the
+    record inline, and a record is free.  Everything else goes to the
+    Python path, ``stealer.executor._submit`` (the reference, which the
+    pure-Python build always takes): before anything is set up (``slow``)
+    or with the pickled call and its future (``rest``).  The order of the
+    steps is the reference's: register the future, re-check shutdown, then
+    publish the record.
+    """
+    cdef HotPath hot
+    cdef object pool          # stealer.pool._Pool (reads: shutdown, broken, requeue, wake)
+    cdef object poolmod       # stealer.pool (reads: _exiting)
+    cdef object ids           # pool.ids, the future ids (itertools.count)
+    cdef dict fn_ids          # pool.fns._ids: function -> id in the function table
+    cdef dict futures         # pool.futures: id -> pending future
+    cdef object future_cls    # stealer.futures._Future
+    cdef object dumps         # pickle.dumps
+    cdef object slow          # _submit(pool, retries, fn, args, kwargs)
+    cdef object rest          # _submit_data(pool, retries, f, data, bufs)
+    cdef readonly uint32_t retries
+
+    def __cinit__(self, HotPath hot, pool, poolmod, future_cls, dumps, slow, rest,
+                  uint32_t retries):
+        self.hot = hot
+        self.pool = pool
+        self.poolmod = poolmod
+        self.ids = pool.ids
+        self.fn_ids = pool.fns._ids
+        self.futures = pool.futures
+        self.future_cls = future_cls
+        self.dumps = dumps
+        self.slow = slow
+        self.rest = rest
+        self.retries = retries
+
+    def __call__(self, fn, /, *args, **kwargs):
+        pool = self.pool
+        if pool.shutdown or pool.broken or self.poolmod._exiting:
+            return self.slow(pool, self.retries, fn, args, kwargs)
+        try:
+            fref = self.fn_ids[fn]
+        except (KeyError, TypeError):  # not in the table yet, or not hashable
+            return self.slow(pool, self.retries, fn, args, kwargs)
+        try:
+            data = PyObject_Call(self.dumps, ((fref, args, kwargs if kwargs else None), 5), _NO_OOB)
+        except Exception:  # a buffer, or not picklable by pickle: the reference decides
+            return self.slow(pool, self.retries, fn, args, kwargs)
+        fid = next(self.ids)
+        f = self.future_cls(pool, fid, fn)
+        cdef Py_ssize_t n = len(<bytes>data)
+        if n > INLINE:
+            return self.rest(pool, self.retries, f, data, [])
+        self.futures[fid] = f
+        if pool.shutdown or pool.broken:  # (the reference's register-then-re-check)
+            del self.futures[fid]
+            return self.slow(pool, self.retries, fn, args, kwargs)  # raises
+        cdef int64_t h = self.hot.c_submit_inline(K_ROOT, <uint64_t>fid, <const char *>(<bytes>data),
+                                                  n, self.retries)
+        if h >= 0:
+            f._st_handle = h
+            return f
+        if h == -3 - <int64_t>0x7FFFFFFFFFFF:
+            raise IndexError("corrupt free ring: record index out of range")
+        if h == -1:  # no record free: the reference's backlog
+            return self.rest(pool, self.retries, f, data, [])
+        f._st_handle = h = -2 - h  # set up, but the injector is full: the result thread pushes it
+        pool.requeue.append(h)
+        pool.wake()
+        return f
 
 
 include "_layout_py.pxi"

@@ -115,10 +115,12 @@ class Arena:
                          else Q.MPMCRing(seg.region, L.offsets["injector"], L.injector_cap))
         self.tr = Transitions(seg.region, self.off)
         self._idle: Any = None
+        self.hot: Any = None  # the native HotPath, when it is used
         if getattr(Q, "HotPath", None) is not None and os.environ.get("STEALER_PY_HOTPATH") != "1":
             hot = Q.HotPath(seg.region, self.rec_base, self.nrecords, self.rec_free,
                             self.injector, H_CLIENT_PARK, H_SEARCHING, H_PARKED,
                             L.worker(0) + W_PARK, WORKER_BYTES, L.nworkers)
+            self.hot = hot
             self.submit_inline = hot.submit_inline
             self.notify_one = hot.notify_one
             self.start = hot.start

@@ -216,6 +216,82 @@ def _map_results(fs: collections.deque[Future], end_time: float | None, chunked:
             f.cancel()
 
 
+
+def _refuse(pool: _Pool) -> None:
+    if pool.broken:
+        raise BrokenExecutor(pool.broken)
+    if _poolmod._exiting:
+        raise ExecutorShutdownError("cannot schedule new futures after interpreter shutdown")
+    raise ExecutorShutdownError("cannot schedule new futures after shutdown")
+
+
+def _submit(pool: _Pool, retries: int, fn: Callable[..., Any], args: tuple,
+            kwargs: dict[str, Any]) -> _Future:
+    """``Executor.submit``: the reference path (stealer._cqueues.ClientSubmit is its native
+    fast path for the common case and comes here for everything else)."""
+    if pool.shutdown or pool.broken or _poolmod._exiting:
+        _refuse(pool)
+    fid = next(pool.ids)
+    f = _Future(pool, fid, fn)
+    try:
+        fref = pool.fns._ids[fn]  # the fast path of FunctionTable.id_of
+    except (KeyError, TypeError):
+        fref = pool.fns.id_of(fn)
+    payload = (fref if fref >= 0 else fn, args, kwargs or None)
+    bufs: list = []
+    try:
+        data = _pickle_dumps(payload, 5, buffer_callback=bufs.append)
+    except Exception:
+        try:
+            data, bufs = serialize.dumps(payload, "task (function and arguments)")
+        except SerializationError as exc:
+            f.set_exception(exc)
+            return f
+    return _submit_data(pool, retries, f, data, bufs)
+
+
+def _submit_data(pool: _Pool, retries: int, f: _Future, data: bytes, bufs: list) -> _Future:
+    """The rest of :func:`_submit`, from the pickled call on."""
+    fid = f._st_fid
+    # Register first, then re-check: the result thread exits only once it sees
+    # shutdown set *and* no futures left, so (under the GIL) a future registered
+    # here is either seen by it or refused here; no lock needed per submit.
+    pool.futures[fid] = f
+    if pool.shutdown or pool.broken:
+        del pool.futures[fid]
+        _refuse(pool)
+    a = pool.arena
+    if not bufs and len(data) <= INLINE:
+        h = a.submit_inline(K_ROOT, fid, data, retries)  # also wakes a worker
+        if h >= 0:
+            f._st_handle = h
+            return f
+        if h < -1:  # set up, but the injector is full: the result thread pushes it
+            f._st_handle = h = -2 - h
+            pool.requeue.append(h)
+            pool.wake()
+            return f
+    h = a.alloc()
+    if h < 0:
+        f._st_backlog = True  # (before it is visible there: cancel() may withdraw it)
+        pool.backlog.append((f, data, bufs, retries))
+        pool.wake()
+        return f
+    off = a.setup(h, K_ROOT, fid, time.monotonic_ns(), retries)
+    try:
+        a.put(off, data, bufs)
+    except BaseException:
+        pool.futures.pop(fid, None)
+        a.free(h)
+        raise
+    f._st_handle = h
+    if pool.requeue or not pool.injector.push(h):
+        pool.requeue.append(h)  # full (duplicates from a recovery): pushed when there is room
+        pool.wake()
+    pool.idle.notify_one()
+    return f
+
+
 class Executor(_fbase.Executor):
     """A ``concurrent.futures.Executor`` of worker processes that steal work from each other.
 
@@ -307,6 +383,7 @@ class Executor(_fbase.Executor):
                 cj.close()
             raise
         weakref.finalize(self, self._pool.begin_shutdown)
+        self._bind_submit()
         self.recovered = 0  # agents restarted from the journal (recover=True)
         if jplan is not None:
             try:
@@ -327,6 +404,7 @@ class Executor(_fbase.Executor):
         if retries is not None:
             _check_retries(retries)
             view._retries = retries
+        view._bind_submit()
         return view
 
     def __copy__(self) -> Executor:  # (options() views: not the __reduce__ below)
@@ -341,70 +419,24 @@ class Executor(_fbase.Executor):
 
     # -- concurrent.futures API ----------------------------------------------
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
-        pool = self._pool
-        if pool.shutdown or pool.broken or _poolmod._exiting:
-            self._refuse()
-        fid = next(pool.ids)
-        f = _Future(pool, fid, fn)
-        try:
-            fref = pool.fns._ids[fn]  # the fast path of FunctionTable.id_of
-        except (KeyError, TypeError):
-            fref = pool.fns.id_of(fn)
-        payload = (fref if fref >= 0 else fn, args, kwargs or None)
-        bufs: list = []
-        try:
-            data = _pickle_dumps(payload, 5, buffer_callback=bufs.append)
-        except Exception:
-            try:
-                data, bufs = serialize.dumps(payload, "task (function and arguments)")
-            except SerializationError as exc:
-                f.set_exception(exc)
-                return f
-        # Register first, then re-check: the result thread exits only once it sees
-        # shutdown set *and* no futures left, so (under the GIL) a future registered
-        # here is either seen by it or refused here; no lock needed per submit.
-        pool.futures[fid] = f
-        if pool.shutdown or pool.broken:
-            del pool.futures[fid]
-            self._refuse()
-        a = pool.arena
-        if not bufs and len(data) <= INLINE:
-            h = a.submit_inline(K_ROOT, fid, data, self._retries)  # also wakes a worker
-            if h >= 0:
-                f._st_handle = h
-                return f
-            if h < -1:  # set up, but the injector is full: the result thread pushes it
-                f._st_handle = h = -2 - h
-                pool.requeue.append(h)
-                pool.wake()
-                return f
-        h = a.alloc()
-        if h < 0:
-            f._st_backlog = True  # (before it is visible there: cancel() may withdraw it)
-            pool.backlog.append((f, data, bufs, self._retries))
-            pool.wake()
-            return f
-        off = a.setup(h, K_ROOT, fid, time.monotonic_ns(), self._retries)
-        try:
-            a.put(off, data, bufs)
-        except BaseException:
-            pool.futures.pop(fid, None)
-            a.free(h)
-            raise
-        f._st_handle = h
-        if pool.requeue or not pool.injector.push(h):
-            pool.requeue.append(h)  # full (duplicates from a recovery): pushed when there is room
-            pool.wake()
-        pool.idle.notify_one()
-        return f
+        # With the native extension, ``self.submit`` is a ClientSubmit (_bind_submit): this
+        # method runs only for the pure-Python build, a subclass, or a caller that goes
+        # through the class (Executor.submit(ex, ...)).
+        return _submit(self._pool, self._retries, fn, args, kwargs)
+
+    def _bind_submit(self) -> None:
+        """``self.submit``: the native fast path (stealer._cqueues.ClientSubmit) when the
+        extension is loaded and ``submit`` is not overridden; the method otherwise."""
+        hot = self._pool.arena.hot
+        if hot is None or type(self).submit is not Executor.submit:
+            self.__dict__.pop("submit", None)
+            return
+        Q = self._pool.seg.Q
+        self.submit = Q.ClientSubmit(hot, self._pool, _poolmod, _Future, _pickle_dumps,
+                                     _submit, _submit_data, self._retries)
 
     def _refuse(self) -> None:
-        pool = self._pool
-        if pool.broken:
-            raise BrokenExecutor(pool.broken)
-        if _poolmod._exiting:
-            raise ExecutorShutdownError("cannot schedule new futures after interpreter shutdown")
-        raise ExecutorShutdownError("cannot schedule new futures after shutdown")
+        _refuse(self._pool)
 
     def map(self, fn: Callable[..., Any], *iterables: Iterable[Any], timeout: float | None = None,
             chunksize: int | None = None, buffersize: int | None = None,

@@ -51,6 +51,25 @@ class _NoLock:
 
 
 _SETTLED = _NoLock()
+
+
+class _NoWaiters:
+    """The waiter list of a future settled before anybody waited on it (see
+    ``_Future._waiters``): ``wait`` and ``as_completed`` append a waiter to every future
+    and remove it again, 20,000 futures 40,000 list operations; here both do nothing (a
+    builtin taking one argument: no Python frame), and there is no list per future."""
+
+    __slots__ = ()
+    append = remove = staticmethod(id)
+
+    def __iter__(self) -> Any:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+_NO_WAITERS = _NoWaiters()
 _MAKE_LOCK = threading.Lock()  # makes a future's condition or list once (rare: a waiter)
 # Hands a future's done callbacks over to whoever calls them, each exactly once: the
 # resolver takes the whole list; an adder that finds the future settled right after its
@@ -134,7 +153,17 @@ class _Future(Future):
 
     @property
     def _waiters(self) -> list[Any]:  # type: ignore[override]
-        return self._st_w if self._st_w is not None else self._st_list("_st_w")
+        w = self._st_w
+        if w is not None:
+            return w
+        if self._st_cond is None and self._state in _SETTLED_STATES:
+            # Settled with no condition ever made: whoever installs a waiter here (wait,
+            # as_completed) took _SETTLED and will read the state as settled, so it counts
+            # this future done and expects no notification; none will come.  With a
+            # condition made, a resolver may be between its publish and its notify (see
+            # _st_resolve): that case gets the real list.
+            return _NO_WAITERS  # type: ignore[return-value]
+        return self._st_list("_st_w")
 
     @property
     def _done_callbacks(self) -> list[Any]:  # type: ignore[override]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import functools
 import itertools
 import multiprocessing as mp
 import multiprocessing.connection
@@ -222,6 +223,11 @@ class _Pool:
         self.step_killed: dict[int, int] = {}  # worker -> agent killed for a stuck step
         self.stray = 0  # completions that found no pending future (must stay 0)
         self.closed = False
+        hot = self.arena.hot
+        if hot is not None:  # complete_batch in one native call (the method is its reference)
+            self.complete_batch = functools.partial(  # type: ignore[method-assign]
+                hot.complete_batch, futures=self.futures, loads=pickle.loads,
+                slow=self.complete_taken, other=self.settle_other)
         for k in range(n):
             self.start_worker(k)
         self.thread: threading.Thread | None = threading.Thread(
@@ -437,8 +443,13 @@ class _Pool:
                     f._st_resolve(value, None)
                 except _fbase.InvalidStateError:
                     pass  # cancelled meanwhile
-            elif not self.agents.settle(fid, ST_OK, value) and not self.broken:
-                self.stray += 1
+            else:
+                self.settle_other(fid, value)
+
+    def settle_other(self, fid: int, value: Any) -> None:
+        """A result for no pending future: an agent's (or a stray: a delivery bug)."""
+        if not self.agents.settle(fid, ST_OK, value) and not self.broken:
+            self.stray += 1
 
     def complete_taken(self, h: int, kind: int, status: int, fid: int, data: Any) -> None:
         """Finish a completion whose record header was read by complete_take."""

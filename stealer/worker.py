@@ -96,6 +96,18 @@ EXIT_INIT_FAILED = 3
 
 _OWNER = struct.Struct("=II")  # R_OWNER, R_INCARNATION
 _U32 = struct.Struct("=I")
+_pdumps = pickle.dumps
+_NO_BUFS: list = []  # (read only)
+
+
+class _HasBuffers(Exception):
+    pass
+
+
+def _in_band_only(buf: Any) -> None:
+    """The worker's result pickler stops at the first out-of-band buffer, before copying it:
+    encode_result then pickles the result again, keeping its buffers apart."""
+    raise _HasBuffers
 
 SPIN_ROUNDS = 64  # search rounds before parking
 PARK_TIMEOUT = 0.5  # seconds; on timeout the worker checks that its client is alive
@@ -239,6 +251,7 @@ class Worker:
         o = layout.offsets
         self.fns = serialize.FunctionTable(seg.mm, r, o["fn_table"], layout.fn_entries,
                                            o["fn_data"], layout.fn_data)
+        self.fcache = self.fns._fns  # id -> function loaded (FunctionTable.get fills it)
         self.wbase = layout.worker(self.k)
         self.cur_off = self.wbase + W_CURRENT
         self.lease_off = self.wbase + W_LEASE
@@ -467,7 +480,10 @@ class Worker:
                 fref, args, kwargs = serialize.loads_frame(data, True)
             else:
                 fref, args, kwargs = pickle.loads(data)
-            fn = self.fns.get(fref) if type(fref) is int else fref
+            if type(fref) is int:
+                fn = self.fcache.get(fref) or self.fns.get(fref)
+            else:
+                fn = fref
             self.in_body = True
             try:
                 res = fn(*args, **kwargs) if kwargs else fn(*args)
@@ -487,6 +503,19 @@ class Worker:
                 self.drive(frame, None, None)
             elif frame is not None:
                 self.finish(frame, status, res)
+            elif status == ST_OK and not FP.ON:
+                # encode_result's common case without its wrapping: a result with an
+                # out-of-band buffer, or one pickle refuses, takes report (which has it all)
+                try:
+                    data = _pdumps(res, 5, buffer_callback=_in_band_only)
+                except BaseException:
+                    self.report(h, kind, link, status, res)
+                else:  # (report_encoded's first lines, inline)
+                    done = a.finish_inline(h, ST_OK, data, self.completions, self.who)
+                    if done == 2:
+                        self.publish_child(kind, link)
+                    elif done == 0:  # too big to sit beside the call
+                        self.report_encoded(h, kind, link, ST_OK, data, _NO_BUFS)
             else:
                 self.report(h, kind, link, status, res)
         finally:

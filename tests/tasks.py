@@ -302,3 +302,19 @@ def wait_for_path(path, timeout=60.0):
     while not os.path.exists(path) and time.monotonic() < end:
         time.sleep(0.005)
     return os.path.exists(path)
+
+
+class UnhashableCallable:
+    """A picklable callable that cannot be a dict key (the function table's)."""
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __eq__(self, other):
+        return isinstance(other, UnhashableCallable)
+
+    def __call__(self, x):
+        return x + 1
+
+
+def kwargs_of(*args, **kwargs):
+    return args, kwargs

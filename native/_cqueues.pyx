@@ -571,6 +571,17 @@ from libc.string cimport memcpy, memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.object cimport PyObject_Call
+from cpython.long cimport PyLong_AsLongLongAndOverflow
+from cpython.float cimport PyFloat_AS_DOUBLE
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.bytearray cimport PyByteArray_AS_STRING
+from cpython.unicode cimport PyUnicode_DecodeUTF8
+from cpython.exc cimport PyErr_Clear
+from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
+from cpython.ref cimport Py_INCREF
+
+cdef extern from "Python.h":
+    const char *PyUnicode_AsUTF8AndSize(object s, Py_ssize_t *size) noexcept
 
 
 cdef class HotPath:
@@ -848,13 +859,21 @@ cdef class HotPath:
         cdef uint32_t kind, status
         cdef uint64_t link
         cdef object data, value, f
+        cdef Py_ssize_t pos
         for hobj in hs:
             data = self.c_take(<uint64_t>hobj, &kind, &status, &link)
             if data is None or status != ST_OK or (kind & F_RBUFFERS):
                 slow(hobj, kind, status, link, data)
                 continue
             try:
-                value = loads(data)
+                if PyBytes_GET_SIZE(data) and (<const unsigned char *>PyBytes_AS_STRING(data))[0] == SMALL:
+                    pos = 1
+                    value = _dec_value(<const unsigned char *>PyBytes_AS_STRING(data),
+                                       PyBytes_GET_SIZE(data), &pos)
+                    if pos != PyBytes_GET_SIZE(data):
+                        raise ValueError("corrupt small payload: bytes after its value")
+                else:
+                    value = loads(data)
             except BaseException:
                 slow(hobj, kind, status, link, data)
                 continue
@@ -874,6 +893,194 @@ cdef class HotPath:
 cdef str _PENDING = "PENDING"      # concurrent.futures._base's states (checked at import
 cdef str _FINISHED = "FINISHED"    # by stealer.futures, which owns the Future subclass)
 from concurrent.futures import InvalidStateError as _InvalidStateError
+
+
+# -- the small format (stealer/serialize.py holds its description and Python reference) --
+cdef enum:
+    SMALL = 0x01
+    V_NONE = 0
+    V_FALSE = 1
+    V_TRUE = 2
+    V_INT = 3
+    V_FLOAT = 4
+    V_STR = 5
+    V_BYTES = 6
+
+
+cdef Py_ssize_t _enc_value(unsigned char *out, Py_ssize_t room, object v) noexcept:
+    # v's small encoding at out; its length, or -1 if v has none or it needs more than room.
+    # Never leaves an exception set.
+    cdef type t = type(v)
+    cdef long long x
+    cdef int overflow = 0
+    cdef double d
+    cdef const char *s
+    cdef Py_ssize_t n
+    if v is None:
+        if room < 1:
+            return -1
+        out[0] = V_NONE
+        return 1
+    if t is bool:
+        if room < 1:
+            return -1
+        out[0] = V_TRUE if v is True else V_FALSE
+        return 1
+    if t is int:
+        x = PyLong_AsLongLongAndOverflow(v, &overflow)
+        if overflow or room < 9:
+            return -1
+        out[0] = V_INT
+        memcpy(out + 1, &x, 8)          # little-endian hosts only (x86-64, aarch64)
+        return 9
+    if t is float:
+        if room < 9:
+            return -1
+        d = PyFloat_AS_DOUBLE(v)
+        out[0] = V_FLOAT
+        memcpy(out + 1, &d, 8)
+        return 9
+    if t is str:
+        s = PyUnicode_AsUTF8AndSize(v, &n)
+        if s == NULL:                     # lone surrogates: pickle keeps them
+            PyErr_Clear()
+            return -1
+    elif t is bytes:
+        s = PyBytes_AS_STRING(v)
+        n = PyBytes_GET_SIZE(v)
+    else:
+        return -1
+    if n > 255 or room < 2 + n:
+        return -1
+    out[0] = V_STR if t is str else V_BYTES
+    out[1] = <unsigned char>n
+    memcpy(out + 2, s, n)
+    return 2 + n
+
+
+cdef object _dec_value(const unsigned char *p, Py_ssize_t n, Py_ssize_t *pos):
+    cdef Py_ssize_t i = pos[0]
+    cdef long long x
+    cdef double d
+    cdef Py_ssize_t m
+    if i >= n:
+        raise ValueError("corrupt small payload: truncated")
+    cdef unsigned char tag = p[i]
+    if tag == V_NONE or tag == V_FALSE or tag == V_TRUE:
+        pos[0] = i + 1
+        return None if tag == V_NONE else (tag == V_TRUE)
+    if tag == V_INT or tag == V_FLOAT:
+        if i + 9 > n:
+            raise ValueError("corrupt small payload: truncated")
+        pos[0] = i + 9
+        if tag == V_INT:
+            memcpy(&x, p + i + 1, 8)
+            return x
+        memcpy(&d, p + i + 1, 8)
+        return d
+    if tag == V_STR or tag == V_BYTES:
+        if i + 2 > n or i + 2 + p[i + 1] > n:
+            raise ValueError("corrupt small payload: a string runs past its end")
+        m = p[i + 1]
+        pos[0] = i + 2 + m
+        if tag == V_STR:
+            return PyUnicode_DecodeUTF8(<const char *>(p + i + 2), m, NULL)
+        return PyBytes_FromStringAndSize(<const char *>(p + i + 2), m)
+    raise ValueError(f"corrupt small payload: unknown tag {tag}")
+
+
+cdef Py_ssize_t _enc_call(unsigned char *out, Py_ssize_t room, object fref, tuple args) noexcept:
+    # (fref, args, None) in the small format at out; its length, or -1.
+    cdef Py_ssize_t nargs = len(args)
+    cdef Py_ssize_t at = 6, k
+    cdef int overflow = 0
+    cdef long long f
+    if type(fref) is not int or nargs > 255 or room < 6:
+        return -1
+    f = PyLong_AsLongLongAndOverflow(fref, &overflow)
+    if overflow or f < 0 or f > 0xFFFFFFFF:
+        return -1
+    cdef uint32_t f32 = <uint32_t>f
+    out[0] = SMALL
+    memcpy(out + 1, &f32, 4)
+    out[5] = <unsigned char>nargs
+    for a in args:
+        k = _enc_value(out + at, room - at, a)
+        if k < 0:
+            return -1
+        at += k
+    return at
+
+
+def encode_small(value):
+    """``stealer.serialize.encode_small``, natively."""
+    cdef unsigned char buf[258]
+    buf[0] = SMALL
+    cdef Py_ssize_t n = _enc_value(buf + 1, 257, value)
+    return None if n < 0 else PyBytes_FromStringAndSize(<char *>buf, n + 1)
+
+
+def encode_small_call(fref, tuple args, Py_ssize_t limit=1 << 30):
+    """``stealer.serialize.encode_small_call``, natively (what ClientSubmit writes)."""
+    cdef Py_ssize_t room = 6 + 258 * len(args)
+    cdef bytearray buf = bytearray(room)
+    cdef Py_ssize_t n = _enc_call(<unsigned char *>PyByteArray_AS_STRING(buf), room, fref, args)
+    if n < 0 or n > limit:
+        return None
+    return bytes(buf[:n])
+
+
+def load_value(data):
+    """``stealer.serialize.load_value``, natively: a result payload, small or pickled."""
+    cdef const unsigned char[::1] mv = data
+    cdef Py_ssize_t n = mv.shape[0]
+    cdef Py_ssize_t pos = 1
+    if n == 0 or mv[0] != SMALL:
+        return _pickle_loads(data)
+    v = _dec_value(&mv[0], n, &pos)
+    if pos != n:
+        raise ValueError("corrupt small payload: bytes after its value")
+    return v
+
+
+def load_call(data):
+    """``stealer.serialize.load_call``, natively: ``(fref, args, kwargs)`` of a call."""
+    cdef const unsigned char[::1] mv = data
+    cdef Py_ssize_t n = mv.shape[0]
+    if n == 0 or mv[0] != SMALL:
+        return _pickle_loads(data)
+    return _dec_call(&mv[0], n)
+
+
+cdef tuple _dec_call(const unsigned char *p, Py_ssize_t n):
+    cdef uint32_t f32
+    cdef Py_ssize_t pos = 6, i
+    if n < 6:
+        raise ValueError("corrupt small payload: truncated")
+    memcpy(&f32, p + 1, 4)
+    cdef Py_ssize_t nargs = p[5]
+    cdef tuple args = PyTuple_New(nargs)
+    for i in range(nargs):
+        v = _dec_value(p, n, &pos)
+        Py_INCREF(v)
+        PyTuple_SET_ITEM(args, i, v)
+    if pos != n:
+        raise ValueError("corrupt small payload: bytes after its arguments")
+    return (f32, args, None)
+
+
+def dump_result(value):
+    """The worker's result payload: the small format, else an in-band pickle (raises
+    ``_OutOfBand`` at the first out-of-band buffer, before copying it)."""
+    cdef unsigned char buf[258]
+    buf[0] = SMALL
+    cdef Py_ssize_t n = _enc_value(buf + 1, 257, value)
+    if n >= 0:
+        return PyBytes_FromStringAndSize(<char *>buf, n + 1)
+    return PyObject_Call(_pickle_dumps, (value, 5), _NO_OOB)
+
+
+from pickle import dumps as _pickle_dumps, loads as _pickle_loads
 
 
 class _OutOfBand(Exception):
@@ -934,27 +1141,37 @@ cdef class ClientSubmit:
             fref = self.fn_ids[fn]
         except (KeyError, TypeError):  # not in the table yet, or not hashable
             return self.slow(pool, self.retries, fn, args, kwargs)
-        try:
-            data = PyObject_Call(self.dumps, ((fref, args, kwargs if kwargs else None), 5), _NO_OOB)
-        except Exception:  # a buffer, or not picklable by pickle: the reference decides
-            return self.slow(pool, self.retries, fn, args, kwargs)
+        cdef unsigned char buf[INLINE]
+        cdef Py_ssize_t n = -1
+        cdef const char *p = <const char *>buf
+        data = None
+        if not kwargs:
+            n = _enc_call(buf, INLINE, fref, args)  # the small format, straight from the args
+        if n < 0:
+            try:
+                data = PyObject_Call(self.dumps, ((fref, args, kwargs if kwargs else None), 5),
+                                     _NO_OOB)
+            except Exception:  # a buffer, or not picklable by pickle: the reference decides
+                return self.slow(pool, self.retries, fn, args, kwargs)
+            n = len(<bytes>data)
+            p = <const char *>(<bytes>data)
         fid = next(self.ids)
         f = self.future_cls(pool, fid, fn)
-        cdef Py_ssize_t n = len(<bytes>data)
         if n > INLINE:
             return self.rest(pool, self.retries, f, data, [])
         self.futures[fid] = f
         if pool.shutdown or pool.broken:  # (the reference's register-then-re-check)
             del self.futures[fid]
             return self.slow(pool, self.retries, fn, args, kwargs)  # raises
-        cdef int64_t h = self.hot.c_submit_inline(K_ROOT, <uint64_t>fid, <const char *>(<bytes>data),
-                                                  n, self.retries)
+        cdef int64_t h = self.hot.c_submit_inline(K_ROOT, <uint64_t>fid, p, n, self.retries)
         if h >= 0:
             f._st_handle = h
             return f
         if h == -3 - <int64_t>0x7FFFFFFFFFFF:
             raise IndexError("corrupt free ring: record index out of range")
         if h == -1:  # no record free: the reference's backlog
+            if data is None:
+                data = PyBytes_FromStringAndSize(p, n)
             return self.rest(pool, self.retries, f, data, [])
         f._st_handle = h = -2 - h  # set up, but the injector is full: the result thread pushes it
         pool.requeue.append(h)

@@ -426,7 +426,7 @@ class _Pool:
         """complete() for a batch, with the common case (a small pickled result) inline."""
         take = self.arena.complete_take  # frees the record if the result is inline
         pop = self.futures.pop
-        loads = pickle.loads
+        loads = serialize.load_value
         for h in hs:
             kind, status, fid, data = take(h)
             if data is None or status != ST_OK or kind & F_RBUFFERS:
@@ -463,7 +463,7 @@ class _Pool:
             elif kind & F_RBUFFERS:
                 value = serialize.loads_frame(data, True)
             else:
-                value = pickle.loads(data)
+                value = serialize.load_value(data)
             status, value = result_value(status, value)
         except SerializationError as exc:  # e.g. a result that could not be stored
             status, value = ST_ERROR, (exc, "")

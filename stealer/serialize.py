@@ -11,6 +11,17 @@ Frame of a payload with buffers (the record's FLAG_BUFFERS bit is set)::
 
 Without buffers the payload is the pickle bytes alone.
 
+Small payloads skip pickle: a call of a function with an id whose positional arguments
+are all ``None``, ``bool``, ``int`` (64-bit), ``float``, or ``str``/``bytes`` of at most 255
+bytes, and a result of one such value, are written in the small format (below) by the
+client's and the worker's native paths; every reader takes both (:func:`load_value`,
+:func:`load_call`).  A pickle starts with PROTO (0x80), a small payload with :data:`SMALL`::
+
+    value:  u8 tag | body        tags: None 0, False 1, True 2, int 3 (i64), float 4 (f64),
+                                       str 5 (u8 len, UTF-8), bytes 6 (u8 len, bytes)
+    result: SMALL | value
+    call:   SMALL | u32 function id | u8 nargs | value * nargs      (no keyword arguments)
+
 Functions are sent once: :class:`FunctionTable` writes a function's pickle
 into the segment's function area and tasks then carry its integer id.
 Only plain functions and builtins are cached this way; bound methods,
@@ -30,7 +41,8 @@ import cloudpickle
 from stealer.errors import SerializationError
 
 __all__ = ["dumps", "frame_size", "frame_header", "write_frame", "loads_frame", "FunctionTable",
-           "ErrorPayload"]
+           "ErrorPayload", "SMALL", "encode_small", "encode_small_call", "load_value",
+           "load_call"]
 
 _HDR = struct.Struct("=IIQ")
 _LEN = struct.Struct("=Q")
@@ -52,6 +64,109 @@ def dumps(obj: Any, what: str = "object") -> tuple[bytes, list[pickle.PickleBuff
             "arguments and results must be picklable (stealer uses cloudpickle, so lambdas "
             "and closures work; open files, locks, sockets and generators do not)."
         ) from exc
+
+
+SMALL = 0x01  # first byte of a small payload (a pickle's is PROTO, 0x80)
+_V_NONE, _V_FALSE, _V_TRUE, _V_INT, _V_FLOAT, _V_STR, _V_BYTES = range(7)
+_I64 = struct.Struct("<q")
+_F64 = struct.Struct("<d")
+_CALL = struct.Struct("<BIB")
+_INT_MIN, _INT_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _small_value(v: Any) -> bytes | None:
+    t = type(v)
+    if v is None:
+        return b"\x00"
+    if t is bool:
+        return b"\x02" if v else b"\x01"
+    if t is int:
+        return b"\x03" + _I64.pack(v) if _INT_MIN <= v <= _INT_MAX else None
+    if t is float:
+        return b"\x04" + _F64.pack(v)
+    if t is str:
+        try:
+            b = v.encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates: pickle keeps them
+            return None
+        return b"\x05" + bytes((len(b),)) + b if len(b) <= 255 else None
+    if t is bytes:
+        return b"\x06" + bytes((len(v),)) + v if len(v) <= 255 else None
+    return None
+
+
+def encode_small(value: Any) -> bytes | None:
+    """The small format of a result, or None when ``value`` has none (reference of the
+    native ``dump_result``'s first step)."""
+    b = _small_value(value)
+    return None if b is None else b"\x01" + b
+
+
+def encode_small_call(fref: int, args: tuple, limit: int = 1 << 30) -> bytes | None:
+    """The small format of a call ``(fref, args, None)``, or None when it has none or is
+    longer than ``limit`` bytes (reference of the native submit's encoder)."""
+    if type(fref) is not int or not 0 <= fref < 1 << 32 or len(args) > 255:
+        return None
+    parts = [_CALL.pack(SMALL, fref, len(args))]
+    for a in args:
+        b = _small_value(a)
+        if b is None:
+            return None
+        parts.append(b)
+    out = b"".join(parts)
+    return out if len(out) <= limit else None
+
+
+def _read_value(mv: memoryview, p: int) -> tuple[Any, int]:
+    tag = mv[p]
+    if tag == _V_NONE:
+        return None, p + 1
+    if tag in (_V_FALSE, _V_TRUE):
+        return tag == _V_TRUE, p + 1
+    if tag == _V_INT:
+        return _I64.unpack_from(mv, p + 1)[0], p + 9
+    if tag == _V_FLOAT:
+        return _F64.unpack_from(mv, p + 1)[0], p + 9
+    if tag in (_V_STR, _V_BYTES):
+        n = mv[p + 1]
+        if p + 2 + n > len(mv):
+            raise ValueError("corrupt small payload: a string runs past its end")
+        b = bytes(mv[p + 2 : p + 2 + n])
+        return (b.decode("utf-8") if tag == _V_STR else b), p + 2 + n
+    raise ValueError(f"corrupt small payload: unknown tag {tag}")
+
+
+def load_value(src: Any) -> Any:
+    """A result payload without buffers: the small format or a pickle."""
+    mv = memoryview(src)
+    if len(mv) and mv[0] == SMALL:
+        try:
+            v, p = _read_value(mv, 1)
+        except (IndexError, struct.error) as exc:
+            raise ValueError("corrupt small payload: truncated") from exc
+        if p != len(mv):
+            raise ValueError("corrupt small payload: bytes after its value")
+        return v
+    return pickle.loads(src)
+
+
+def load_call(src: Any) -> tuple:
+    """A call payload without buffers, ``(fref, args, kwargs)``: small format or pickle."""
+    mv = memoryview(src)
+    if len(mv) and mv[0] == SMALL:
+        try:
+            _tag, fref, n = _CALL.unpack_from(mv, 0)
+            p = _CALL.size
+            args = []
+            for _ in range(n):
+                v, p = _read_value(mv, p)
+                args.append(v)
+        except (IndexError, struct.error) as exc:
+            raise ValueError("corrupt small payload: truncated") from exc
+        if p != len(mv):
+            raise ValueError("corrupt small payload: bytes after its arguments")
+        return fref, tuple(args), None
+    return pickle.loads(src)
 
 
 def frame_size(data: bytes, bufs: list[pickle.PickleBuffer]) -> int:
@@ -87,7 +202,7 @@ def write_frame(dst: Any, off: int, data: bytes, bufs: list[pickle.PickleBuffer]
 def loads_frame(src: Any, has_buffers: bool) -> Any:
     """Unpickle a payload written by :func:`write_frame` (``src`` is bytes-like)."""
     if not has_buffers:
-        return pickle.loads(src)
+        return load_value(src)
     mv = memoryview(src)
     nbuf, _, plen = _HDR.unpack_from(mv, 0)
     p = _HDR.size

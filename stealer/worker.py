@@ -109,6 +109,12 @@ def _in_band_only(buf: Any) -> None:
     encode_result then pickles the result again, keeping its buffers apart."""
     raise _HasBuffers
 
+
+def _dump_result(value: Any) -> bytes:
+    """A plain result's payload: the small format, else an in-band pickle (raises at the
+    first out-of-band buffer).  Reference of the native ``dump_result``."""
+    return serialize.encode_small(value) or _pdumps(value, 5, buffer_callback=_in_band_only)
+
 SPIN_ROUNDS = 64  # search rounds before parking
 PARK_TIMEOUT = 0.5  # seconds; on timeout the worker checks that its client is alive
 INJECTOR_BATCH = LEASE_SLOTS  # one lease slot per handle of a batch
@@ -252,6 +258,8 @@ class Worker:
         self.fns = serialize.FunctionTable(seg.mm, r, o["fn_table"], layout.fn_entries,
                                            o["fn_data"], layout.fn_data)
         self.fcache = self.fns._fns  # id -> function loaded (FunctionTable.get fills it)
+        self.load_call = getattr(Q, "load_call", serialize.load_call)
+        self.dump_result = getattr(Q, "dump_result", _dump_result)
         self.wbase = layout.worker(self.k)
         self.cur_off = self.wbase + W_CURRENT
         self.lease_off = self.wbase + W_LEASE
@@ -479,7 +487,7 @@ class Worker:
             elif kind & F_BUFFERS:
                 fref, args, kwargs = serialize.loads_frame(data, True)
             else:
-                fref, args, kwargs = pickle.loads(data)
+                fref, args, kwargs = self.load_call(data)  # small format or pickle
             if type(fref) is int:
                 fn = self.fcache.get(fref) or self.fns.get(fref)
             else:
@@ -507,7 +515,7 @@ class Worker:
                 # encode_result's common case without its wrapping: a result with an
                 # out-of-band buffer, or one pickle refuses, takes report (which has it all)
                 try:
-                    data = _pdumps(res, 5, buffer_callback=_in_band_only)
+                    data = self.dump_result(res)
                 except BaseException:
                     self.report(h, kind, link, status, res)
                 else:  # (report_encoded's first lines, inline)

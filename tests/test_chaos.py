@@ -496,8 +496,12 @@ def test_worker_killed_inside_spawn_keeps_the_tree():
         assert pool.region.load64(base + W_CURRENT) == root + 1
         kids = pool.rec.children(root)
         assert len(kids) == 1 and kids[0][1] == S_QUEUED
-        assert len(_queues.impl.Deque(pool.region, pool.layout.deque(0), pool.layout.records)) == 0
-        assert len(pool.injector) == 0
+        in_no_queue = (len(_queues.impl.Deque(pool.region, pool.layout.deque(0),
+                                              pool.layout.records)) == 0
+                       and len(pool.injector) == 0)
+        # (unless the result thread already began the recovery, which pushes it: on_death
+        # clears the worker's slot first)
+        assert in_no_queue or pool.procs[0] is None or pool.procs[0].pid != pid
         if _wait_all([f], time.monotonic() + 60, stall=3):
             raise LostFutures("the tree never resolved")
         assert f.result(timeout=0) == nbytes

@@ -179,3 +179,26 @@ def test_wait_racing_the_resolver_never_misses_a_future(ex):
         first, _rest = cf.wait([ex.submit(tasks.square, 2)], timeout=60,
                                return_when=cf.FIRST_COMPLETED)
         assert len(first) == 1
+
+
+def test_values_keep_their_type_and_bits_end_to_end(ex):
+    """Arguments and results in the small format, and the ones just outside it (pickle),
+    come back as the same type and value: bool is not int, -0.0 and NaN keep their bits."""
+    import math
+    import struct
+
+    vals = [None, True, False, 0, -1, 2**63 - 1, -(2**63), 2**63, -(2**63) - 1, 2**100,
+            0.0, -0.0, 1.5, float("inf"), float("nan"), "", "é€😀", "x" * 255, "x" * 256,
+            "\udc80", b"", b"\x00\xff" * 40, b"y" * 300, (1, 2), [3], {"k": 4}]
+    fs = [ex.submit(tasks.identity, v) for v in vals]
+    multi = ex.submit(tasks.kwargs_of, *vals[:12])
+    for v, f in zip(vals, fs, strict=True):
+        got = f.result(30)
+        assert type(got) is type(v), (v, got)
+        if type(v) is float:
+            assert struct.pack("<d", got) == struct.pack("<d", v) or (
+                math.isnan(got) and math.isnan(v))
+        else:
+            assert got == v
+    args, kw = multi.result(30)
+    assert kw == {} and [type(a) for a in args] == [type(v) for v in vals[:12]]

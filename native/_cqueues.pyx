@@ -931,7 +931,7 @@ cdef Py_ssize_t _enc_value(unsigned char *out, Py_ssize_t room, object v) noexce
         if overflow or room < 9:
             return -1
         out[0] = V_INT
-        memcpy(out + 1, &x, 8)          # little-endian hosts only (x86-64, aarch64)
+        memcpy(out + 1, &x, 8)          # host byte order, as the reference ("=q")
         return 9
     if t is float:
         if room < 9:

@@ -68,9 +68,9 @@ def dumps(obj: Any, what: str = "object") -> tuple[bytes, list[pickle.PickleBuff
 
 SMALL = 0x01  # first byte of a small payload (a pickle's is PROTO, 0x80)
 _V_NONE, _V_FALSE, _V_TRUE, _V_INT, _V_FLOAT, _V_STR, _V_BYTES = range(7)
-_I64 = struct.Struct("<q")
-_F64 = struct.Struct("<d")
-_CALL = struct.Struct("<BIB")
+_I64 = struct.Struct("=q")  # host order: the native side copies the words as they are
+_F64 = struct.Struct("=d")
+_CALL = struct.Struct("=BIB")
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 63) - 1
 
 

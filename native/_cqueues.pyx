@@ -1109,7 +1109,6 @@ cdef class ClientSubmit:
     """
     cdef HotPath hot
     cdef object pool          # stealer.pool._Pool (reads: shutdown, broken, requeue, wake)
-    cdef object poolmod       # stealer.pool (reads: _exiting)
     cdef object ids           # pool.ids, the future ids (itertools.count)
     cdef dict fn_ids          # pool.fns._ids: function -> id in the function table
     cdef dict futures         # pool.futures: id -> pending future
@@ -1119,11 +1118,10 @@ cdef class ClientSubmit:
     cdef object rest          # _submit_data(pool, retries, f, data, bufs)
     cdef readonly uint32_t retries
 
-    def __cinit__(self, HotPath hot, pool, poolmod, future_cls, dumps, slow, rest,
+    def __cinit__(self, HotPath hot, pool, future_cls, dumps, slow, rest,
                   uint32_t retries):
         self.hot = hot
         self.pool = pool
-        self.poolmod = poolmod
         self.ids = pool.ids
         self.fn_ids = pool.fns._ids
         self.futures = pool.futures
@@ -1134,9 +1132,9 @@ cdef class ClientSubmit:
         self.retries = retries
 
     def __call__(self, fn, /, *args, **kwargs):
+        # No shutdown check before the work: the one after registering (the reference's
+        # re-check) refuses the same calls (interpreter exit shuts every pool down first).
         pool = self.pool
-        if pool.shutdown or pool.broken or self.poolmod._exiting:
-            return self.slow(pool, self.retries, fn, args, kwargs)
         try:
             fref = self.fn_ids[fn]
         except (KeyError, TypeError):  # not in the table yet, or not hashable

@@ -432,7 +432,7 @@ class Executor(_fbase.Executor):
             self.__dict__.pop("submit", None)
             return
         Q = self._pool.seg.Q
-        self.submit = Q.ClientSubmit(hot, self._pool, _poolmod, _Future, _pickle_dumps,
+        self.submit = Q.ClientSubmit(hot, self._pool, _Future, _pickle_dumps,
                                      _submit, _submit_data, self._retries)
 
     def _refuse(self) -> None:

@@ -84,3 +84,5 @@ cdef class HotPath:
     cdef int64_t c_submit_inline(self, uint32_t kind, uint64_t link, const char *data,
                                  Py_ssize_t n, uint32_t retries) noexcept nogil
     cdef object c_take(self, uint64_t h, uint32_t *kind, uint32_t *status, uint64_t *link)
+    cdef int c_finish(self, uint64_t h, uint32_t status, const char *data, Py_ssize_t n,
+                      SPSCRing completions, uint64_t who) except -2

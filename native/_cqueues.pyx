@@ -772,18 +772,10 @@ cdef class HotPath:
             return kind, link, PyBytes_FromStringAndSize(r + R_INLINE, <Py_ssize_t>n)
         return kind, link, None
 
-    def finish_inline(self, uint64_t h, uint32_t status, bytes data not None,
-                      SPSCRing completions, uint64_t who=0):
-        """Worker ``who - 1``: store a small result inline, then the ``finish`` transition
-        RUNNING|who -> DONE|who, then (a root task) push the completion.
-
-        Returns 0 if ``data`` does not fit beside the call payload (use the
-        Python path), -1 if the record is no longer RUNNING|who (nothing
-        published), 1 when a root task was completed (client woken if
-        parked), 2 for a child (the caller pings its parent).
-        """
+    cdef int c_finish(self, uint64_t h, uint32_t status, const char *data, Py_ssize_t n,
+                      SPSCRing completions, uint64_t who) except -2:
+        # finish_inline's body.
         self._check_handle(h)
-        cdef Py_ssize_t n = len(data)
         cdef char *r = self.rec(h)
         cdef uint64_t at = 0
         if (<uint32_t *>(r + R_PCLASS))[0] == 0:
@@ -791,7 +783,7 @@ cdef class HotPath:
         if at > INLINE or n > INLINE - <Py_ssize_t>at:
             return 0
         if n:
-            memcpy(r + R_INLINE + at, <const char *>data, n)
+            memcpy(r + R_INLINE + at, data, n)
         (<uint32_t *>(r + R_RCLASS))[0] = 0
         (<uint64_t *>(r + R_RLEN))[0] = <uint64_t>n
         cdef uint32_t kind = (<uint32_t *>(r + R_KIND))[0] & ~(<uint32_t>F_RBUFFERS)
@@ -812,6 +804,59 @@ cdef class HotPath:
         if st_load_relaxed_u32(w) == PARKED and st_cas_seqcst_u32(w, PARKED, NOTIFIED):
             st_futex_wake(w, 1)
         return 1
+
+    def finish_inline(self, uint64_t h, uint32_t status, bytes data not None,
+                      SPSCRing completions, uint64_t who=0):
+        """Worker ``who - 1``: store a small result inline, then the ``finish`` transition
+        RUNNING|who -> DONE|who, then (a root task) push the completion.
+
+        Returns 0 if ``data`` does not fit beside the call payload (use the
+        Python path), -1 if the record is no longer RUNNING|who (nothing
+        published), 1 when a root task was completed (client woken if
+        parked), 2 for a child (the caller pings its parent).
+        """
+        return self.c_finish(h, status, <const char *>data, len(data), completions, who)
+
+    def finish_value(self, uint64_t h, value, SPSCRing completions, uint64_t who=0):
+        """Worker: :meth:`finish_inline` of a plain result (``ST_OK``), encoded here: the
+        small format written from the value, else an in-band pickle (raises ``_OutOfBand``
+        at the first out-of-band buffer, before anything is stored).  Same returns."""
+        cdef unsigned char buf[258]
+        buf[0] = SMALL
+        cdef Py_ssize_t n = _enc_value(buf + 1, 257, value)
+        if n >= 0:
+            return self.c_finish(h, ST_OK, <const char *>buf, n + 1, completions, who)
+        data = PyObject_Call(_pickle_dumps, (value, 5), _NO_OOB)
+        return self.c_finish(h, ST_OK, <const char *>(<bytes>data), len(<bytes>data),
+                             completions, who)
+
+    def start_task(self, uint64_t h, Py_ssize_t current_off, Py_ssize_t wait_hist_off=-1,
+                   uint64_t who=0):
+        """Worker: :meth:`start` at the time of the call (CLOCK_MONOTONIC); None, or
+        ``(kind, link, inline call payload or None, start time)``."""
+        cdef timespec ts
+        clock_gettime(CLOCK_MONOTONIC, &ts)
+        cdef uint64_t t = <uint64_t>ts.tv_sec * 1000000000ULL + <uint64_t>ts.tv_nsec
+        r = self.start(h, current_off, t, wait_hist_off, who)
+        if r is None:
+            return None
+        return (<tuple>r)[0], (<tuple>r)[1], (<tuple>r)[2], t
+
+    def end_task(self, Py_ssize_t current_off, Py_ssize_t run_hist_off, uint64_t t_start):
+        """Worker: nothing runs now (the current word cleared: a release store, read by a
+        recoverer), the run time since ``t_start`` recorded in the histogram at
+        ``run_hist_off`` (-1: none); returns the time now (CLOCK_MONOTONIC ns)."""
+        self.region._check(current_off, 8)
+        st_store_release_u64(self.region.base + current_off, 0)  # pairs with the recoverer's load64 (acquire)
+        cdef timespec ts
+        clock_gettime(CLOCK_MONOTONIC, &ts)
+        cdef uint64_t t = <uint64_t>ts.tv_sec * 1000000000ULL + <uint64_t>ts.tv_nsec
+        if run_hist_off >= 0:
+            self.region._check(run_hist_off, 8)
+            if run_hist_off + 64 + 8 * ST_HIST_NBUCKETS > self.region.size:
+                raise IndexError("histogram does not fit the region")
+            st_hist_record(self.region.base + run_hist_off, t - t_start if t > t_start else 0)
+        return t
 
     cdef object c_take(self, uint64_t h, uint32_t *kind, uint32_t *status, uint64_t *link):
         # complete_take's body: the inline result (record freed), or None (record kept).
@@ -1067,17 +1112,6 @@ cdef tuple _dec_call(const unsigned char *p, Py_ssize_t n):
     if pos != n:
         raise ValueError("corrupt small payload: bytes after its arguments")
     return (f32, args, None)
-
-
-def dump_result(value):
-    """The worker's result payload: the small format, else an in-band pickle (raises
-    ``_OutOfBand`` at the first out-of-band buffer, before copying it)."""
-    cdef unsigned char buf[258]
-    buf[0] = SMALL
-    cdef Py_ssize_t n = _enc_value(buf + 1, 257, value)
-    if n >= 0:
-        return PyBytes_FromStringAndSize(<char *>buf, n + 1)
-    return PyObject_Call(_pickle_dumps, (value, 5), _NO_OOB)
 
 
 from pickle import dumps as _pickle_dumps, loads as _pickle_loads

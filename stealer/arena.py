@@ -126,6 +126,9 @@ class Arena:
             self.start = hot.start
             self.finish_inline = hot.finish_inline
             self.complete_take = hot.complete_take
+            self.start_task = hot.start_task
+            self.finish_value = hot.finish_value
+            self.end_task = hot.end_task
             self.free = self._native_free(hot)
 
     def _native_free(self, hot: Any) -> Any:
@@ -234,6 +237,30 @@ class Arena:
                 raise ValueError(f"corrupt record {h:#x}: inline payload of {n} bytes")
             return kind, link, self.mm[off + R_INLINE : off + R_INLINE + n]
         return kind, link, None
+
+    def start_task(self, h: int, current_off: int, wait_hist_off: int = -1,
+                   who: int = 0) -> tuple | None:
+        """:meth:`start` at the time of the call: None, or (kind, link, inline call bytes
+        or None, start time in monotonic ns)."""
+        t = time.monotonic_ns()
+        r = self.start(h, current_off, t, wait_hist_off, who)
+        return None if r is None else (*r, t)
+
+    def finish_value(self, h: int, value: Any, completions: Any, who: int = 0) -> int:
+        """:meth:`finish_inline` of a plain result (ST_OK) it encodes itself: the small
+        format, else an in-band pickle (raises at the first out-of-band buffer, before
+        anything is stored).  Same returns."""
+        return self.finish_inline(h, ST_OK, serialize.dump_result(value), completions, who)
+
+    def end_task(self, current_off: int, run_hist_off: int, t_start: int) -> int:
+        """Worker: nothing runs now (current word cleared, release: read by a recoverer),
+        the run time since ``t_start`` recorded at ``run_hist_off`` (-1: not); returns the
+        time now (monotonic ns)."""
+        self.region.store64(current_off, 0)
+        t = time.monotonic_ns()
+        if run_hist_off >= 0:
+            self.region.hist_record(run_hist_off, t - t_start)
+        return t
 
     def _result_at(self, off: int) -> int:
         """Where an inline result starts: after an inline call payload."""

@@ -42,7 +42,7 @@ from stealer.errors import SerializationError
 
 __all__ = ["dumps", "frame_size", "frame_header", "write_frame", "loads_frame", "FunctionTable",
            "ErrorPayload", "SMALL", "encode_small", "encode_small_call", "load_value",
-           "load_call"]
+           "load_call", "dump_result"]
 
 _HDR = struct.Struct("=IIQ")
 _LEN = struct.Struct("=Q")
@@ -115,6 +115,21 @@ def encode_small_call(fref: int, args: tuple, limit: int = 1 << 30) -> bytes | N
         parts.append(b)
     out = b"".join(parts)
     return out if len(out) <= limit else None
+
+
+class _HasBuffers(Exception):
+    pass
+
+
+def _in_band_only(buf: Any) -> None:
+    raise _HasBuffers  # stop at the first out-of-band buffer, before it is copied
+
+
+def dump_result(value: Any) -> bytes:
+    """A plain result's payload: the small format, else an in-band pickle; raises at the
+    first out-of-band buffer (the caller then keeps the buffers apart, see
+    :func:`dumps`).  Reference of the native ``dump_result``."""
+    return encode_small(value) or pickle.dumps(value, _PROTO, buffer_callback=_in_band_only)
 
 
 def _read_value(mv: memoryview, p: int) -> tuple[Any, int]:

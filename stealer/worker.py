@@ -96,24 +96,6 @@ EXIT_INIT_FAILED = 3
 
 _OWNER = struct.Struct("=II")  # R_OWNER, R_INCARNATION
 _U32 = struct.Struct("=I")
-_pdumps = pickle.dumps
-_NO_BUFS: list = []  # (read only)
-
-
-class _HasBuffers(Exception):
-    pass
-
-
-def _in_band_only(buf: Any) -> None:
-    """The worker's result pickler stops at the first out-of-band buffer, before copying it:
-    encode_result then pickles the result again, keeping its buffers apart."""
-    raise _HasBuffers
-
-
-def _dump_result(value: Any) -> bytes:
-    """A plain result's payload: the small format, else an in-band pickle (raises at the
-    first out-of-band buffer).  Reference of the native ``dump_result``."""
-    return serialize.encode_small(value) or _pdumps(value, 5, buffer_callback=_in_band_only)
 
 SPIN_ROUNDS = 64  # search rounds before parking
 PARK_TIMEOUT = 0.5  # seconds; on timeout the worker checks that its client is alive
@@ -259,7 +241,6 @@ class Worker:
                                            o["fn_data"], layout.fn_data)
         self.fcache = self.fns._fns  # id -> function loaded (FunctionTable.get fills it)
         self.load_call = getattr(Q, "load_call", serialize.load_call)
-        self.dump_result = getattr(Q, "dump_result", _dump_result)
         self.wbase = layout.worker(self.k)
         self.cur_off = self.wbase + W_CURRENT
         self.lease_off = self.wbase + W_LEASE
@@ -460,15 +441,14 @@ class Worker:
         a = self.arena
         if FP.ON:
             FP.hit("worker.after_take")
-        t0 = time.monotonic_ns()
         # current word first, then QUEUED -> RUNNING|who (records.py)
-        t = a.start(h, self.cur_off, t0, self.wait_off, self.who)
+        t = a.start_task(h, self.cur_off, self.wait_off, self.who)
         if t is None:
             self.not_started(h)
             return
         if FP.ON:
             FP.hit("worker.after_start")
-        kind, link, data = t
+        kind, link, data, t0 = t
         if kind & F_AGENT:
             self.r.store64(self.cur_off, 0)
             self.host.adopt(h, kind, link)  # it lives here now (stealer/agents/host.py)
@@ -515,28 +495,26 @@ class Worker:
                 # encode_result's common case without its wrapping: a result with an
                 # out-of-band buffer, or one pickle refuses, takes report (which has it all)
                 try:
-                    data = self.dump_result(res)
-                except BaseException:
+                    done = a.finish_value(h, res, self.completions, self.who)
+                except BaseException:  # (raised before anything was stored)
+                    done = 0
+                if done == 2:
+                    self.publish_child(kind, link)
+                elif done == 0:  # too big to sit beside the call, or not in-band
                     self.report(h, kind, link, status, res)
-                else:  # (report_encoded's first lines, inline)
-                    done = a.finish_inline(h, ST_OK, data, self.completions, self.who)
-                    if done == 2:
-                        self.publish_child(kind, link)
-                    elif done == 0:  # too big to sit beside the call
-                        self.report_encoded(h, kind, link, ST_OK, data, _NO_BUFS)
             else:
                 self.report(h, kind, link, status, res)
         finally:
             self.frame = None
             self.cur = None
-            self.r.store64(self.cur_off, 0)  # release: nothing running now
-            if self.metrics_on:
-                t1 = time.monotonic_ns()
-                dt = t1 - t0 - (self.joined_ns - joined)  # less its blocking joins
-                c[C_BUSY_NS] += dt
-                self.r.hist_record(self.run_off, dt)
+            if self.metrics_on:  # current word cleared (release), run time recorded
+                t0 += self.joined_ns - joined  # less its blocking joins
+                t1 = a.end_task(self.cur_off, self.run_off, t0)
+                c[C_BUSY_NS] += t1 - t0
                 if c[C_TASKS] & FLUSH_MASK == 0 or t1 - self.flushed_ns > FLUSH_NS:
                     self.flush()
+            else:
+                a.end_task(self.cur_off, -1, 0)  # release: nothing running now
 
     def not_started(self, h: int) -> None:
         """``start`` found ``h`` not QUEUED: free it if cancelled; a stale copy is dropped."""

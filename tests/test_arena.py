@@ -575,3 +575,58 @@ def test_status_and_retries_fields(rig):
     put32(rig, off2 + R_STATUS, 1)
     a.set_status(off2, ST_OK)
     assert u32(rig, off2 + R_STATUS) == ST_OK
+
+
+# --------------------------------------------------------------------------- a task's ends
+
+
+def test_start_task_finish_value_end_task(rig):
+    """The worker's three per-task calls (start at the time of the call; encode a plain
+    result and finish it; clear the current word and record the run time), on each arena:
+    the same words as start / finish_inline / store64 + hist_record."""
+    import time
+
+    from stealer import metrics
+
+    a, tr = rig.arena, rig.arena.tr
+    cur = rig.cur_off(0)
+    hist = rig.layout.metrics(0) + metrics.hist_offset(0, 1)
+    values = [None, True, 7, -2.5, "é", b"xy", [1, 2], {"k": (3,)}]
+    for v in values:
+        h = a.submit_inline(K_ROOT, 99, b"call")
+        assert rig.injector.pop() == h
+        before = time.monotonic_ns()
+        kind, link, call, t0 = a.start_task(h, cur, -1, 1)
+        assert (kind, link, call) == (K_ROOT, 99, b"call")
+        assert before <= t0 <= time.monotonic_ns()
+        assert a.region.load64(cur) == h + 1 and tr.load(h) == (h >> 32, S_RUNNING, 1)
+        assert a.finish_value(h, v, rig.completions[0], 1) == 1
+        assert rig.completions[0].pop() == h and tr.load(h) == (h >> 32, S_DONE, 1)
+        t1 = a.end_task(cur, hist, t0)
+        assert t1 >= t0 and a.region.load64(cur) == 0
+        _k, status, _l, data = a.complete_take(h)
+        assert status == ST_OK and serialize.load_value(data) == v
+        small = serialize.encode_small(v)
+        assert data == (small if small is not None else pickle.dumps(v, 5))
+    assert metrics.Histogram.read(a.mm, hist).total == len(values)
+    assert_all_free(rig)
+
+
+def test_finish_value_refuses_before_storing_anything(rig):
+    """An out-of-band buffer raises, and a result that does not fit beside the call gives 0:
+    either way the record is still RUNNING with no result, for the Python path."""
+    import numpy as np
+
+    a, tr = rig.arena, rig.arena.tr
+    h = run_hot(rig, blob(40), who=1)
+    with pytest.raises(Exception) as info:
+        a.finish_value(h, np.arange(10), rig.completions[0], 1)
+    assert type(info.value).__name__ in ("_OutOfBand", "_HasBuffers")
+    assert a.finish_value(h, b"z" * 100, rig.completions[0], 1) == 0  # small, too long here
+    assert a.finish_value(h, list(range(40)), rig.completions[0], 1) == 0  # a pickle, too long
+    assert tr.load(h) == (h >> 32, S_RUNNING, 1) and rig.completions[0].pop() < 0
+    assert a.finish_value(h, 5, rig.completions[0], 2) == -1  # not held by worker 2
+    assert a.finish_value(h, 5, rig.completions[0], 1) == 1
+    assert rig.completions[0].pop() == h
+    assert serialize.load_value(a.complete_take(h)[3]) == 5
+    assert_all_free(rig)

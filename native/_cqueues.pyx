@@ -29,6 +29,9 @@ from atomics cimport *
 
 
 # Worker-set helpers (stealer/idle.py): one atomic RMW per transition of a worker's bit.
+cdef extern from "<sched.h>":
+    int sched_yield() nogil
+
 cdef extern from *:
     """
     #include <stdatomic.h>
@@ -803,6 +806,10 @@ cdef class HotPath:
         cdef char *w = self.region.base + self.client_park_off
         if st_load_relaxed_u32(w) == PARKED and st_cas_seqcst_u32(w, PARKED, NOTIFIED):
             st_futex_wake(w, 1)
+            # Let the woken result thread run now if it was queued on this CPU: with as
+            # many busy workers as cores it otherwise waits out this worker's time slice
+            # (latency bench, 2 cores: result-return p90 0.6 -> 0.2 ms, p99 -0.1 ms).
+            sched_yield()
         return 1
 
     def finish_inline(self, uint64_t h, uint32_t status, bytes data not None,

@@ -39,6 +39,7 @@ notify as :meth:`Idle.notify_one`, in one call after a submit.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from stealer.shm import H_CLIENT_PARK, H_PARKED, H_SEARCHING, MAX_WORKERS, W_PARK, Layout
@@ -196,6 +197,7 @@ class Idle:
         r.fence()  # seq_cst: the completion push before reading the park word
         if r.load32(H_CLIENT_PARK) == PARKED and r.cas32(H_CLIENT_PARK, PARKED, NOTIFIED):
             r.futex_wake(H_CLIENT_PARK, 1)
+            os.sched_yield()  # the woken thread may be queued behind us (HotPath.c_finish)
 
     def client_park(self, has_work: Any, timeout: float) -> bool:
         r = self.r

@@ -827,15 +827,20 @@ cdef class HotPath:
     def finish_value(self, uint64_t h, value, SPSCRing completions, uint64_t who=0):
         """Worker: :meth:`finish_inline` of a plain result (``ST_OK``), encoded here: the
         small format written from the value, else an in-band pickle (raises ``_OutOfBand``
-        at the first out-of-band buffer, before anything is stored).  Same returns."""
+        at the first out-of-band buffer, before anything is stored).  Returns as
+        finish_inline, except that a payload too long to sit beside the call comes back
+        (bytes, nothing stored) for the Python path to store without encoding it again."""
         cdef unsigned char buf[258]
         buf[0] = SMALL
         cdef Py_ssize_t n = _enc_value(buf + 1, 257, value)
+        cdef int done
         if n >= 0:
-            return self.c_finish(h, ST_OK, <const char *>buf, n + 1, completions, who)
+            done = self.c_finish(h, ST_OK, <const char *>buf, n + 1, completions, who)
+            return done if done else PyBytes_FromStringAndSize(<char *>buf, n + 1)
         data = PyObject_Call(_pickle_dumps, (value, 5), _NO_OOB)
-        return self.c_finish(h, ST_OK, <const char *>(<bytes>data), len(<bytes>data),
+        done = self.c_finish(h, ST_OK, <const char *>(<bytes>data), len(<bytes>data),
                              completions, who)
+        return done if done else data
 
     def start_task(self, uint64_t h, Py_ssize_t current_off, Py_ssize_t wait_hist_off=-1,
                    uint64_t who=0):

@@ -246,11 +246,13 @@ class Arena:
         r = self.start(h, current_off, t, wait_hist_off, who)
         return None if r is None else (*r, t)
 
-    def finish_value(self, h: int, value: Any, completions: Any, who: int = 0) -> int:
+    def finish_value(self, h: int, value: Any, completions: Any, who: int = 0) -> int | bytes:
         """:meth:`finish_inline` of a plain result (ST_OK) it encodes itself: the small
         format, else an in-band pickle (raises at the first out-of-band buffer, before
-        anything is stored).  Same returns."""
-        return self.finish_inline(h, ST_OK, serialize.dump_result(value), completions, who)
+        anything is stored).  Returns as finish_inline, except that a payload too long to
+        sit beside the call comes back (bytes, nothing stored) instead of 0."""
+        data = serialize.dump_result(value)
+        return self.finish_inline(h, ST_OK, data, completions, who) or data
 
     def end_task(self, current_off: int, run_hist_off: int, t_start: int) -> int:
         """Worker: nothing runs now (current word cleared, release: read by a recoverer),

@@ -96,6 +96,7 @@ EXIT_INIT_FAILED = 3
 
 _OWNER = struct.Struct("=II")  # R_OWNER, R_INCARNATION
 _U32 = struct.Struct("=I")
+_NO_BUFS: list = []  # (read only)
 
 SPIN_ROUNDS = 64  # search rounds before parking
 PARK_TIMEOUT = 0.5  # seconds; on timeout the worker checks that its client is alive
@@ -496,12 +497,14 @@ class Worker:
                 # out-of-band buffer, or one pickle refuses, takes report (which has it all)
                 try:
                     done = a.finish_value(h, res, self.completions, self.who)
-                except BaseException:  # (raised before anything was stored)
-                    done = 0
-                if done == 2:
-                    self.publish_child(kind, link)
-                elif done == 0:  # too big to sit beside the call, or not in-band
+                except BaseException:  # not in-band (raised before anything was stored)
+                    done = None
+                if done is None:
                     self.report(h, kind, link, status, res)
+                elif done == 2:
+                    self.publish_child(kind, link)
+                elif type(done) is bytes:  # too long to sit beside the call: stored apart
+                    self.report_encoded(h, kind, link, ST_OK, done, _NO_BUFS)
             else:
                 self.report(h, kind, link, status, res)
         finally:

@@ -613,8 +613,9 @@ def test_start_task_finish_value_end_task(rig):
 
 
 def test_finish_value_refuses_before_storing_anything(rig):
-    """An out-of-band buffer raises, and a result that does not fit beside the call gives 0:
-    either way the record is still RUNNING with no result, for the Python path."""
+    """An out-of-band buffer raises, and a result that does not fit beside the call comes
+    back encoded: either way the record is still RUNNING with no result, for the Python
+    path."""
     import numpy as np
 
     a, tr = rig.arena, rig.arena.tr
@@ -622,8 +623,11 @@ def test_finish_value_refuses_before_storing_anything(rig):
     with pytest.raises(Exception) as info:
         a.finish_value(h, np.arange(10), rig.completions[0], 1)
     assert type(info.value).__name__ in ("_OutOfBand", "_HasBuffers")
-    assert a.finish_value(h, b"z" * 100, rig.completions[0], 1) == 0  # small, too long here
-    assert a.finish_value(h, list(range(40)), rig.completions[0], 1) == 0  # a pickle, too long
+    # too long beside the call: the payload comes back, to be stored apart
+    assert a.finish_value(h, b"z" * 100, rig.completions[0], 1) == serialize.encode_small(
+        b"z" * 100)
+    long = a.finish_value(h, list(range(40)), rig.completions[0], 1)
+    assert type(long) is bytes and serialize.load_value(long) == list(range(40))
     assert tr.load(h) == (h >> 32, S_RUNNING, 1) and rig.completions[0].pop() < 0
     assert a.finish_value(h, 5, rig.completions[0], 2) == -1  # not held by worker 2
     assert a.finish_value(h, 5, rig.completions[0], 1) == 1

@@ -414,7 +414,8 @@ class Arena:
             raise ValueError(f"corrupt payload descriptor: class {cls}, index {ref}, length {n} "
                              "lie outside the arena (the shared memory was overwritten)")
 
-    def _load(self, cls: int, ref: int, n: int, inline_at: int, off: int, has_bufs: bool) -> Any:
+    def _load(self, cls: int, ref: int, n: int, inline_at: int, off: int, has_bufs: bool,
+              call: bool = False) -> Any:
         mm = self.mm
         self._check_off(off)
         self._check(cls, ref, n, inline_at)
@@ -429,6 +430,8 @@ class Arena:
             size, _ring, base = self.classes[cls - 1]
             start = base + size * ref
             src = mm[start : start + n]
+        if call and not has_bufs:  # a call in the small format decodes as a call
+            return serialize.load_call(src)
         return serialize.loads_frame(src, has_bufs)
 
     def _drop(self, cls: int, ref: int) -> None:
@@ -464,7 +467,7 @@ class Arena:
         """Unpickle the call payload; its storage stays (a retry reads it again)."""
         pclass, _rclass, pref, n = _PCALL.unpack_from(self.mm, off + R_PCLASS)
         has_bufs = bool(_U32.unpack_from(self.mm, off + R_KIND)[0] & F_BUFFERS)
-        return self._load(pclass, pref, n, 0, off, has_bufs)
+        return self._load(pclass, pref, n, 0, off, has_bufs, call=True)
 
     def take(self, off: int) -> Any:
         """Unpickle the result payload (its storage is released with the record)."""

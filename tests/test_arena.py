@@ -634,3 +634,19 @@ def test_finish_value_refuses_before_storing_anything(rig):
     assert rig.completions[0].pop() == h
     assert serialize.load_value(a.complete_take(h)[3]) == 5
     assert_all_free(rig)
+
+
+@pytest.mark.parametrize("nargs", [2, 40])
+def test_a_small_call_reads_back_as_a_call_wherever_it_is_stored(rig, nargs):
+    """A call in the small format (the native submit writes it inline; the backlog stores
+    it through put) reads back as ``(fref, args, None)``, inline or in a block."""
+    a = rig.arena
+    args = tuple(range(nargs))
+    call = serialize.encode_small_call(5, args)
+    assert call is not None and (len(call) <= INLINE) == (nargs == 2)
+    h, off = fresh(rig)
+    a.put(off, call, [])
+    assert a.read_call(off) == (5, args, None)
+    a.drop_payload(off)
+    a.free(h)
+    assert_all_free(rig)

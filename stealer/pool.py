@@ -15,7 +15,6 @@ import collections
 import functools
 import itertools
 import multiprocessing as mp
-import multiprocessing.connection
 import os
 import pickle
 import select

@@ -21,6 +21,7 @@ cdef class Region:
     cdef inline void *at(self, Py_ssize_t off) noexcept nogil:
         return <void *>(self.base + off)
     cdef inline int _check(self, Py_ssize_t off, Py_ssize_t width) except -1
+    cdef int c_hist_record(self, Py_ssize_t off, uint64_t v) except -1
 
 
 cdef class Deque:
@@ -84,5 +85,8 @@ cdef class HotPath:
     cdef int64_t c_submit_inline(self, uint32_t kind, uint64_t link, const char *data,
                                  Py_ssize_t n, uint32_t retries) noexcept nogil
     cdef object c_take(self, uint64_t h, uint32_t *kind, uint32_t *status, uint64_t *link)
+    cdef object c_start(self, uint64_t h, Py_ssize_t current_off, uint64_t t_start,
+                        Py_ssize_t wait_hist_off, uint64_t who, bint *started,
+                        uint32_t *kind, uint64_t *link)
     cdef int c_finish(self, uint64_t h, uint32_t status, const char *data, Py_ssize_t n,
                       SPSCRing completions, uint64_t who) except -2

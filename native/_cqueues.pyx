@@ -23,7 +23,7 @@ Results are values, not exceptions: a handle (>= 0) or EMPTY (-1) / RETRY
 reference of the same layout and semantics; one test suite runs on both.
 """
 
-from libc.stdint cimport int64_t, uint32_t, uint64_t
+from libc.stdint cimport INT64_MIN, int64_t, uint32_t, uint64_t
 
 from atomics cimport *
 
@@ -205,10 +205,14 @@ cdef class Region:
 
     def hist_record(self, Py_ssize_t off, int64_t v):
         """Record ``v`` (ns, clamped at 0) in the histogram at ``off`` (single writer)."""
+        self.c_hist_record(off, <uint64_t>(v if v > 0 else 0))
+
+    cdef int c_hist_record(self, Py_ssize_t off, uint64_t v) except -1:
         self._check(off, 8)
         if off + 64 + 8 * ST_HIST_NBUCKETS > self.size:
             raise IndexError("histogram does not fit the region")
-        st_hist_record(self.base + off, <uint64_t>(v if v > 0 else 0))
+        st_hist_record(self.base + off, v)  # single writer (this worker); readers snapshot
+        return 0
 
     @staticmethod
     def hist_bucket(uint64_t v):
@@ -572,6 +576,19 @@ cdef class SPSCRing(_Ring):
 
 from libc.string cimport memcpy, memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
+
+
+# c_submit_inline's result for a free-ring cell naming no record (shared memory overwritten):
+# INT64_MIN, below every ``-2 - h`` (a handle's generation has 31 bits).  (It was
+# -3 - 0x7FFFFFFFFFFF, which is also ``-2 - h`` for generation 0x8000, record 0.)
+cdef int64_t CORRUPT_FREE_RING = INT64_MIN
+
+
+cdef inline uint64_t _now_ns() noexcept nogil:
+    # CLOCK_MONOTONIC in ns: the clock of time.monotonic_ns() and perf_counter_ns() on Linux.
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <uint64_t>ts.tv_sec * 1000000000ULL + <uint64_t>ts.tv_nsec
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.object cimport PyObject_Call
 from cpython.long cimport PyLong_AsLongLongAndOverflow
@@ -698,14 +715,12 @@ cdef class HotPath:
     cdef int64_t c_submit_inline(self, uint32_t kind, uint64_t link, const char *data,
                                  Py_ssize_t n, uint32_t retries) noexcept nogil:
         # submit_inline's body (n <= INLINE checked by the caller).
-        cdef timespec ts
-        clock_gettime(CLOCK_MONOTONIC, &ts)
-        cdef uint64_t t_submit = <uint64_t>ts.tv_sec * 1000000000ULL + <uint64_t>ts.tv_nsec
+        cdef uint64_t t_submit = _now_ns()
         cdef uint64_t idx
         if self.free_ring.c_pop(&idx) != ST_SUCCESS:
             return -1
         if idx >= self.nrecords:
-            return -3 - <int64_t>0x7FFFFFFFFFFF   # corrupt free ring (the caller raises)
+            return CORRUPT_FREE_RING   # (the caller raises)
         cdef char *r = self.rec_base + RECORD_BYTES * idx
         cdef uint64_t gen = st_load_relaxed_u64(r) & 0xFFFFFFFFU
         memset(r + 8, 0, R_INLINE - 8)
@@ -736,7 +751,7 @@ cdef class HotPath:
         if n > INLINE:
             raise ValueError("payload too large for the inline path")
         cdef int64_t h = self.c_submit_inline(kind, link, <const char *>data, n, retries)
-        if h == -3 - <int64_t>0x7FFFFFFFFFFF:
+        if h == CORRUPT_FREE_RING:
             raise IndexError("corrupt free ring: record index out of range")
         return h
 
@@ -751,29 +766,42 @@ cdef class HotPath:
         start time and queue wait and returns (kind, link, inline call
         payload bytes or None).  The call payload stays in the record.
         """
+        cdef uint32_t kind
+        cdef uint64_t link
+        cdef bint started
+        data = self.c_start(h, current_off, t_start, wait_hist_off, who, &started, &kind, &link)
+        return (kind, link, data) if started else None
+
+    cdef object c_start(self, uint64_t h, Py_ssize_t current_off, uint64_t t_start,
+                        Py_ssize_t wait_hist_off, uint64_t who, bint *started,
+                        uint32_t *kind, uint64_t *link):
+        # start's body: started[0] False if h was not QUEUED; else kind, link and the inline
+        # call payload (None when it is not inline).
         self._check_handle(h)
         self.region._check(current_off, 8)
         cdef char *r = self.rec(h)
         cdef uint64_t gen = h >> 32
+        started[0] = False
         st_store_seqcst_u64(self.region.base + current_off, h + 1)  # the lease, read by the recoverer
         # seq_cst CAS, pairs with the client's cancel CAS and every other transition on the word.
         if not st_cas_seqcst_u64(r, gen | (<uint64_t>S_QUEUED << STATE_SHIFT),
                                  gen | (<uint64_t>S_RUNNING << STATE_SHIFT) | (who << WHO_SHIFT)):
             return None
+        started[0] = True
         (<uint64_t *>(r + R_TSTART))[0] = t_start
         cdef uint64_t t_submit = (<uint64_t *>(r + R_TSUBMIT))[0]
         if wait_hist_off >= 0 and wait_hist_off + 64 + 8 * ST_HIST_NBUCKETS <= self.region.size:
             st_hist_record(self.region.base + wait_hist_off,
                            t_start - t_submit if t_start > t_submit else 0)
-        cdef uint32_t kind = (<uint32_t *>(r + R_KIND))[0]
-        cdef uint64_t link = (<uint64_t *>(r + R_LINK))[0]
+        kind[0] = (<uint32_t *>(r + R_KIND))[0]
+        link[0] = (<uint64_t *>(r + R_LINK))[0]
         cdef uint64_t n
         if (<uint32_t *>(r + R_PCLASS))[0] == 0:
             n = (<uint64_t *>(r + R_PLEN))[0]
             if n > INLINE:
                 raise ValueError(f"corrupt record {h:#x}: inline payload of {n} bytes")
-            return kind, link, PyBytes_FromStringAndSize(r + R_INLINE, <Py_ssize_t>n)
-        return kind, link, None
+            return PyBytes_FromStringAndSize(r + R_INLINE, <Py_ssize_t>n)
+        return None
 
     cdef int c_finish(self, uint64_t h, uint32_t status, const char *data, Py_ssize_t n,
                       SPSCRing completions, uint64_t who) except -2:
@@ -846,13 +874,12 @@ cdef class HotPath:
                    uint64_t who=0):
         """Worker: :meth:`start` at the time of the call (CLOCK_MONOTONIC); None, or
         ``(kind, link, inline call payload or None, start time)``."""
-        cdef timespec ts
-        clock_gettime(CLOCK_MONOTONIC, &ts)
-        cdef uint64_t t = <uint64_t>ts.tv_sec * 1000000000ULL + <uint64_t>ts.tv_nsec
-        r = self.start(h, current_off, t, wait_hist_off, who)
-        if r is None:
-            return None
-        return (<tuple>r)[0], (<tuple>r)[1], (<tuple>r)[2], t
+        cdef uint64_t t = _now_ns()
+        cdef uint32_t kind
+        cdef uint64_t link
+        cdef bint started
+        data = self.c_start(h, current_off, t, wait_hist_off, who, &started, &kind, &link)
+        return (kind, link, data, t) if started else None
 
     def end_task(self, Py_ssize_t current_off, Py_ssize_t run_hist_off, uint64_t t_start):
         """Worker: nothing runs now (the current word cleared: a release store, read by a
@@ -860,14 +887,9 @@ cdef class HotPath:
         ``run_hist_off`` (-1: none); returns the time now (CLOCK_MONOTONIC ns)."""
         self.region._check(current_off, 8)
         st_store_release_u64(self.region.base + current_off, 0)  # pairs with the recoverer's load64 (acquire)
-        cdef timespec ts
-        clock_gettime(CLOCK_MONOTONIC, &ts)
-        cdef uint64_t t = <uint64_t>ts.tv_sec * 1000000000ULL + <uint64_t>ts.tv_nsec
+        cdef uint64_t t = _now_ns()
         if run_hist_off >= 0:
-            self.region._check(run_hist_off, 8)
-            if run_hist_off + 64 + 8 * ST_HIST_NBUCKETS > self.region.size:
-                raise IndexError("histogram does not fit the region")
-            st_hist_record(self.region.base + run_hist_off, t - t_start if t > t_start else 0)
+            self.region.c_hist_record(run_hist_off, t - t_start if t > t_start else 0)
         return t
 
     cdef object c_take(self, uint64_t h, uint32_t *kind, uint32_t *status, uint64_t *link):
@@ -916,19 +938,15 @@ cdef class HotPath:
         cdef uint32_t kind, status
         cdef uint64_t link
         cdef object data, value, f
-        cdef Py_ssize_t pos
         for hobj in hs:
             data = self.c_take(<uint64_t>hobj, &kind, &status, &link)
             if data is None or status != ST_OK or (kind & F_RBUFFERS):
                 slow(hobj, kind, status, link, data)
                 continue
             try:
-                if PyBytes_GET_SIZE(data) and (<const unsigned char *>PyBytes_AS_STRING(data))[0] == SMALL:
-                    pos = 1
-                    value = _dec_value(<const unsigned char *>PyBytes_AS_STRING(data),
-                                       PyBytes_GET_SIZE(data), &pos)
-                    if pos != PyBytes_GET_SIZE(data):
-                        raise ValueError("corrupt small payload: bytes after its value")
+                if _is_small(<bytes>data):
+                    value = _dec_result(<const unsigned char *>PyBytes_AS_STRING(data),
+                                        PyBytes_GET_SIZE(data))
                 else:
                     value = loads(data)
             except BaseException:
@@ -1087,26 +1105,36 @@ def encode_small_call(fref, tuple args, Py_ssize_t limit=1 << 30):
     return bytes(buf[:n])
 
 
-def load_value(data):
-    """``stealer.serialize.load_value``, natively: a result payload, small or pickled."""
-    cdef const unsigned char[::1] mv = data
-    cdef Py_ssize_t n = mv.shape[0]
+cdef inline bint _is_small(bytes data) noexcept:
+    return PyBytes_GET_SIZE(data) > 0 and (<const unsigned char *>PyBytes_AS_STRING(data))[0] == SMALL
+
+
+cdef object _dec_result(const unsigned char *p, Py_ssize_t n):
+    # A whole result payload in the small format (p[0] is SMALL).
     cdef Py_ssize_t pos = 1
-    if n == 0 or mv[0] != SMALL:
-        return _pickle_loads(data)
-    v = _dec_value(&mv[0], n, &pos)
+    v = _dec_value(p, n, &pos)
     if pos != n:
         raise ValueError("corrupt small payload: bytes after its value")
     return v
 
 
-def load_call(data):
-    """``stealer.serialize.load_call``, natively: ``(fref, args, kwargs)`` of a call."""
-    cdef const unsigned char[::1] mv = data
-    cdef Py_ssize_t n = mv.shape[0]
-    if n == 0 or mv[0] != SMALL:
+def load_value(data):
+    """``stealer.serialize.load_value``, natively: a result payload, small or pickled."""
+    if type(data) is not bytes:  # (the readers pass bytes; anything else is copied once)
+        data = bytes(data)
+    if not _is_small(<bytes>data):
         return _pickle_loads(data)
-    return _dec_call(&mv[0], n)
+    return _dec_result(<const unsigned char *>PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data))
+
+
+def load_call(data):
+    """``stealer.serialize.load_call``, natively: ``(fref, args, kwargs)`` of a call (the
+    worker's, per task: bytes, no buffer set-up)."""
+    if type(data) is not bytes:
+        data = bytes(data)
+    if not _is_small(<bytes>data):
+        return _pickle_loads(data)
+    return _dec_call(<const unsigned char *>PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data))
 
 
 cdef tuple _dec_call(const unsigned char *p, Py_ssize_t n):
@@ -1144,8 +1172,8 @@ cdef dict _NO_OOB = {"buffer_callback": _refuse_buffers}   # shared, never mutat
 cdef class ClientSubmit:
     """Client: ``Executor.submit``'s common case in one native call.
 
-    The common case: the executor takes work, the function has an id in the
-    function table, the pickled call has no out-of-band buffer and fits the
+    The common case: the function has an id in the function table, the call
+    (in the small format, else pickled without out-of-band buffers) fits the
     record inline, and a record is free.  Everything else goes to the
     Python path, ``stealer.executor._submit`` (the reference, which the
     pure-Python build always takes): before anything is set up (``slow``)
@@ -1211,7 +1239,8 @@ cdef class ClientSubmit:
         if h >= 0:
             f._st_handle = h
             return f
-        if h == -3 - <int64_t>0x7FFFFFFFFFFF:
+        if h == CORRUPT_FREE_RING:
+            del self.futures[fid]
             raise IndexError("corrupt free ring: record index out of range")
         if h == -1:  # no record free: the reference's backlog
             if data is None:

@@ -262,7 +262,11 @@ def _submit_data(pool: _Pool, retries: int, f: _Future, data: bytes, bufs: list)
         _refuse(pool)
     a = pool.arena
     if not bufs and len(data) <= INLINE:
-        h = a.submit_inline(K_ROOT, fid, data, retries)  # also wakes a worker
+        try:
+            h = a.submit_inline(K_ROOT, fid, data, retries)  # also wakes a worker
+        except BaseException:  # a corrupt free ring: no future left registered for nothing
+            pool.futures.pop(fid, None)
+            raise
         if h >= 0:
             f._st_handle = h
             return f

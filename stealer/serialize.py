@@ -153,35 +153,35 @@ def _read_value(mv: memoryview, p: int) -> tuple[Any, int]:
 
 def load_value(src: Any) -> Any:
     """A result payload without buffers: the small format or a pickle."""
+    if not len(src) or src[0] != SMALL:
+        return pickle.loads(src)
     mv = memoryview(src)
-    if len(mv) and mv[0] == SMALL:
-        try:
-            v, p = _read_value(mv, 1)
-        except (IndexError, struct.error) as exc:
-            raise ValueError("corrupt small payload: truncated") from exc
-        if p != len(mv):
-            raise ValueError("corrupt small payload: bytes after its value")
-        return v
-    return pickle.loads(src)
+    try:
+        v, p = _read_value(mv, 1)
+    except (IndexError, struct.error) as exc:
+        raise ValueError("corrupt small payload: truncated") from exc
+    if p != len(mv):
+        raise ValueError("corrupt small payload: bytes after its value")
+    return v
 
 
 def load_call(src: Any) -> tuple:
     """A call payload without buffers, ``(fref, args, kwargs)``: small format or pickle."""
+    if not len(src) or src[0] != SMALL:
+        return pickle.loads(src)
     mv = memoryview(src)
-    if len(mv) and mv[0] == SMALL:
-        try:
-            _tag, fref, n = _CALL.unpack_from(mv, 0)
-            p = _CALL.size
-            args = []
-            for _ in range(n):
-                v, p = _read_value(mv, p)
-                args.append(v)
-        except (IndexError, struct.error) as exc:
-            raise ValueError("corrupt small payload: truncated") from exc
-        if p != len(mv):
-            raise ValueError("corrupt small payload: bytes after its arguments")
-        return fref, tuple(args), None
-    return pickle.loads(src)
+    try:
+        _tag, fref, n = _CALL.unpack_from(mv, 0)
+        p = _CALL.size
+        args = []
+        for _ in range(n):
+            v, p = _read_value(mv, p)
+            args.append(v)
+    except (IndexError, struct.error) as exc:
+        raise ValueError("corrupt small payload: truncated") from exc
+    if p != len(mv):
+        raise ValueError("corrupt small payload: bytes after its arguments")
+    return fref, tuple(args), None
 
 
 def frame_size(data: bytes, bufs: list[pickle.PickleBuffer]) -> int:

@@ -57,7 +57,7 @@ from stealer._layout import (
     ST_ERROR,
     ST_OK,
 )
-from stealer.records import Outcome
+from stealer.records import Outcome, word
 
 CLASSES = ((256, 8), (1024, 4))  # small block classes: a few KiB of blocks in all
 BIG = 2000  # larger than every class: an overflow file
@@ -650,3 +650,22 @@ def test_a_small_call_reads_back_as_a_call_wherever_it_is_stored(rig, nargs):
     a.drop_payload(off)
     a.free(h)
     assert_all_free(rig)
+
+
+def test_a_full_injector_is_told_apart_from_a_corrupt_free_ring_at_any_generation(rig):
+    """submit_inline returns ``-2 - h`` when it set record ``h`` up but the injector was
+    full.  For generation 0x8000, record 0, that value was the native path's code for a
+    corrupt free ring (-3 - 0x7FFFFFFFFFFF): it raised IndexError instead."""
+    a = rig.arena
+    idxs = []
+    while (i := a.rec_free.pop()) >= 0:
+        idxs.append(i)
+    assert 0 in idxs
+    a.region.store64(a.off(0), word(0x8000, S_FREE))  # record 0, recycled 32,768 times
+    assert a.rec_free.push(0)
+    filler = 0
+    while rig.injector.push(filler):
+        filler += 1
+    h = 0x8000 << 32
+    assert a.submit_inline(K_ROOT, 1, b"x") == -2 - h
+    assert a.tr.load(h) == (0x8000, S_QUEUED, 0)

@@ -202,3 +202,29 @@ def test_values_keep_their_type_and_bits_end_to_end(ex):
             assert got == v
     args, kw = multi.result(30)
     assert kw == {} and [type(a) for a in args] == [type(v) for v in vals[:12]]
+
+
+def test_a_corrupt_free_ring_fails_the_submit_and_leaves_no_future_behind(ex):
+    """A free-ring cell naming no record (shared memory overwritten) fails that submit with
+    an error; the future it had registered must not stay behind for the result thread."""
+    assert ex.submit(tasks.square, 2).result(30) == 4  # known: the native path takes it
+    a = ex._pool.arena
+    idxs = []
+    while (i := a.rec_free.pop()) >= 0:
+        idxs.append(i)
+    before = set(ex._pool.futures)
+    try:
+        assert a.rec_free.push(a.nrecords + 5)  # (the ring holds one cell per record)
+        for i in idxs[:-1]:
+            assert a.rec_free.push(i)
+        with pytest.raises((IndexError, ValueError)):
+            ex.submit(tasks.square, 3)
+        assert set(ex._pool.futures) == before
+    finally:
+        for fid in set(ex._pool.futures) - before:  # (a failure here: or shutdown would hang)
+            ex._pool.futures.pop(fid)
+        while a.rec_free.pop() >= 0:
+            pass
+        for i in idxs:
+            a.rec_free.push(i)
+    assert ex.submit(tasks.square, 4).result(30) == 16

@@ -170,6 +170,7 @@ class _Pool:
         layout = Layout(n, records=records)
         self.layout = layout
         self.seg = seg = Segment.create(layout, self.lock, Q)
+        seg.populate()
         self.name = seg.name
         self.procs: list[Any] = [None] * n
         self.live_poll = select.poll()  # the workers' sentinels (check_workers)

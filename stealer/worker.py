@@ -226,6 +226,7 @@ class Worker:
         self.name = a.name
         layout = Layout.from_args(a.layout)
         self.seg = seg = Segment.attach(a.name, layout, a.lock, Q)
+        seg.populate()
         self.r = r = seg.region
         self.arena = Arena(seg)
         self.idle = Idle(r, layout)

@@ -22,6 +22,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import tasks
@@ -528,3 +529,40 @@ def test_error_payload_unpickles_where_the_class_is_missing():
     exc, tb = pickle.loads(hidden)
     assert isinstance(exc, stealer.RemoteError) and "TwoArg" in str(exc) and "p-q" in str(exc)
     assert "raise_two_arg" in tb
+
+
+def _resident_kib(pid: int, path: str) -> int:
+    """Rss of ``pid``'s mapping of ``path`` (kB), from /proc/<pid>/smaps."""
+    total, inside = 0, False
+    with open(f"/proc/{pid}/smaps") as fh:
+        for line in fh:
+            if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+                inside = line.rstrip().endswith(path)
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/<pid>/smaps")
+def test_the_hot_part_of_the_segment_is_mapped_in_every_process_at_start():
+    """Segment.populate: the header, rings and records are mapped before the first task
+    (no page fault per page in the first burst); the agent directory and payload blocks
+    stay lazy.  On a kernel without MADV_POPULATE_WRITE (before 5.14) nothing is mapped
+    ahead: then this only checks that nothing more than the hot part was."""
+    with stealer.Executor(2) as e:
+        e.submit(tasks.square, 1).result(30)
+        pool = e._pool
+        hot_kib = (pool.layout.offsets["agents"] // 4096) * 4
+        total_kib = pool.layout.total // 1024
+        major, minor = (int(x) for x in re.findall(r"\d+", os.uname().release)[:2])
+        populated = (major, minor) >= (5, 14)
+        for pid in [os.getpid()] + [p.pid for p in pool.procs]:
+            deadline = time.monotonic() + 30  # a worker may still be starting
+            while True:
+                rss = _resident_kib(pid, pool.seg.path)
+                if not populated or rss >= hot_kib or time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+            if populated:
+                assert rss >= hot_kib, (pid, rss, hot_kib)
+            assert rss < total_kib // 2, (pid, rss, total_kib)  # the blocks were not

@@ -965,6 +965,66 @@ cdef class HotPath:
                     pass  # cancelled meanwhile
 
 
+    def help_complete(self, list rings, dict futures, object deferred, object slow,
+                      object settle, object batch):
+        """Client, a thread about to wait (``stealer.pool._Pool.help``, whose reference
+        this is): pop every completion ready in ``rings`` and settle the futures that need
+        no Python code (a small-format result, nobody waiting, no callback) here, exactly
+        as complete_batch does; append everything else to ``deferred`` (the result
+        thread's deque) as ``(callable, args)``: ``slow(h, kind, status, fid, data)``,
+        ``settle(fid, value)``, or ``batch([h])`` for a handle whose record could not be
+        read (the result thread reads it again and reports the error).  Then wake the
+        result thread if it is parked and something was deferred.
+
+        One native call that runs no Python code (no unpickling: a pickled result is
+        deferred), so no signal handler can raise between a pop and its hand-over: a
+        popped completion is settled or deferred, never dropped.  Returns how many
+        completions were popped.
+        """
+        cdef SPSCRing ring
+        cdef uint64_t h
+        cdef uint32_t kind, status
+        cdef uint64_t link
+        cdef object data, value, f
+        cdef Py_ssize_t popped = 0
+        cdef bint handed = False
+        for ring in rings:
+            while ring.c_pop(&h) == ST_SUCCESS:
+                popped += 1
+                try:
+                    data = self.c_take(h, &kind, &status, &link)
+                except BaseException:
+                    deferred.append((batch, ([h],)))
+                    handed = True
+                    continue
+                if data is None or status != ST_OK or (kind & F_RBUFFERS) or not _is_small(<bytes>data):
+                    deferred.append((slow, (h, kind, status, link, data)))
+                    handed = True
+                    continue
+                try:
+                    value = _dec_result(<const unsigned char *>PyBytes_AS_STRING(data),
+                                        PyBytes_GET_SIZE(data))
+                except BaseException:
+                    deferred.append((slow, (h, kind, status, link, data)))
+                    handed = True
+                    continue
+                f = futures.get(link)
+                if f is not None and f._st_cond is None and f._st_cb is None and f._state == _PENDING:
+                    del futures[link]       # an int key: no Python code runs until the stores
+                    f._result = value
+                    f._state = _FINISHED
+                else:
+                    deferred.append((settle, (link, value)))
+                    handed = True
+        if handed:
+            # The deque append above is visible to the result thread through the GIL; the
+            # seq_cst CAS pairs with its store of PARKED before it re-checks the deque.
+            w = self.region.base + self.client_park_off
+            if st_load_relaxed_u32(w) == PARKED and st_cas_seqcst_u32(w, PARKED, NOTIFIED):
+                st_futex_wake(w, 1)
+        return popped
+
+
 cdef str _PENDING = "PENDING"      # concurrent.futures._base's states (checked at import
 cdef str _FINISHED = "FINISHED"    # by stealer.futures, which owns the Future subclass)
 from concurrent.futures import InvalidStateError as _InvalidStateError

@@ -180,6 +180,13 @@ class _Future(Future):
         if cond is None:
             if self._state in _SETTLED_STATES:
                 return _SETTLED  # type: ignore[return-value]
+            # Somebody is about to wait on it: settle first what is finished already
+            # (_Pool.help); this one may be among them, and then needs no condition.
+            pool = self._st_pool
+            if pool is not None:
+                pool.help()
+                if self._state in _SETTLED_STATES:
+                    return _SETTLED  # type: ignore[return-value]
             with _MAKE_LOCK:  # one condition per future, whoever asks first
                 cond = self._st_cond
                 if cond is None:

@@ -43,6 +43,24 @@ def test_call_send_result_stop(ex):
         ref.call("get").result(T)
 
 
+def test_stop_reaches_an_agent_in_the_middle_of_a_batch_of_calls(ex1):
+    """stop() acts at the next step boundary even while the agent works through a batch
+    of queued calls (its turn handles up to MSG_BATCH of them; the stop's ping would wait
+    in the worker's inbox until the turn ended): the calls after the current one fail."""
+    ref = ex1.spawn_agent(L.Counter, 0, 0.05)  # each call: 50 ms of CPU
+    calls = [ref.call("add", 1) for _ in range(10)]  # the first turn takes the first one;
+    assert calls[2].result(T) == 3                  # calls 1-9 come as one batch
+    ref.stop()
+    outcomes = []
+    for f in calls[3:]:
+        try:
+            outcomes.append(f.result(T))
+        except stealer.AgentStopped:
+            outcomes.append("stopped")
+    assert outcomes[2:] == ["stopped"] * 5, outcomes  # at most the call running then ends
+    assert ref.result(T).startswith("stopped at ")
+
+
 def test_self_driven_agents_finish_with_their_value(ex):
     refs = [ex.spawn_agent(L.Stepper, 25) for _ in range(30)]
     assert [r.result(T) for r in refs] == [(25, 25000.0, 0)] * 30

@@ -543,11 +543,17 @@ class Host:
                 while e.pending and e.state < SUSPENDED and not e.blocked:
                     if e.handled >= MSG_BATCH:
                         break
+                    # ref.stop() during the batch: its ping waits in our inbox until this
+                    # turn ends (16 slow handlers: seconds), so look at the flag itself;
+                    # the next turn stops it, as a stop seen at a ping does
+                    if e.handled and self.dir.flags(e.h) & AF_STOP:
+                        e.stop = True
+                        break
                     if (e.replay and e.want_step and e.state <= WAITING
                             and e.steps < self.steps_before(e.pending[0])):
                         break  # replay: the steps that came before this message come first
                     self.deliver(e, e.pending.popleft())
-                if e.state >= SUSPENDED or e.blocked:
+                if e.state >= SUSPENDED or e.blocked or e.stop:
                     return
             if e.want_step and e.state <= WAITING:
                 self.step(e)

@@ -60,7 +60,8 @@ cdef class MPMCRing(_Ring):
 
 
 cdef class SPSCRing(_Ring):
-    pass        # cells: capacity x uint64
+    # cells: capacity x uint64
+    cdef int c_peek(self, uint64_t *out) noexcept nogil
 
 
 cdef class HotPath:
@@ -85,6 +86,7 @@ cdef class HotPath:
     cdef int64_t c_submit_inline(self, uint32_t kind, uint64_t link, const char *data,
                                  Py_ssize_t n, uint32_t retries) noexcept nogil
     cdef object c_take(self, uint64_t h, uint32_t *kind, uint32_t *status, uint64_t *link)
+    cdef object c_small_result(self, uint64_t h, uint64_t *link)
     cdef object c_start(self, uint64_t h, Py_ssize_t current_off, uint64_t t_start,
                         Py_ssize_t wait_hist_off, uint64_t who, bint *started,
                         uint32_t *kind, uint64_t *link)

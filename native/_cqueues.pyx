@@ -562,14 +562,26 @@ cdef class SPSCRing(_Ring):
         st_store_release_u64(self.prod_p, t + 1)                # pairs with the consumer's acquire of tail
         return ST_SUCCESS
 
-    cdef int c_pop(self, uint64_t *out) noexcept nogil:
+    cdef int c_peek(self, uint64_t *out) noexcept nogil:
+        # The next value, left in place (the consumer's read only).
         cdef uint64_t h = st_load_relaxed_u64(self.cons_p)      # consumer's own word
         cdef uint64_t t = st_load_acquire_u64(self.prod_p)      # pairs with the producer's release of tail
         if h == t:
             return ST_EMPTY
         out[0] = st_load_relaxed_u64(self.cells + 8 * (h & self.mask))
+        return ST_SUCCESS
+
+    cdef int c_pop(self, uint64_t *out) noexcept nogil:
+        if self.c_peek(out) != ST_SUCCESS:
+            return ST_EMPTY
+        cdef uint64_t h = st_load_relaxed_u64(self.cons_p)      # consumer's own word (c_peek read it)
         st_store_release_u64(self.cons_p, h + 1)                # pairs with the producer's acquire of head
         return ST_SUCCESS
+
+    def peek(self):
+        """Consumer: the value ``pop`` would return next, left in place (EMPTY if none)."""
+        cdef uint64_t v
+        return <int64_t>v if self.c_peek(&v) == ST_SUCCESS else EMPTY
 
 
 # Record layout constants (R_*, S_*, K_*, INLINE...) are in _cqueues.pxd.
@@ -965,64 +977,62 @@ cdef class HotPath:
                     pass  # cancelled meanwhile
 
 
-    def help_complete(self, list rings, dict futures, object deferred, object slow,
-                      object settle, object batch):
-        """Client, a thread about to wait (``stealer.pool._Pool.help``, whose reference
-        this is): pop every completion ready in ``rings`` and settle the futures that need
-        no Python code (a small-format result, nobody waiting, no callback) here, exactly
-        as complete_batch does; append everything else to ``deferred`` (the result
-        thread's deque) as ``(callable, args)``: ``slow(h, kind, status, fid, data)``,
-        ``settle(fid, value)``, or ``batch([h])`` for a handle whose record could not be
-        read (the result thread reads it again and reports the error).  Then wake the
-        result thread if it is parked and something was deferred.
+    cdef object c_small_result(self, uint64_t h, uint64_t *link):
+        # The small-format ST_OK result stored inline in completed record h, or _NO_VALUE
+        # (anything else, or a corrupt record: left for complete_batch, which reports it).
+        # Reads only: the record stays DONE.
+        self._check_handle(h)
+        cdef char *r = self.rec(h)
+        st_load_acquire_u64(r)                        # pairs with the finish CAS (DONE)
+        if ((<uint32_t *>(r + R_STATUS))[0] != ST_OK or (<uint32_t *>(r + R_KIND))[0] & F_RBUFFERS
+                or (<uint32_t *>(r + R_PCLASS))[0] != 0 or (<uint32_t *>(r + R_RCLASS))[0] != 0):
+            return _NO_VALUE
+        cdef uint64_t at = (<uint64_t *>(r + R_PLEN))[0]
+        cdef uint64_t n = (<uint64_t *>(r + R_RLEN))[0]
+        if at > INLINE or n > INLINE - at or n < 1 or (<unsigned char *>(r + R_INLINE + at))[0] != SMALL:
+            return _NO_VALUE
+        try:
+            value = _dec_result(<const unsigned char *>(r + R_INLINE + at), <Py_ssize_t>n)
+        except ValueError:
+            return _NO_VALUE
+        link[0] = (<uint64_t *>(r + R_LINK))[0]
+        return value
 
-        One native call that runs no Python code (no unpickling: a pickled result is
-        deferred), so no signal handler can raise between a pop and its hand-over: a
-        popped completion is settled or deferred, never dropped.  Returns how many
-        completions were popped.
+    def help_complete(self, list rings, dict futures):
+        """Client, a thread about to wait (``stealer.pool._Pool.help``; the reference is
+        ``_Pool.help_complete``): from the head of each completion ring, take the
+        completions that need no Python code and settle their futures here, exactly as
+        complete_batch does (a small-format result stored inline, a future in
+        ``futures`` that nobody waits on and that has no callback); stop at the first
+        other one, which the result thread takes, in ring order, as before.  So every
+        completion but these goes through the result thread in the order it was
+        published (its recovery of a dead worker drains the rings and relies on that),
+        and no user code runs here.  One native call, no Python code: no other thread
+        (nor a signal handler) runs between a look at a ring's head and its pop.
+        Returns how many futures it settled.
         """
         cdef SPSCRing ring
-        cdef uint64_t h
-        cdef uint32_t kind, status
-        cdef uint64_t link
-        cdef object data, value, f
-        cdef Py_ssize_t popped = 0
-        cdef bint handed = False
+        cdef uint64_t h, h2, link
+        cdef object value, f
+        cdef Py_ssize_t settled = 0
         for ring in rings:
-            while ring.c_pop(&h) == ST_SUCCESS:
-                popped += 1
-                try:
-                    data = self.c_take(h, &kind, &status, &link)
-                except BaseException:
-                    deferred.append((batch, ([h],)))
-                    handed = True
-                    continue
-                if data is None or status != ST_OK or (kind & F_RBUFFERS) or not _is_small(<bytes>data):
-                    deferred.append((slow, (h, kind, status, link, data)))
-                    handed = True
-                    continue
-                try:
-                    value = _dec_result(<const unsigned char *>PyBytes_AS_STRING(data),
-                                        PyBytes_GET_SIZE(data))
-                except BaseException:
-                    deferred.append((slow, (h, kind, status, link, data)))
-                    handed = True
-                    continue
+            while ring.c_peek(&h) == ST_SUCCESS:
+                value = self.c_small_result(h, &link)
+                if value is _NO_VALUE:
+                    break
                 f = futures.get(link)
-                if f is not None and f._st_cond is None and f._st_cb is None and f._state == _PENDING:
-                    del futures[link]       # an int key: no Python code runs until the stores
-                    f._result = value
-                    f._state = _FINISHED
-                else:
-                    deferred.append((settle, (link, value)))
-                    handed = True
-        if handed:
-            # The deque append above is visible to the result thread through the GIL; the
-            # seq_cst CAS pairs with its store of PARKED before it re-checks the deque.
-            w = self.region.base + self.client_park_off
-            if st_load_relaxed_u32(w) == PARKED and st_cas_seqcst_u32(w, PARKED, NOTIFIED):
-                st_futex_wake(w, 1)
-        return popped
+                if f is None or not (f._st_cond is None and f._st_cb is None and f._state == _PENDING):
+                    break
+                ring.c_pop(&h2)             # == h: the only consumer while the GIL is held
+                self.c_free(h)              # (complete_take's free of an all-inline record)
+                del futures[link]           # an int key: no Python code runs until the stores
+                f._result = value
+                f._state = _FINISHED
+                settled += 1
+        return settled
+
+
+cdef object _NO_VALUE = object()  # c_small_result: no small inline result there
 
 
 cdef str _PENDING = "PENDING"      # concurrent.futures._base's states (checked at import

@@ -529,3 +529,10 @@ class SPSCRing(_QueueRing):
         r._w64(self._a, h + 1)
         return v
 
+    def peek(self) -> int:
+        """Consumer: the value ``pop`` would return next, left in place (EMPTY if none)."""
+        r = self.region
+        with r.lock:
+            h, t = r._r64(self._a), r._r64(self._b)
+            return EMPTY if h == t else r._r64(self._cells + 8 * (h & self.mask))
+

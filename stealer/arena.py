@@ -296,6 +296,13 @@ class Arena:
 
     def complete_take(self, h: int) -> tuple:
         """Client: (kind, status, link, inline result or None); frees the record if all inline."""
+        t = self.peek_result(h)
+        if t[3] is not None:
+            self.free(h)
+        return t
+
+    def peek_result(self, h: int) -> tuple:
+        """complete_take without the free: the record stays as it is."""
         off = self.off(h)
         kind, status, link = self.kind_link(off)
         pclass, rclass, _pref, plen = _PCALL.unpack_from(self.mm, off + R_PCLASS)
@@ -304,9 +311,7 @@ class Arena:
         n = _RES.unpack_from(self.mm, off + R_RREF)[1]
         if plen + n > INLINE:
             raise ValueError(f"corrupt record {h:#x}: inline result out of bounds")
-        data = self.mm[off + R_INLINE + plen : off + R_INLINE + plen + n]
-        self.free(h)
-        return kind, status, link, data
+        return kind, status, link, self.mm[off + R_INLINE + plen : off + R_INLINE + plen + n]
 
     def valid(self, h: int) -> bool:
         return self.tr.current(h)

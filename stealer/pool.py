@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import functools
 import itertools
 import multiprocessing as mp
@@ -52,7 +53,7 @@ from stealer.errors import (
     WorkerCrashedError,
 )
 from stealer.futures import _Future
-from stealer.idle import NOTIFIED, PARKED, Idle
+from stealer.idle import NOTIFIED, Idle
 from stealer.records import Outcome
 from stealer.recovery import Recovery, ping_parent
 from stealer.shm import (
@@ -80,7 +81,6 @@ from stealer.worker import main as worker_main
 
 __all__ = ["_Pool", "describe_exit", "describe_start_failure"]
 
-_NOT_SMALL = object()  # help_complete: a result the helper leaves to the result thread
 MONITOR_INTERVAL = 0.05  # seconds between checks of worker liveness
 MAX_EARLY_DEATHS = 3  # a worker slot that dies this many times before starting breaks the pool
 
@@ -215,10 +215,10 @@ class _Pool:
         # Handles set up (QUEUED) that found the injector full: pushed by the result thread
         # as room appears (deque append/popleft are atomic under the GIL).
         self.requeue: collections.deque[int] = collections.deque()
-        # Completions a waiting thread popped but left to the result thread (help()):
-        # (callable, args) pairs; deque extend/popleft are atomic under the GIL.
-        self.deferred: collections.deque[tuple[Any, tuple]] = collections.deque()
-        self.helping = False  # a thread is in help() (the reference can switch threads there)
+        # help(): the reference's look at a ring head and its pop are two calls, between which
+        # Python may switch threads; the result thread pops under the same lock then
+        # (the native help is one call, under the GIL alone: no lock)
+        self.consume_lock: Any = contextlib.nullcontext()
         self.futures: dict[int, _Future] = {}
         self.ids = itertools.count()
         self.backlog: collections.deque[tuple[_Future, bytes, list, int]] = collections.deque()
@@ -237,6 +237,8 @@ class _Pool:
                 hot.complete_batch, futures=self.futures, loads=pickle.loads,
                 slow=self.complete_taken, other=self.settle_other)
             self.help_complete = hot.help_complete  # type: ignore[method-assign]
+        else:
+            self.consume_lock = threading.Lock()
         for k in range(n):
             self.start_worker(k)
         self.thread: threading.Thread | None = threading.Thread(
@@ -352,7 +354,8 @@ class _Pool:
             self.start_worker(k)
 
     def drain(self, k: int) -> None:
-        hs = self.completions[k].pop_many(1 << 30)
+        with self.consume_lock:
+            hs = self.completions[k].pop_many(1 << 30)
         if hs:
             self.complete_batch(hs)
 
@@ -480,88 +483,64 @@ class _Pool:
 
     def help(self) -> None:
         """A thread about to wait on a future of this pool (its condition was asked for:
-        ``result()``, ``wait``, ``as_completed``): settle here, now, the completions that
-        are ready and need no Python code (a small-format result, no waiter, no
-        callback), instead of waiting for the result thread, which needs the GIL this
-        thread holds: it gets it at the 5 ms switch interval, so a burst of submits
-        followed by ``wait`` found thousands of finished tasks unresolved and made each
-        of them a condition and a waiter (20,000 no-op tasks then ``wait``: 1.2-2.9 µs
-        per task across runs, now 1.2-1.5).  Everything else is handed to the result thread (``deferred``), so no
-        user code runs here.  (HotPath.help_complete, one native call; its reference is
+        ``result()``, ``wait``, ``as_completed``): settle, here and now, the finished
+        tasks at the head of the completion rings whose futures need no Python code (a
+        small result stored inline, no waiter, no callback), instead of waiting for the
+        result thread.  That thread needs the GIL the waiter holds and gets it at the
+        interpreter's 5 ms switch interval, so a burst of submits followed by ``wait``
+        found thousands of finished tasks unresolved and made each of them a condition
+        and a waiter (20,000 no-op tasks then ``wait``: 1.2-2.9 µs per task across
+        runs, now 1.2-1.5).  It stops at the first other completion, which the result
+        thread takes in ring order as before: callbacks still run there, and its
+        recovery of a dead worker (drain, then read the worker's words) sees every
+        other completion.  (HotPath.help_complete, one native call; its reference is
         :meth:`help_complete`.)"""
-        if self.helping or self.closed:
+        if self.closed:
             return
         rings = self.completions
         for c in rings:
             if len(c):
-                break
-        else:
-            return
-        self.helping = True
-        try:
-            self.help_complete(rings, self.futures, self.deferred, self.complete_taken,
-                               self.settle, self.complete_batch)
-        finally:
-            self.helping = False
+                self.help_complete(rings, self.futures)
+                return
 
-    def help_complete(self, rings: list, futures: dict, deferred: Any, slow: Any,
-                      settle: Any, batch: Any) -> int:
-        """Reference of HotPath.help_complete (native/_cqueues.pyx): pop what ``rings``
-        hold; settle silent futures with small-format results; defer the rest."""
-        take = self.arena.complete_take
-        popped = 0
-        handed = False
-        for ring in rings:
-            while True:
-                hs = ring.pop_many(1024)
-                if not hs:
-                    break
-                for h in hs:
-                    popped += 1
+    def help_complete(self, rings: list, futures: dict) -> int:
+        """Reference of HotPath.help_complete (native/_cqueues.pyx)."""
+        peek = self.arena.peek_result
+        taken = []
+        with self.consume_lock:  # the result thread pops under it (see __init__)
+            for ring in rings:
+                while True:
+                    h = ring.peek()
+                    if h < 0:
+                        break
                     try:
-                        kind, status, fid, data = take(h)
-                    except BaseException:
-                        deferred.append((batch, ([h],)))
-                        handed = True
-                        continue
-                    value = _NOT_SMALL
-                    if (data is not None and status == ST_OK and not kind & F_RBUFFERS
-                            and len(data) and data[0] == serialize.SMALL):
-                        try:
-                            value = serialize.load_value(data)
-                        except BaseException:
-                            value = _NOT_SMALL
-                    if value is _NOT_SMALL:
-                        deferred.append((slow, (h, kind, status, fid, data)))
-                        handed = True
-                        continue
+                        kind, status, fid, data = peek(h)
+                    except ValueError:
+                        break  # corrupt: the result thread reports it
+                    if (data is None or status != ST_OK or kind & F_RBUFFERS or not len(data)
+                            or data[0] != serialize.SMALL):
+                        break
+                    try:
+                        value = serialize.load_value(data)
+                    except ValueError:
+                        break
                     f = futures.get(fid)
-                    if (f is not None and f._st_cond is None and f._st_cb is None
-                            and f._state == _fbase.PENDING):
-                        # Python can switch threads between these checks and a store (the
-                        # native twin cannot): _st_resolve publishes, then re-checks for a
-                        # waiter or callback that came meanwhile (it then runs that callback
-                        # here: a race only the reference has)
-                        del futures[fid]
-                        try:
-                            f._st_resolve(value, None)
-                        except _fbase.InvalidStateError:
-                            pass  # cancelled meanwhile
-                    else:
-                        deferred.append((settle, (fid, value)))
-                        handed = True
-        if handed:
-            r = self.region
-            if r.load32(H_CLIENT_PARK) == PARKED and r.cas32(H_CLIENT_PARK, PARKED, NOTIFIED):
-                r.futex_wake(H_CLIENT_PARK, 1)
-        return popped
-
-    def run_deferred(self) -> None:
-        """Result thread: what help() popped and left here."""
-        dq = self.deferred
-        while dq:
-            fn, args = dq.popleft()
-            fn(*args)
+                    if (f is None or f._st_cond is not None or f._st_cb is not None
+                            or f._state != _fbase.PENDING):
+                        break
+                    ring.pop()
+                    self.arena.free(h)
+                    del futures[fid]
+                    taken.append((f, value))
+        # Outside the lock: Python may switch threads between the checks above and here
+        # (the native twin cannot), so _st_resolve publishes the state, then serves a
+        # waiter or a callback that came meanwhile (a callback then runs in this thread)
+        for f, value in taken:
+            try:
+                f._st_resolve(value, None)
+            except _fbase.InvalidStateError:
+                pass  # cancelled meanwhile
+        return len(taken)
 
     def settle_other(self, fid: int, value: Any) -> None:
         """A result for no pending future: an agent's (or a stray: a delivery bug)."""
@@ -638,7 +617,7 @@ class _Pool:
             self.idle.notify_one()
 
     def has_completions(self) -> bool:
-        return bool(self.deferred) or any(len(c) for c in self.completions)
+        return any(len(c) for c in self.completions)
 
     def run(self) -> None:
         """The result thread, supervised: whatever goes wrong in it, no future hangs."""
@@ -674,13 +653,11 @@ class _Pool:
                 FP.hit("client.result_thread")
             got = 0
             for ring in rings:
-                hs = ring.pop_many(1024)
+                with self.consume_lock:
+                    hs = ring.pop_many(1024)
                 if hs:
                     got += len(hs)
                     self.complete_batch(hs)
-            if self.deferred:
-                got += len(self.deferred)
-                self.run_deferred()
             if self.requeue:
                 self.drain_requeue()
             if self.backlog:
@@ -693,7 +670,7 @@ class _Pool:
             elif not got:
                 self.check_workers()  # a death is handled before parking: one poll(2)
             if (self.shutdown and not self.futures and not self.backlog
-                    and not self.deferred and not self.agents.alive()):
+                    and not self.agents.alive()):
                 return
             if not got:
                 self.idle.client_park(self.has_completions, MONITOR_INTERVAL)

@@ -234,72 +234,74 @@ def _ready_completions(e) -> int:
     return sum(len(c) for c in e._pool.completions)
 
 
-def test_a_waiting_thread_settles_finished_silent_futures_and_hands_the_rest_over(ex):
+def _until(cond, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.002)
+
+
+@pytest.mark.parametrize("mode", ["native", "python"])
+def test_a_waiting_thread_settles_the_silent_head_of_the_rings_and_leaves_the_rest(mode):
     """_Pool.help (HotPath.help_complete): with the result thread held inside a done
-    callback, a thread that waits settles, itself, every finished task whose future
-    nobody else waits on and whose result is small; errors, pickled and large results,
-    and futures with callbacks are left to the result thread, whose callbacks still run
-    there; nothing is lost, and the wait made no condition for a settled future."""
-    pool = ex._pool
-    hold, held = threading.Event(), threading.Event()
-
-    def block(_f):
-        held.set()
-        hold.wait(60)
-
-    blocker = ex.submit(tasks.square, 2)
-    blocker.add_done_callback(block)
-    try:
-        assert held.wait(30), "the result thread never ran the blocking callback"
-        silent = [ex.submit(tasks.square, i) for i in range(200)]
-        cb_threads: list[str] = []
-        with_cb = ex.submit(tasks.square, 9)
-        with_cb.add_done_callback(lambda f: cb_threads.append(threading.current_thread().name))
-        failing = ex.submit(tasks.raise_value_error, "late")
-        pickled = ex.submit(tasks.identity, (1, "two"))
-        large = ex.submit(tasks.make_bytes, 5000)
-        expected = len(silent) + 4
-        deadline = time.monotonic() + 30
-        while _ready_completions(ex) < expected:
-            assert time.monotonic() < deadline, "the workers did not finish the tasks"
-            time.sleep(0.005)
-        assert not any(f.done() for f in silent)  # the result thread is held
-        before = len(pool.deferred)
-        _done, not_done = cf.wait(silent, timeout=30)  # settled by this thread
-        assert not not_done
-        assert [f.result(0) for f in silent] == [i * i for i in range(200)]
-        assert all(f._st_cond is None for f in silent)
-        assert len(pool.deferred) - before == 4  # callback, error, pickled, large
-        assert not (with_cb.done() or failing.done() or pickled.done() or large.done())
-        assert _ready_completions(ex) == 0
-    finally:
-        hold.set()
-    assert with_cb.result(30) == 81
-    with pytest.raises(ValueError, match="late"):
-        failing.result(30)
-    assert pickled.result(30) == (1, "two")
-    assert len(large.result(30)) == 5000 // 256 * 256
-    deadline = time.monotonic() + 30
-    while not cb_threads:
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
-    assert cb_threads[0].startswith("stealer-results")  # not the helping thread
-    assert blocker.result(30) == 4
-    assert pool.stray == 0 and not pool.deferred
-
-
-def test_help_does_nothing_from_inside_itself_or_on_a_closed_pool():
-    with stealer.Executor(1) as e:
+    callback, a thread that waits settles, itself, the finished tasks at the head of the
+    completion ring whose futures nobody else waits on and whose results are small; it
+    stops at the first other completion (a callback, an error, a pickled or a large
+    result), which the result thread takes in ring order once free, running the callback
+    there; nothing is lost, and the wait made no condition for a future it settled."""
+    if mode == "native" and _cqueues is None:
+        pytest.skip("native extension not built")
+    with _py_hotpath(mode == "python"):
+        e = stealer.Executor(1)  # one worker, one ring: completions in submission order
+    with e:
         pool = e._pool
-        pool.helping = True  # as if this thread were inside help() (unpickling)
+        hold, held = threading.Event(), threading.Event()
+
+        def block(_f):
+            held.set()
+            hold.wait(60)
+
+        blocker = e.submit(tasks.square, 2)
+        blocker.add_done_callback(block)
         try:
-            f = e.submit(tasks.square, 5)
-            deadline = time.monotonic() + 30
-            while not f.done() and _ready_completions(e) == 0:
-                assert time.monotonic() < deadline
-                time.sleep(0.002)
-            pool.help()  # nested: leaves the rings to the result thread
+            assert held.wait(30), "the result thread never ran the blocking callback"
+            silent = [e.submit(tasks.square, i) for i in range(200)]
+            _until(lambda: _ready_completions(e) == 200, "the worker did not finish")
+            assert not any(f.done() for f in silent)  # the result thread is held
+            _done, not_done = cf.wait(silent, timeout=30)  # settled by this thread
+            assert not not_done
+            assert [f.result(0) for f in silent] == [i * i for i in range(200)]
+            assert all(f._st_cond is None for f in silent)
+            assert _ready_completions(e) == 0
+
+            cb_threads: list[str] = []
+            with_cb = e.submit(tasks.square, 9)
+            with_cb.add_done_callback(
+                lambda f: cb_threads.append(threading.current_thread().name))
+            failing = e.submit(tasks.raise_value_error, "late")
+            pickled = e.submit(tasks.identity, (1, "two"))
+            large = e.submit(tasks.make_bytes, 5000)
+            tail = [e.submit(tasks.square, i) for i in range(20)]
+            _until(lambda: _ready_completions(e) == 24, "the worker did not finish")
+            pool.help()  # the head needs its callback: nothing is taken
+            assert _ready_completions(e) == 24
+            assert not any(f.done() for f in [with_cb, failing, pickled, large, *tail])
         finally:
-            pool.helping = False
-        assert f.result(30) == 25
-    pool.help()  # closed: returns at once
+            hold.set()
+        assert with_cb.result(30) == 81
+        with pytest.raises(ValueError, match="late"):
+            failing.result(30)
+        assert pickled.result(30) == (1, "two")
+        assert len(large.result(30)) == 5000 // 256 * 256
+        assert [f.result(30) for f in tail] == [i * i for i in range(20)]
+        _until(lambda: cb_threads, "the callback never ran")
+        assert cb_threads[0].startswith("stealer-results")  # not the waiting thread
+        assert blocker.result(30) == 4
+        assert pool.stray == 0
+
+
+def test_help_on_a_closed_pool_does_nothing():
+    with stealer.Executor(1) as e:
+        assert e.submit(tasks.square, 5).result(30) == 25
+    e._pool.help()  # closed: returns at once (its segment is gone)
+    assert e._pool.closed

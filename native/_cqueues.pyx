@@ -1017,6 +1017,8 @@ cdef class HotPath:
         cdef Py_ssize_t settled = 0
         for ring in rings:
             while ring.c_peek(&h) == ST_SUCCESS:
+                if (h & 0xFFFFFFFFU) >= self.nrecords:
+                    break                   # corrupt: complete_batch reports it, not the waiter
                 value = self.c_small_result(h, &link)
                 if value is _NO_VALUE:
                     break

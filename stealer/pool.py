@@ -495,13 +495,8 @@ class _Pool:
         recovery of a dead worker (drain, then read the worker's words) sees every
         other completion.  (HotPath.help_complete, one native call; its reference is
         :meth:`help_complete`.)"""
-        if self.closed:
-            return
-        rings = self.completions
-        for c in rings:
-            if len(c):
-                self.help_complete(rings, self.futures)
-                return
+        if not self.closed:
+            self.help_complete(self.completions, self.futures)  # (cheap on empty rings)
 
     def help_complete(self, rings: list, futures: dict) -> int:
         """Reference of HotPath.help_complete (native/_cqueues.pyx)."""
@@ -515,7 +510,7 @@ class _Pool:
                         break
                     try:
                         kind, status, fid, data = peek(h)
-                    except ValueError:
+                    except (ValueError, IndexError):
                         break  # corrupt: the result thread reports it
                     if (data is None or status != ST_OK or kind & F_RBUFFERS or not len(data)
                             or data[0] != serialize.SMALL):

@@ -305,3 +305,35 @@ def test_help_on_a_closed_pool_does_nothing():
         assert e.submit(tasks.square, 5).result(30) == 25
     e._pool.help()  # closed: returns at once (its segment is gone)
     assert e._pool.closed
+
+
+@pytest.mark.parametrize("mode", ["native", "python"])
+def test_a_corrupt_handle_at_a_ring_head_is_left_to_the_result_thread(mode, capfd):
+    """help() stops at a completion whose handle names no record: the waiting thread gets
+    no IndexError from a corrupted ring; the result thread then reports the corruption and
+    breaks the executor (its usual answer), so the waiter gets BrokenExecutor, not a hang."""
+    if mode == "native" and _cqueues is None:
+        pytest.skip("native extension not built")
+    with _py_hotpath(mode == "python"):
+        e = stealer.Executor(1)
+    with e:
+        pool = e._pool
+        hold, held = threading.Event(), threading.Event()
+
+        def block(_f):
+            held.set()
+            hold.wait(60)
+
+        e.submit(tasks.square, 2).add_done_callback(block)
+        try:
+            assert held.wait(30)
+            assert pool.completions[0].push((1 << 32) | pool.layout.records)  # out of range
+            late = e.submit(tasks.square, 3)
+            _until(lambda: _ready_completions(e) == 2, "the worker did not finish")
+            pool.help()  # no exception here; nothing taken behind the bad head
+            assert _ready_completions(e) == 2 and not late.done()
+        finally:
+            hold.set()
+        with pytest.raises(stealer.BrokenExecutor):
+            late.result(30)
+    assert "internal error" in capfd.readouterr().err

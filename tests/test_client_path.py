@@ -241,6 +241,27 @@ def _until(cond, what: str, timeout: float = 30.0) -> None:
         time.sleep(0.002)
 
 
+def _one_worker(mode: str) -> stealer.Executor:
+    if mode == "native" and _cqueues is None:
+        pytest.skip("native extension not built")
+    with _py_hotpath(mode == "python"):
+        return stealer.Executor(1)  # one worker, one ring: completions in submission order
+
+
+def _hold_result_thread(e) -> tuple[threading.Event, cf.Future]:
+    """Park the result thread inside a done callback until the returned event is set."""
+    hold, held = threading.Event(), threading.Event()
+
+    def block(_f):
+        held.set()
+        hold.wait(60)
+
+    blocker = e.submit(tasks.square, 2)
+    blocker.add_done_callback(block)
+    assert held.wait(30), "the result thread never ran the blocking callback"
+    return hold, blocker
+
+
 @pytest.mark.parametrize("mode", ["native", "python"])
 def test_a_waiting_thread_settles_the_silent_head_of_the_rings_and_leaves_the_rest(mode):
     """_Pool.help (HotPath.help_complete): with the result thread held inside a done
@@ -249,22 +270,10 @@ def test_a_waiting_thread_settles_the_silent_head_of_the_rings_and_leaves_the_re
     stops at the first other completion (a callback, an error, a pickled or a large
     result), which the result thread takes in ring order once free, running the callback
     there; nothing is lost, and the wait made no condition for a future it settled."""
-    if mode == "native" and _cqueues is None:
-        pytest.skip("native extension not built")
-    with _py_hotpath(mode == "python"):
-        e = stealer.Executor(1)  # one worker, one ring: completions in submission order
-    with e:
+    with _one_worker(mode) as e:
         pool = e._pool
-        hold, held = threading.Event(), threading.Event()
-
-        def block(_f):
-            held.set()
-            hold.wait(60)
-
-        blocker = e.submit(tasks.square, 2)
-        blocker.add_done_callback(block)
+        hold, blocker = _hold_result_thread(e)
         try:
-            assert held.wait(30), "the result thread never ran the blocking callback"
             silent = [e.submit(tasks.square, i) for i in range(200)]
             _until(lambda: _ready_completions(e) == 200, "the worker did not finish")
             assert not any(f.done() for f in silent)  # the result thread is held
@@ -312,21 +321,10 @@ def test_a_corrupt_handle_at_a_ring_head_is_left_to_the_result_thread(mode, capf
     """help() stops at a completion whose handle names no record: the waiting thread gets
     no IndexError from a corrupted ring; the result thread then reports the corruption and
     breaks the executor (its usual answer), so the waiter gets BrokenExecutor, not a hang."""
-    if mode == "native" and _cqueues is None:
-        pytest.skip("native extension not built")
-    with _py_hotpath(mode == "python"):
-        e = stealer.Executor(1)
-    with e:
+    with _one_worker(mode) as e:
         pool = e._pool
-        hold, held = threading.Event(), threading.Event()
-
-        def block(_f):
-            held.set()
-            hold.wait(60)
-
-        e.submit(tasks.square, 2).add_done_callback(block)
+        hold, _blocker = _hold_result_thread(e)
         try:
-            assert held.wait(30)
             assert pool.completions[0].push((1 << 32) | pool.layout.records)  # out of range
             late = e.submit(tasks.square, 3)
             _until(lambda: _ready_completions(e) == 2, "the worker did not finish")

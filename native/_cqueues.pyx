@@ -967,7 +967,7 @@ cdef class HotPath:
             f = futures.pop(link, None)
             if f is None:
                 other(link, value)
-            elif f._st_cond is None and f._st_cb is None and f._state == _PENDING:
+            elif _silent(f):
                 f._result = value
                 f._state = _FINISHED
             else:
@@ -981,7 +981,8 @@ cdef class HotPath:
         # The small-format ST_OK result stored inline in completed record h, or _NO_VALUE
         # (anything else, or a corrupt record: left for complete_batch, which reports it).
         # Reads only: the record stays DONE.
-        self._check_handle(h)
+        if (h & 0xFFFFFFFFU) >= self.nrecords:
+            return _NO_VALUE
         cdef char *r = self.rec(h)
         st_load_acquire_u64(r)                        # pairs with the finish CAS (DONE)
         if ((<uint32_t *>(r + R_STATUS))[0] != ST_OK or (<uint32_t *>(r + R_KIND))[0] & F_RBUFFERS
@@ -1017,13 +1018,11 @@ cdef class HotPath:
         cdef Py_ssize_t settled = 0
         for ring in rings:
             while ring.c_peek(&h) == ST_SUCCESS:
-                if (h & 0xFFFFFFFFU) >= self.nrecords:
-                    break                   # corrupt: complete_batch reports it, not the waiter
                 value = self.c_small_result(h, &link)
                 if value is _NO_VALUE:
-                    break
+                    break                   # (a corrupt handle too: complete_batch reports it)
                 f = futures.get(link)
-                if f is None or not (f._st_cond is None and f._st_cb is None and f._state == _PENDING):
+                if f is None or not _silent(f):
                     break
                 ring.c_pop(&h2)             # == h: the only consumer while the GIL is held
                 self.c_free(h)              # (complete_take's free of an all-inline record)
@@ -1035,6 +1034,12 @@ cdef class HotPath:
 
 
 cdef object _NO_VALUE = object()  # c_small_result: no small inline result there
+
+
+cdef inline bint _silent(object f) except -1:
+    # A pending future nobody waits on and with no callback: settling it needs no Python
+    # code (_result, then _state; the GIL is held from this check to those stores).
+    return f._st_cond is None and f._st_cb is None and f._state == _PENDING
 
 
 cdef str _PENDING = "PENDING"      # concurrent.futures._base's states (checked at import

@@ -495,8 +495,7 @@ class _Pool:
         recovery of a dead worker (drain, then read the worker's words) sees every
         other completion.  (HotPath.help_complete, one native call; its reference is
         :meth:`help_complete`.)"""
-        if not self.closed:
-            self.help_complete(self.completions, self.futures)  # (cheap on empty rings)
+        self.help_complete(self.completions, self.futures)  # (cheap on empty rings)
 
     def help_complete(self, rings: list, futures: dict) -> int:
         """Reference of HotPath.help_complete (native/_cqueues.pyx)."""

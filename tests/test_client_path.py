@@ -309,13 +309,6 @@ def test_a_waiting_thread_settles_the_silent_head_of_the_rings_and_leaves_the_re
         assert pool.stray == 0
 
 
-def test_help_on_a_closed_pool_does_nothing():
-    with stealer.Executor(1) as e:
-        assert e.submit(tasks.square, 5).result(30) == 25
-    e._pool.help()  # closed: returns at once (its segment is gone)
-    assert e._pool.closed
-
-
 @pytest.mark.parametrize("mode", ["native", "python"])
 def test_a_corrupt_handle_at_a_ring_head_is_left_to_the_result_thread(mode, capfd):
     """help() stops at a completion whose handle names no record: the waiting thread gets

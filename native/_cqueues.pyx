@@ -844,12 +844,17 @@ cdef class HotPath:
             pass                                       # capacity == records: cannot stay full
         st_fence_seqcst()                              # pairs with the client's park store + recheck
         cdef char *w = self.region.base + self.client_park_off
-        if st_load_relaxed_u32(w) == PARKED and st_cas_seqcst_u32(w, PARKED, NOTIFIED):
+        cdef uint32_t v = st_load_relaxed_u32(w)     # ordered by the fence above
+        # seq_cst CAS: pairs with the client's store of the park word (idle.client_park)
+        if (v == PARKED or v == PARKED_BATCH) and st_cas_seqcst_u32(w, v, NOTIFIED):
             st_futex_wake(w, 1)
             # Let the woken result thread run now if it was queued on this CPU: with as
             # many busy workers as cores it otherwise waits out this worker's time slice
             # (latency bench, 2 cores: result-return p90 0.6 -> 0.2 ms, p99 -0.1 ms).
-            sched_yield()
+            # Not in throughput mode (PARKED_BATCH, idle.ResultPolicy): there the
+            # thread waits for the CPU on purpose, and this worker goes on with its work.
+            if v == PARKED:
+                sched_yield()
         return 1
 
     def finish_inline(self, uint64_t h, uint32_t status, bytes data not None,

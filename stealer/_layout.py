@@ -67,6 +67,7 @@ ST_LOST = 2  # the worker could not store the result; the inline result is a sho
 # -- park words (stealer/idle.py) ---------------------------------------------------
 PARKED = 1
 NOTIFIED = 2
+PARKED_BATCH = 3  # the client's result thread parked in throughput mode (idle.ResultPolicy)
 
 # -- agent directory (stealer/agents/mailbox.py): one entry per record slot ---------
 DIR_BYTES = 64  # one cache line per agent: senders of different agents never share a line

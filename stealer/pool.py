@@ -53,7 +53,7 @@ from stealer.errors import (
     WorkerCrashedError,
 )
 from stealer.futures import _Future
-from stealer.idle import NOTIFIED, Idle
+from stealer.idle import NOTIFIED, Idle, ResultPolicy
 from stealer.records import Outcome
 from stealer.recovery import Recovery, ping_parent
 from stealer.shm import (
@@ -642,6 +642,8 @@ class _Pool:
     def _run(self) -> None:
         rings = self.completions
         last_check = 0.0
+        policy = ResultPolicy(self.n)
+        agents = self.agents
         while True:
             if FP.ON:
                 FP.hit("client.result_thread")
@@ -667,7 +669,8 @@ class _Pool:
                     and not self.agents.alive()):
                 return
             if not got:
-                self.idle.client_park(self.has_completions, MONITOR_INTERVAL)
+                batch = policy.update(0 if agents.in_use else len(self.futures))
+                self.idle.client_park(self.has_completions, MONITOR_INTERVAL, batch)
 
     def check_steps(self) -> None:
         """Kill a worker whose agent step ran far past its step_timeout (stuck in C code,

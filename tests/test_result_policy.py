@@ -1,0 +1,149 @@
+"""The result thread's throughput mode (stealer.idle.ResultPolicy): SCHED_BATCH while a
+backlog of tasks waits, the normal class otherwise; a worker wakes it from either park
+(PARKED_BATCH or PARKED), natively and in the Python reference."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+
+import pytest
+import tasks
+from rig import _py_hotpath
+
+import stealer
+from stealer import idle as idle_mod
+from stealer import pool as pool_mod
+from stealer.idle import NOTIFIED, PARKED, PARKED_BATCH, RUNNING, Idle, ResultPolicy
+from stealer.shm import H_CLIENT_PARK
+from tests import agents_lib as L
+
+try:
+    from stealer import _cqueues
+except ImportError:  # pragma: no cover - depends on the build
+    _cqueues = None
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling classes")
+
+
+def _in_thread(fn, setup=None):
+    """``fn()`` in a fresh thread (a policy change stays with that thread); its result."""
+    out: list = []
+
+    def body():
+        if setup is not None:
+            setup()
+        out.append(fn())
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join(30)
+    assert out, "the thread failed (see its traceback above)"
+    return out[0]
+
+
+def test_the_policy_enters_at_the_backlog_and_leaves_below_the_gap():
+    def run():
+        p = ResultPolicy(2)  # enter at 16 outstanding, leave below 8
+        seen = []
+        for n in (0, 15, 16, 9, 8, 7, 15, 16, 0):
+            seen.append((p.update(n), os.sched_getscheduler(0)))
+        return seen
+
+    bat, oth = os.SCHED_BATCH, os.SCHED_OTHER
+    assert _in_thread(run) == [(False, oth), (False, oth), (True, bat), (True, bat), (True, bat),
+                               (False, oth), (False, oth), (True, bat), (False, oth)]
+
+
+def test_a_thread_started_in_another_class_is_left_alone():
+    def run():
+        p = ResultPolicy(1)
+        return p.ok, p.update(1000), os.sched_getscheduler(0)
+
+    def idle_class():
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+    assert _in_thread(run, idle_class) == (False, False, os.SCHED_IDLE)
+
+
+def test_a_refused_change_turns_the_policy_off(monkeypatch):
+    def refuse(*_a):
+        raise PermissionError(1, "Operation not permitted")
+
+    def run():
+        p = ResultPolicy(1)
+        monkeypatch.setattr(idle_mod.os, "sched_setscheduler", refuse)
+        return p.update(1000), p.ok, p.update(1000), os.sched_getscheduler(0)
+
+    assert _in_thread(run) == (False, False, False, os.SCHED_OTHER)
+
+
+def test_wake_client_wakes_either_park_and_yields_only_to_a_normal_one(impl, monkeypatch):
+    from stealer.shm import Layout
+
+    layout = Layout(1, records=2, block_classes=((64, 1),), fn_entries=1, fn_data=64)
+    idle = Idle(impl.Region(mmap.mmap(-1, layout.total)), layout)
+    yields = []
+    monkeypatch.setattr(idle_mod.os, "sched_yield", lambda: yields.append(1))
+    r = idle.r
+    for before, after, yielded in ((PARKED, NOTIFIED, 1), (PARKED_BATCH, NOTIFIED, 0),
+                                   (RUNNING, RUNNING, 0), (NOTIFIED, NOTIFIED, 0)):
+        r.store32(H_CLIENT_PARK, before)
+        yields.clear()
+        idle.wake_client()
+        assert (r.load32(H_CLIENT_PARK), len(yields)) == (after, yielded), before
+
+
+def _wait_until(cond, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.002)
+
+
+@pytest.mark.parametrize("mode", ["native", "python"])
+def test_the_result_thread_runs_batch_under_a_backlog_and_is_woken_there(mode, monkeypatch):
+    if mode == "native" and _cqueues is None:
+        pytest.skip("native extension not built")
+    # A park ends only by a wake: a worker that missed the PARKED_BATCH word would leave
+    # the results below unresolved for a minute, and result(timeout=20) fails.
+    monkeypatch.setattr(pool_mod, "MONITOR_INTERVAL", 60.0)
+    with _py_hotpath(mode == "python"):
+        e = stealer.Executor(1)
+    with e:
+        p = e._pool
+        tid = p.thread.native_id
+        assert os.sched_getscheduler(tid) == os.SCHED_OTHER
+        # The result thread decides when it parks: after the gate's completion it parks
+        # with 20 tasks outstanding (>= 8 per worker), each of them 50 ms long.
+        gate = e.submit(tasks.sleep_then, 0.3, "gate")
+        rest = [e.submit(tasks.sleep_then, 0.05, i) for i in range(20)]
+        called = []
+        for f in rest:  # callbacks: only the result thread settles these futures
+            f.add_done_callback(lambda f: called.append(f.result()))
+        _wait_until(lambda: p.region.load32(H_CLIENT_PARK) == PARKED_BATCH,
+                    "the result thread parks in throughput mode")
+        assert os.sched_getscheduler(tid) == os.SCHED_BATCH
+        assert gate.result(timeout=20) == "gate"
+        assert [f.result(timeout=20) for f in rest] == list(range(20))
+        _wait_until(lambda: p.region.load32(H_CLIENT_PARK) == PARKED,
+                    "the result thread parks normally again")
+        assert os.sched_getscheduler(tid) == os.SCHED_OTHER
+        assert sorted(called) == list(range(20))
+
+
+def test_no_throughput_mode_once_the_client_uses_agents():
+    with stealer.Executor(1) as e:
+        p = e._pool
+        ref = e.spawn_agent(L.Counter, 0)
+        gate = e.submit(tasks.sleep_then, 0.3, "gate")
+        rest = [e.submit(tasks.sleep_then, 0.05, i) for i in range(20)]
+        # parked after the gate, with >= 8 tasks outstanding: normally all the same
+        _wait_until(lambda: (gate.done() and len(p.futures) >= 8
+                             and p.region.load32(H_CLIENT_PARK) == PARKED),
+                    "the result thread parks with a backlog")
+        assert os.sched_getscheduler(p.thread.native_id) == os.SCHED_OTHER
+        assert [f.result(timeout=20) for f in rest] == list(range(20))
+        ref.stop()

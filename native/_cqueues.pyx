@@ -31,6 +31,13 @@ from atomics cimport *
 # Worker-set helpers (stealer/idle.py): one atomic RMW per transition of a worker's bit.
 cdef extern from "<sched.h>":
     int sched_yield() nogil
+    ctypedef struct cpu_set_t:
+        pass
+    int CPU_SETSIZE
+    void CPU_ZERO(cpu_set_t *) nogil
+    void CPU_SET(int, cpu_set_t *) nogil
+    int sched_getcpu() nogil
+    int sched_setaffinity(int, size_t, cpu_set_t *) nogil
 
 cdef extern from *:
     """
@@ -616,6 +623,26 @@ cdef extern from "Python.h":
     const char *PyUnicode_AsUTF8AndSize(object s, Py_ssize_t *size) noexcept
 
 
+cdef inline void _hand_over(char *park) noexcept nogil:
+    # Move the parked result thread onto this CPU before waking it (idle.ResultPolicy):
+    # with the yield after the wake it then runs now, not after another CPU's time slice.
+    # Its thread id sits in the word after the park word (shm.H_CLIENT_TID; 0: not allowed):
+    # relaxed, ordered after the caller's CAS of the park word; the client stores it seq_cst.
+    cdef int tid = <int>st_load_relaxed_u32(park + 4)
+    if tid <= 0:
+        return
+    cdef int cpu = sched_getcpu()
+    if cpu < 0 or cpu >= CPU_SETSIZE:
+        return
+    cdef cpu_set_t one
+    CPU_ZERO(&one)
+    CPU_SET(cpu, &one)
+    # shm.H_CLIENT_MOVED before the move: the client's exchange (seq_cst) of it back to 0
+    # comes before it restores its CPUs, so a move is never left unseen
+    st_store_seqcst_u32(park + 8, 1)
+    sched_setaffinity(tid, sizeof(cpu_set_t), &one)   # refused (EPERM, ESRCH): just a wake
+
+
 cdef class HotPath:
     """The per-task record operations, one native call each (see stealer/arena.py).
 
@@ -847,6 +874,8 @@ cdef class HotPath:
         cdef uint32_t v = st_load_relaxed_u32(w)     # ordered by the fence above
         # seq_cst CAS: pairs with the client's store of the park word (idle.client_park)
         if (v == PARKED or v == PARKED_BATCH) and st_cas_seqcst_u32(w, v, NOTIFIED):
+            if v == PARKED:
+                _hand_over(w)
             st_futex_wake(w, 1)
             # Let the woken result thread run now if it was queued on this CPU: with as
             # many busy workers as cores it otherwise waits out this worker's time slice

@@ -220,6 +220,7 @@ class _Pool:
         # (the native help is one call, under the GIL alone: no lock)
         self.consume_lock: Any = contextlib.nullcontext()
         self.futures: dict[int, _Future] = {}
+        self.rpolicy: ResultPolicy | None = None  # the result thread's, made when it starts
         self.ids = itertools.count()
         self.backlog: collections.deque[tuple[_Future, bytes, list, int]] = collections.deque()
         self.shutdown_lock = threading.Lock()
@@ -272,6 +273,8 @@ class _Pool:
                      (self.journal.path, self.journal.mode, self.journal.epoch)),
         )
         in_thread = threading.current_thread() is getattr(self, "thread", None)
+        if in_thread and self.rpolicy is not None:
+            self.rpolicy.restore()  # the new process inherits this thread's CPUs
         ctx = self.replace_ctx if in_thread else self.ctx
         p = ctx.Process(target=worker_main, args=(args,), name=f"stealer-worker-{k}")
         p.start()
@@ -640,13 +643,20 @@ class _Pool:
                 continue
 
     def _run(self) -> None:
+        self.rpolicy = policy = ResultPolicy(self.n, self.region, self.cpus)
+        try:
+            self._loop(policy)
+        finally:
+            policy.close()
+
+    def _loop(self, policy: ResultPolicy) -> None:
         rings = self.completions
         last_check = 0.0
-        policy = ResultPolicy(self.n)
         agents = self.agents
         while True:
             if FP.ON:
                 FP.hit("client.result_thread")
+            policy.unmove()
             got = 0
             for ring in rings:
                 with self.consume_lock:

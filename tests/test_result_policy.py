@@ -17,7 +17,7 @@ import stealer
 from stealer import idle as idle_mod
 from stealer import pool as pool_mod
 from stealer.idle import NOTIFIED, PARKED, PARKED_BATCH, RUNNING, Idle, ResultPolicy
-from stealer.shm import H_CLIENT_PARK
+from stealer.shm import H_CLIENT_MOVED, H_CLIENT_PARK, H_CLIENT_TID
 from tests import agents_lib as L
 
 try:
@@ -147,3 +147,90 @@ def test_no_throughput_mode_once_the_client_uses_agents():
         assert os.sched_getscheduler(p.thread.native_id) == os.SCHED_OTHER
         assert [f.result(timeout=20) for f in rest] == list(range(20))
         ref.stop()
+
+
+# -- hand-off: a waking worker moves the result thread onto its own CPU --------------
+
+
+def _two_cpus() -> list[int]:
+    mask = sorted(os.sched_getaffinity(0))
+    if len(mask) < 2:
+        pytest.skip("needs two CPUs")
+    return mask
+
+
+@pytest.mark.skipif(_cqueues is None, reason="native extension not built")
+def test_a_waking_worker_hands_its_cpu_to_the_result_thread(monkeypatch):
+    cpu = _two_cpus()[-1]
+    seen: list[set[int]] = []
+    restore = ResultPolicy.restore
+
+    def spy(self):  # runs in the result thread, before it takes its CPUs back
+        seen.append(os.sched_getaffinity(0))
+        restore(self)
+
+    monkeypatch.setattr(ResultPolicy, "restore", spy)
+    with stealer.Executor(1, cpus=[cpu]) as e:
+        p = e._pool
+        tid = p.thread.native_id
+        own = os.sched_getaffinity(tid)
+        assert p.region.load32(H_CLIENT_TID) == tid
+        for _ in range(3):  # each: the result thread parked (normal), the worker wakes it
+            _wait_until(lambda: p.region.load32(H_CLIENT_PARK) == PARKED, "it parks")
+            assert e.submit(tasks.sleep_then, 0.05, 7).result(timeout=20) == 7
+        assert {cpu} in seen  # it ran on the worker's CPU when it woke
+        _wait_until(lambda: p.region.load32(H_CLIENT_MOVED) == 0, "it took its CPUs back")
+        assert os.sched_getaffinity(tid) == own
+
+
+def test_the_thread_id_is_withdrawn_when_the_result_thread_ends():
+    e = stealer.Executor(1)
+    p = e._pool
+    region = p.region
+    seen = region.load32(H_CLIENT_TID)
+    assert seen == p.thread.native_id
+    e.shutdown(wait=True)
+    p.thread.join(30)
+    assert region.load32(H_CLIENT_TID) == 0
+
+
+def test_a_thread_whose_cpus_miss_a_workers_is_never_moved(impl):
+    """A result thread confined (by its user) to CPUs without a worker's: its thread id
+    is not published, so no worker moves it; with the worker's CPU allowed, it is."""
+    from stealer.shm import Layout
+
+    cpu = _two_cpus()[-1]
+    layout = Layout(1, records=2, block_classes=((64, 1),), fn_entries=1, fn_data=64)
+    r = impl.Region(mmap.mmap(-1, layout.total))
+
+    def confined():
+        os.sched_setaffinity(0, {0})
+        return ResultPolicy(1, r, [cpu]).mask, r.load32(H_CLIENT_TID)
+
+    def free():
+        p = ResultPolicy(1, r, [cpu, None])
+        seen = r.load32(H_CLIENT_TID)
+        p.close()
+        return p.mask, seen == threading.get_native_id(), r.load32(H_CLIENT_TID)
+
+    assert _in_thread(confined) == (None, 0)
+    assert _in_thread(free) == (None, True, 0)
+
+
+@pytest.mark.skipif(_cqueues is None, reason="native extension not built")
+def test_a_replacement_worker_gets_the_result_threads_own_cpus():
+    """Processes inherit the CPUs of the thread that starts them: a replacement started by
+    a result thread still on a worker's CPU would be stuck there. Narrowed by hand here
+    (as a worker does), with the flag already cleared: start_worker restores it."""
+    mask = _two_cpus()
+    with stealer.Executor(1, cpus=None) as e:
+        p = e._pool
+        tid = p.thread.native_id
+        old = p.procs[0].pid
+        os.sched_setaffinity(tid, {mask[0]})
+        os.kill(old, 9)
+        _wait_until(lambda: p.procs[0] is not None and p.procs[0].pid != old,
+                    "the worker is replaced")
+        assert e.submit(tasks.square, 3).result(timeout=30) == 9
+        assert os.sched_getaffinity(p.procs[0].pid) == set(mask)
+        assert os.sched_getaffinity(tid) == set(mask)

@@ -637,10 +637,12 @@ cdef inline void _hand_over(char *park) noexcept nogil:
     cdef cpu_set_t one
     CPU_ZERO(&one)
     CPU_SET(cpu, &one)
-    # shm.H_CLIENT_MOVED before the move: the client's exchange (seq_cst) of it back to 0
-    # comes before it restores its CPUs, so a move is never left unseen
-    st_store_seqcst_u32(park + 8, 1)
-    sched_setaffinity(tid, sizeof(cpu_set_t), &one)   # refused (EPERM, ESRCH): just a wake
+    if sched_setaffinity(tid, sizeof(cpu_set_t), &one) == 0:   # refused (EPERM...): a plain wake
+        # shm.H_CLIENT_MOVED after the move: the client exchanges it back to 0 (seq_cst) at
+        # the top of each loop and then restores its CPUs, so even a client that woke on its
+        # own meanwhile sees this move at its next check (set before the move, the flag could
+        # be cleared between the two and the move left unseen)
+        st_store_seqcst_u32(park + 8, 1)
 
 
 cdef class HotPath:

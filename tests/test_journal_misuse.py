@@ -38,7 +38,11 @@ def _write(d, copy=None, every: int = 1000, forward: bool = True, n: int = 2,
 
     A test that needs the agents live after the shutdown writes with one worker: with two,
     a worker without agents of its own may adopt an agent that another worker is stopping
-    for the shutdown and end it for good (see test_shutdown_suspends_every_journaled_agent)."""
+    for the shutdown and end it for good (see test_shutdown_suspends_every_journaled_agent).
+    So does a test that needs a journal without snapshots: with two, an idle worker may
+    take an agent over, and a migration checkpoints it (journaled) whatever ``every`` says;
+    recovery then replays only what followed (a0's forwards before it are not sent again).
+    """
     with stealer.Executor(workers, journal=d) as ex:
         refs = [ex.spawn_agent(L.Acc, f"t{i}", name=f"a{i}", checkpoint_every=every,
                                checkpoint_seconds=1000) for i in range(n)]
@@ -140,7 +144,7 @@ def _check_recovered(ex, names=("a0", "a1")) -> None:
 @pytest.mark.parametrize("how", ["row", "file", "ts"])
 def test_a_flipped_message_is_cut_with_a_warning_and_never_applied(tmp_path, capsys, how):
     d, c = tmp_path / "j", tmp_path / "c"
-    _write(d, copy=c, forward=False)  # the copy: no snapshot, every message is replayed
+    _write(d, copy=c, forward=False, workers=1)  # the copy: no snapshot, all replayed
     uid = _uids(c)["a0"]
     rows = _select(c, "SELECT id, body FROM msgs WHERE target=? AND call=1 ORDER BY id",
                    (uid,))
@@ -186,7 +190,7 @@ def test_a_flipped_message_is_cut_with_a_warning_and_never_applied(tmp_path, cap
 
 def test_a_flipped_message_at_any_position_cuts_from_there(tmp_path):
     d, c = tmp_path / "j", tmp_path / "c"
-    _write(d, copy=c, forward=False, n=1)
+    _write(d, copy=c, forward=False, n=1, workers=1)  # no snapshot (see _write)
     uid = _uids(c)["a0"]
     rows = _select(c, "SELECT id FROM msgs WHERE target=? ORDER BY id", (uid,))
     for i, (shard, rid) in enumerate(rows):
@@ -200,7 +204,7 @@ def test_a_flipped_message_at_any_position_cuts_from_there(tmp_path):
 
 def test_a_flipped_message_from_an_agent_is_sent_again_by_its_replay(tmp_path, capsys):
     d, c = tmp_path / "j", tmp_path / "c"
-    _write(d, copy=c)  # no snapshots: a0 replays every forward() and sends again
+    _write(d, copy=c, workers=1)  # no snapshot: a0 replays every forward(), sends again
     uids = _uids(c)
     rows = _select(c, "SELECT id FROM msgs WHERE target=? AND sender=? ORDER BY id",
                    (uids["a1"], uids["a0"]))

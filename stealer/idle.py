@@ -290,12 +290,16 @@ class ResultPolicy:
                 return
             if {c for c in worker_cpus if c is not None} <= mask:
                 self.mask = mask
-                region.store32(H_CLIENT_TID, threading.get_native_id())  # seq_cst
+                # seq_cst store; workers load it after their CAS of the park word
+                region.store32(H_CLIENT_TID, threading.get_native_id())
 
     def unmove(self) -> None:
         """Awake: if a worker moved this thread onto its CPU to wake it, take back its own
         CPUs (one load when none did)."""
         r = self.r
+        # seq_cst load, then exchange: pair with the worker's store of 1 after its move
+        # (_hand_over in native/_cqueues.pyx); cleared before the restore, so a later move
+        # sets it again and is seen at the next check
         if r is not None and r.load32(H_CLIENT_MOVED) and r.exchange32(H_CLIENT_MOVED, 0):
             self.restore()
 
@@ -311,7 +315,7 @@ class ResultPolicy:
     def close(self) -> None:
         """The thread is about to exit: nobody may move its (reusable) thread id any more."""
         if self.mask is not None:
-            self.r.store32(H_CLIENT_TID, 0)  # seq_cst
+            self.r.store32(H_CLIENT_TID, 0)  # seq_cst: a worker's load after its CAS sees it
             self.restore()
             self.mask = None
 

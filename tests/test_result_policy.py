@@ -1,6 +1,8 @@
-"""The result thread's throughput mode (stealer.idle.ResultPolicy): SCHED_BATCH while a
-backlog of tasks waits, the normal class otherwise; a worker wakes it from either park
-(PARKED_BATCH or PARKED), natively and in the Python reference."""
+"""How the result thread is scheduled (stealer.idle.ResultPolicy): SCHED_BATCH while a
+backlog of tasks waits, the normal class otherwise, and a worker wakes it from either park
+(PARKED_BATCH or PARKED), natively and in the Python reference; the hand-off, where a worker
+moves the parked thread onto its own CPU before waking it and the thread takes its own CPUs
+back once awake (and before it starts a process)."""
 
 from __future__ import annotations
 

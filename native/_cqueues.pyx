@@ -626,9 +626,9 @@ cdef extern from "Python.h":
 cdef inline void _hand_over(char *park) noexcept nogil:
     # Move the parked result thread onto this CPU before waking it (idle.ResultPolicy):
     # with the yield after the wake it then runs now, not after another CPU's time slice.
-    # Its thread id sits in the word after the park word (shm.H_CLIENT_TID; 0: not allowed):
-    # relaxed, ordered after the caller's CAS of the park word; the client stores it seq_cst.
-    cdef int tid = <int>st_load_relaxed_u32(park + 4)
+    # Its thread id sits beside the park word (shm.H_CLIENT_TID; 0: not allowed): relaxed,
+    # ordered after the caller's CAS of the park word; the client stores it seq_cst.
+    cdef int tid = <int>st_load_relaxed_u32(park + CLIENT_TID_AT)
     if tid <= 0:
         return
     cdef int cpu = sched_getcpu()
@@ -642,7 +642,7 @@ cdef inline void _hand_over(char *park) noexcept nogil:
         # the top of each loop and then restores its CPUs, so even a client that woke on its
         # own meanwhile sees this move at its next check (set before the move, the flag could
         # be cleared between the two and the move left unseen)
-        st_store_seqcst_u32(park + 8, 1)
+        st_store_seqcst_u32(park + CLIENT_MOVED_AT, 1)
 
 
 cdef class HotPath:

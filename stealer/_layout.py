@@ -68,6 +68,10 @@ ST_LOST = 2  # the worker could not store the result; the inline result is a sho
 PARKED = 1
 NOTIFIED = 2
 PARKED_BATCH = 3  # the client's result thread parked in throughput mode (idle.ResultPolicy)
+# The client park word's neighbours, as byte offsets from it (shm.H_CLIENT_TID/_MOVED; the
+# native hand-off reaches them from the park word: HotPath.c_finish's _hand_over)
+CLIENT_TID_AT = 4  # u32 the result thread's id while workers may move it (0: they must not)
+CLIENT_MOVED_AT = 8  # u32 1: a worker moved it onto its CPU; it takes its CPUs back
 
 # -- agent directory (stealer/agents/mailbox.py): one entry per record slot ---------
 DIR_BYTES = 64  # one cache line per agent: senders of different agents never share a line

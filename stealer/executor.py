@@ -178,6 +178,20 @@ def _result_or_cancel(f: Future, end_time: float | None) -> Any:
         del f  # no cycle through the exception's traceback
 
 
+def _raise_outcome(status: int, value: Any) -> None:
+    """Raise the failed outcome of one input of an automatic chunk (forkjoin.run_items):
+    1, (exception, traceback) it raised; 2, not run because the map was closed."""
+    if status == 2:
+        raise _fbase.CancelledError()
+    exc, tb = value
+    if tb:
+        exc.__cause__ = RemoteTraceback(tb)
+    try:
+        raise exc
+    finally:
+        del exc, value  # no cycle through the exception's traceback and this frame
+
+
 def _map_results(fs: collections.deque[Future], end_time: float | None, chunked: bool,
                  feed: _MapFeed | None, token: _MapToken | None = None) -> Iterator[Any]:
     """The iterator of map(): no local holds a result across a yield (CPython issue 14406).
@@ -190,16 +204,11 @@ def _map_results(fs: collections.deque[Future], end_time: float | None, chunked:
                 chunk = _result_or_cancel(fs.popleft(), end_time)
                 chunk.reverse()
                 while chunk:
-                    status, value = chunk.pop()
-                    if status:
-                        if status == 2:
-                            raise _fbase.CancelledError()
-                        exc, tb = value
-                        if tb:
-                            exc.__cause__ = RemoteTraceback(tb)
-                        del value
-                        raise exc
-                    yield value
+                    if chunk[-1][0]:  # (status, value): the status of the next input
+                        _raise_outcome(*chunk.pop())
+                    # popped and indexed in one expression: no local (nor the chunk, nor
+                    # the pair) holds the value while the caller has it
+                    yield chunk.pop()[1]
             elif chunked:
                 chunk = _result_or_cancel(fs.popleft(), end_time)
                 chunk.reverse()

@@ -51,6 +51,7 @@ from stealer.errors import (
 )
 from stealer.forkjoin import NestedExecutor, run_chunk, run_items
 from stealer.futures import _Future
+from stealer.hang import check_hang_timeout
 from stealer.pool import _Pool
 from stealer.progress import Counted, map_progress
 from stealer.records import Outcome as _Outcome
@@ -326,6 +327,16 @@ class Executor(_fbase.Executor):
       fails with :class:`~stealer.WorkerCrashedError` (default 3, as Ray and
       Dask do; 0 fails at once).  A re-run starts the task from the beginning:
       side effects are *at-least-once*.  Per call: ``ex.options(retries=0)``.
+    * ``hang_timeout``: seconds (default None: off).  A worker that holds work
+      (a task or an agent step runs on it, or pings wait for it) and makes no
+      progress (no task or step starts or ends, no counter moves) for that
+      long is frozen: stopped by SIGSTOP or a debugger, or stuck in code that
+      never returns.  It is killed (SIGKILL) and replaced, and its tasks run
+      again under ``retries``; when they are used up the future fails with
+      :class:`~stealer.WorkerCrashedError` saying it hung.  A task that runs
+      longer is killed too: ``hang_timeout`` must exceed your longest task
+      (a blocking join counts as the time its children take).  See
+      stealer/hang.py; ``stealer top`` shows a frozen worker as "frozen Ns".
     * tasks may :func:`stealer.spawn` children and join them by ``yield``.
     """
 
@@ -345,6 +356,7 @@ class Executor(_fbase.Executor):
         journal: str | os.PathLike[str] | None = None,
         durability: str = "batch",
         recover: bool = False,
+        hang_timeout: float | None = None,
     ) -> None:
         topo = affinity.read_topology()
         if max_workers is None:
@@ -364,6 +376,7 @@ class Executor(_fbase.Executor):
         if records < 2:
             raise ValueError("records must be >= 2")
         _check_retries(retries)
+        hang_timeout = check_hang_timeout(hang_timeout)
         policy: Any = cpus
         if cpus == "auto":
             policy = "compact" if max_workers <= topo.usable_count else "none"
@@ -390,7 +403,7 @@ class Executor(_fbase.Executor):
         try:
             self._pool = _Pool(max_workers, mp_context, plan, steal, init_bytes,
                                tuple(initargs), max_tasks_per_child, thread_limit, records,
-                               metrics, retries, cj)
+                               metrics, retries, cj, hang_timeout)
         except BaseException:
             if cj is not None:
                 cj.close()
@@ -638,6 +651,8 @@ class Executor(_fbase.Executor):
         """A snapshot of counters, queue depths and latency histograms (see stealer.stats)."""
         pool = self._pool
         s = collect(pool.seg)
+        for w in s.workers:  # as the result thread's last look saw it (check_hangs)
+            w.frozen_s = pool.hangs.frozen(w.index)
         s.client = {
             "pending": len(pool.futures),
             "backlog": len(pool.backlog),

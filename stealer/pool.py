@@ -53,6 +53,7 @@ from stealer.errors import (
     WorkerCrashedError,
 )
 from stealer.futures import _Future
+from stealer.hang import HangWatch, hang_message
 from stealer.idle import NOTIFIED, Idle, ResultPolicy
 from stealer.records import Outcome
 from stealer.recovery import Recovery, ping_parent
@@ -72,6 +73,7 @@ from stealer.shm import (
 from stealer.worker import (
     STATE_EXITING,
     STATE_INIT_FAILED,
+    STATE_READY,
     STATE_RETIRED,
     STATE_STARTING,
     WorkerArgs,
@@ -145,7 +147,8 @@ class _Pool:
     def __init__(self, n: int, ctx: Any, cpus: list[int | None], steal: list[list[int]],
                  initializer: bytes | None, initargs: tuple, max_tasks: int | None,
                  thread_limit: int | None, records: int, metrics: bool = True,
-                 retries: int = 3, journal: Any = None) -> None:
+                 retries: int = 3, journal: Any = None,
+                 hang_timeout: float | None = None) -> None:
         self.n = n
         self.journal = journal  # agents.journal.ClientJournal or None
         self.retries = retries
@@ -172,6 +175,8 @@ class _Pool:
         self.layout = layout
         self.seg = seg = Segment.create(layout, self.lock, Q)
         seg.populate()
+        self.hangs = HangWatch(seg, hang_timeout)  # check_hangs: frozen workers
+        self.hung: dict[int, str] = {}  # worker -> why we killed it (check_hangs, on_death)
         self.name = seg.name
         self.procs: list[Any] = [None] * n
         self.live_poll = select.poll()  # the workers' sentinels (check_workers)
@@ -336,6 +341,7 @@ class _Pool:
             desc = describe_start_failure(k, p.pid, code)
         else:
             desc = describe_exit(k, p.pid, code)
+        desc = self.hung.pop(k, None) or desc  # killed by check_hangs: say so
         self.recover(k, desc)
         if state == STATE_EXITING and r.load32(H_SHUTDOWN):
             return
@@ -673,6 +679,7 @@ class _Pool:
                 last_check = now
                 self.check_workers()
                 self.check_steps()  # (a stuck step is killed "far past" its timeout: 50 ms do)
+                self.check_hangs()
             elif not got:
                 self.check_workers()  # a death is handled before parking: one poll(2)
             if (self.shutdown and not self.futures and not self.backlog
@@ -702,6 +709,27 @@ class _Pool:
                 if cur:
                     self.step_killed[k] = cur - 1  # recover() fails it with StepTimeout
                 p.kill()
+
+    def check_hangs(self) -> None:
+        """Look at every worker's progress (stealer/hang.py); with ``hang_timeout`` set,
+        kill one frozen past it: the death path (on_death -> recover) re-runs its tasks
+        under the retry policy, with hang_message as the reason, and replaces it."""
+        hw = self.hangs
+        r = self.region
+        now = time.monotonic()
+        for k, p in enumerate(self.procs):
+            if p is None or k in self.hung:
+                continue
+            # W_STATE: the worker's store32 once started (ready), read as on_death does
+            ready = r.load32(self.layout.worker(k) + W_STATE) == STATE_READY
+            frozen = hw.look(k, self.incarnations[k], ready, self.inboxes[k], now)
+            if hw.timeout is not None and frozen > hw.timeout:
+                import sys
+
+                self.hung[k] = why = hang_message(k, p.pid, frozen, hw.timeout)
+                print(f"stealer: {why}; its tasks run again elsewhere (retries permitting)",
+                      file=sys.stderr)
+                p.kill()  # SIGKILL also ends a stopped process; its sentinel fires next
 
     def check_open(self) -> None:
         """Raise if the executor takes no more work (agents' sends, spawns)."""

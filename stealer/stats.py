@@ -61,6 +61,10 @@ class WorkerStats:
     deque_depth: int
     inbox_depth: int
     counters: dict[str, int]
+    current: int = 0  # W_CURRENT: handle + 1 of the task or agent step running now (0: none)
+    # seconds it has held work without progress (stealer/hang.py), as the client's result
+    # thread saw it (Executor.stats) or stealer top over its frames; 0.0: not frozen
+    frozen_s: float = 0.0
 
 
 @dataclass
@@ -168,15 +172,17 @@ def collect(seg: Segment, queues: Any | None = None) -> Stats:
         state = r.load32(base + W_STATE)
         pid = r.load32(base + W_PID)
         cpu = r.load32(base + W_CPU)
+        cur = r.load64(base + W_CURRENT)
         workers.append(WorkerStats(
             index=k,
             pid=pid or None,
             cpu=cpu - 1 if cpu else None,
             state=STATE_NAMES[state] if state < len(STATE_NAMES) else str(state),
-            running=bool(r.load64(base + W_CURRENT)),
+            running=bool(cur),
             deque_depth=len(Q.Deque(r, L.deque(k), L.records)),
             inbox_depth=len(Q.MPMCRing(r, L.inbox(k), L.records)),
             counters=counters,
+            current=cur,
         ))
     created = r.load64(H_CREATED_NS) / 1e9
     now = time.time()

@@ -8,7 +8,9 @@ process of the same user can map it read-side and take snapshots with
 * a header: id, uptime, workers, injector depth, the client's pending tasks
   and backlog when known (only the client itself knows them: a frame built
   from :meth:`stealer.Executor.stats` has them, one attached by id does not);
-* one row per worker: pid, CPU, state, whether a task runs on it now, deque
+* one row per worker: pid, CPU, state ("frozen Ns" when it has held work
+  without progress for over a second, from the second frame on: see
+  stealer/hang.py), whether a task runs on it now, deque
   and inbox depths, and steps/s, steals/s, parks/s and busy % over the last
   interval (since the start for the first frame), with a totals row;
 * live agents, their steps, messages, migrations and throttled turns, and the
@@ -42,6 +44,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from stealer import metrics
+from stealer.hang import SHOW_AFTER, Stalls
 from stealer.metrics import Histogram, bucket_bounds
 from stealer.shm import (
     H_CREATED_NS,
@@ -183,6 +186,14 @@ def _hist_delta(p: Histogram | None, c: Histogram) -> Histogram:
     return d
 
 
+def _state(w: WorkerStats) -> str:
+    """The state column: "frozen Ns" for a worker holding work without progress for
+    over a second (stealer/hang.py), else its state."""
+    if w.frozen_s > SHOW_AFTER:
+        return f"frozen {w.frozen_s:.0f}s"
+    return w.state
+
+
 def render(prev: Stats | None, cur: Stats, width: int = 100) -> str:
     """The text of one frame for snapshot ``cur``.
 
@@ -231,7 +242,7 @@ def render(prev: Stats | None, cur: Stats, width: int = 100) -> str:
     for w, d in zip(cur.workers, deltas):
         lines.append(
             f"{w.index:>4} {w.pid if w.pid else '-':>8} "
-            f"{w.cpu if w.cpu is not None else '-':>4}  {w.state:<11} "
+            f"{w.cpu if w.cpu is not None else '-':>4}  {_state(w):<11} "
             f"{'*' if w.running else '':>3} {w.deque_depth:>6} {w.inbox_depth:>6} "
             f"{_fmt_rate(rate(d['tasks'])):>9} {_fmt_rate(rate(d['steals'])):>9} "
             f"{_fmt_rate(rate(d['parks'])):>9} {busy_pct(d['busy_ns']):>6}")
@@ -389,9 +400,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     tty = out.isatty()
     prev: Stats | None = None
     frames = 0
+    stalls = Stalls()  # frozen workers, seen over our own frames
     try:
         while True:
             cur = collect(seg)
+            stalls.observe(cur.workers, time.monotonic())
             gone = executor_gone(exec_id)  # after the read: never show a dead executor's frame
             if gone:
                 if tty:

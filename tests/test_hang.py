@@ -184,3 +184,33 @@ def test_tasks_shorter_than_hang_timeout_are_never_killed():
         assert [f.result(timeout=LIMIT) for f in fs] == [pid] * 3
         assert ex.worker_pids() == [pid]
         assert ex.stats().client["crashes"] == 0
+
+
+def test_a_stopped_idle_worker_is_frozen_only_once_work_waits_for_it():
+    """Idle and stopped, a worker holds nothing: never killed.  A ping waiting in its
+    inbox is work it holds: killed once that waits hang_timeout.  (The ping names no
+    record, so whoever takes it drops it: on_ping ignores an index past the records.)"""
+    with stealer.Executor(2, hang_timeout=1.0) as ex:
+        assert ex.wait_ready(LIMIT)
+        pool = ex._pool
+        bogus = pool.arena.nrecords + 5
+        live = ex.worker_pids()[1]
+        assert pool.inboxes[1].push(bogus)  # a worker that goes on takes it
+        pool.idle.notify_worker(1)
+        until(lambda: len(pool.inboxes[1]) == 0, "the live worker to take its ping")
+        pid = ex.worker_pids()[0]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            until(lambda: proc_state(pid) in ("T", "t"), "the worker to stop", 5.0)
+            time.sleep(2.5)  # idle: held nothing for longer than hang_timeout
+            assert proc_state(pid) in ("T", "t") and ex.worker_pids()[0] == pid
+            assert pool.inboxes[0].push(bogus)
+            pool.idle.notify_worker(0)
+            until(lambda: proc_state(pid) is None, "the frozen worker to be killed")
+            until(lambda: None not in ex.worker_pids(), "a replacement worker")
+            until(lambda: len(pool.inboxes[0]) == 0, "the replacement to take the ping")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        assert ex.worker_pids()[1] == live
+        assert ex.stats().client["replacements"] == 1

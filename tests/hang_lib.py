@@ -25,3 +25,11 @@ def first_run_stalls(dirname, value, first_secs=60.0):
 def sleep_pid(secs):
     time.sleep(secs)
     return os.getpid()
+
+
+def parent_of_stalling_child(dirname):
+    """A fork-join task whose child is first_run_stalls (joined by yield)."""
+    from stealer import spawn
+
+    value = yield spawn(first_run_stalls, dirname, "child")
+    return value

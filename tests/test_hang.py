@@ -18,7 +18,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from hang_lib import first_run_stalls, sleep_pid
+from hang_lib import first_run_stalls, parent_of_stalling_child, sleep_pid
 
 import stealer
 from stealer import top
@@ -127,6 +127,26 @@ def test_a_stopped_worker_is_killed_and_its_task_runs_elsewhere(tmp_path, capfd)
             assert ex.submit(sleep_pid, 0).result(timeout=LIMIT) in ex.worker_pids()
     err = capfd.readouterr().err
     assert f"(pid {pid}) was killed by stealer" in err and "hang_timeout=2 s" in err
+
+
+def test_a_stopped_child_task_runs_again_and_its_parent_completes(tmp_path):
+    """The frozen worker holds a fork-join child (and maybe its parent's frame): the
+    death path re-runs what it held, and the tree completes."""
+    d = tmp_path / "runs"
+    d.mkdir()
+    with stealer.Executor(2, hang_timeout=2.0) as ex:
+        assert ex.wait_ready(LIMIT)
+        fut = ex.submit(parent_of_stalling_child, str(d))
+        until(lambda: runs(d), "the child to start")
+        pid = runs(d)[0]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            value, again = fut.result(timeout=LIMIT)
+            assert value == "child" and again != pid and again in runs(d)
+            until(lambda: proc_state(pid) is None, "the stopped worker to be killed")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
 
 def test_retries_used_up_fail_the_future_saying_it_hung(tmp_path):

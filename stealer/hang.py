@@ -21,9 +21,10 @@ nothing for it:
 
 A worker *holds work* while something runs on it (``W_CURRENT != 0``), or while it
 is ready and pings or notifications wait in its inbox.  It is *frozen* for as long
-as it holds work and neither the current word nor the counters changed.  So a task
+as it holds work and none of these moved.  So a task
 that legitimately runs longer than ``hang_timeout`` (a blocking join waiting for its
-children included) counts as frozen: ``hang_timeout`` must exceed your longest task.
+children included, and the import of its module by a worker's first call of a
+function) counts as frozen: ``hang_timeout`` must exceed your longest task.
 Unlike Dask, whose workers heartbeat from their event loop while tasks run on other
 threads (``distributed.scheduler.worker-ttl``, 5 minutes by default: a worker silent
 for that long is removed and its tasks rescheduled), and Ray, whose GCS health-checks

@@ -311,3 +311,17 @@ def send_many(ref: stealer.AgentRef, n: int) -> int:
     for _ in range(n):
         ref.send("add", 1)
     return n
+
+
+class Fanout(stealer.Agent):
+    """Calls a group of agents at once from a handler (stealer.call_all, or a yielded list
+    of ref.call results) and returns every reply."""
+
+    def __init__(self, refs: list) -> None:
+        self.refs = refs
+
+    def all_add(self, k: int) -> Any:
+        return (yield stealer.call_all(self.refs, "add", [(k,)] * len(self.refs)))
+
+    def listed(self, k: int) -> Any:
+        return (yield [r.call("add", k) for r in self.refs])

@@ -358,18 +358,28 @@ class AgentClient:
             raise AgentStopped(f"agent {h:#x} was stopped, finished or failed; it takes no "
                                "more messages", h)
 
-    def _deliver(self, h: int, m: int) -> None:
+    def _deliver(self, h: int, m: int, defer: set[int] | None = None) -> None:
         if not self.dir.push(h, m):
             self.a.free(m)
             self.dir.give_back(h)  # the slot reserved for it
             raise AgentStopped(f"agent {h:#x} was stopped, finished or failed before the "
                                "message arrived", h)
-        self.dir.notify(h)
+        self.dir.notify(h, defer=defer)
 
-    def _reserve(self, h: int, block: bool, timeout: float | None) -> None:
+    def _wake(self, owners: set[int]) -> None:
+        """Wake each worker a batch of messages went to (call_all), once."""
+        idle = self.pool.idle
+        for k in owners:
+            idle.notify_worker(k)
+        owners.clear()
+
+    def _reserve(self, h: int, block: bool, timeout: float | None,
+                 defer: set[int] | None = None) -> None:
         d = self.dir
         if d.reserve(h):
             return
+        if defer:  # about to wait for room: the batch sent so far must be handled first
+            self._wake(defer)
         if not block:
             raise MailboxFull(f"the mailbox of agent {h:#x} is full ({d.count(h)[1]} "
                               "messages); send with block=True to wait, or make it bigger "
@@ -404,7 +414,8 @@ class AgentClient:
         self._deliver(h, m)
 
     def call(self, h: int, method: str, args: tuple, kwargs: dict,
-             deadline: float | None, uid: str | None = None) -> _Future:
+             deadline: float | None, uid: str | None = None,
+             defer: set[int] | None = None) -> _Future:
         pool = self.pool
         pool.check_open()
         fid = next(pool.ids)
@@ -417,7 +428,7 @@ class AgentClient:
             f._st_handle = rh  # cancel() withdraws it (the agent then drops the reply)
             pool.futures[fid] = f
             try:
-                self._reserve(h, True, None)
+                self._reserve(h, True, None, defer)
                 try:
                     data, bufs = self._journal_msg(uid, h, method, args, kwargs, rh, deadline)
                 except BaseException:
@@ -426,7 +437,7 @@ class AgentClient:
                 m = self.alloc("a message")
                 off = a.setup(m, K_MSG, 0, time.monotonic_ns())
                 a.put(off, data, bufs)
-                self._deliver(h, m)
+                self._deliver(h, m, defer)
             except BaseException:
                 if pool.futures.pop(fid, None) is not None:
                     a.release(rh, 1, 0, 0)  # QUEUED -> FREEING -> free (still ours)
@@ -434,6 +445,17 @@ class AgentClient:
         except (AgentStopped, MailboxFull, ValueError, StealerError, JournalError) as exc:
             f.set_exception(exc)
         return f
+
+    def call_all(self, targets: list[tuple[int, str | None, float | None]], method: str,
+                 arglists: list[tuple]) -> list[_Future]:
+        """api.call_all from the client: one call per target, each worker woken once."""
+        self.pool.check_open()
+        owners: set[int] = set()
+        try:
+            return [self.call(h, method, args, {}, dl, uid, owners)
+                    for (h, uid, dl), args in zip(targets, arglists)]
+        finally:
+            self._wake(owners)  # also for the calls made before an exception
 
     # -- agents that failed outside their worker ---------------------------------------
     def abandon(self, h: int, exc: BaseException) -> None:

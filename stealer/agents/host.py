@@ -68,12 +68,13 @@ from stealer._layout import (
     ST_OK,
 )
 from stealer.agents import api
-from stealer.agents.api import AgentRef, Ctx, Done, Pending, Sleep, Wait
+from stealer.agents.api import AgentRef, Ctx, Done, Pending, PendingAll, Sleep, Wait
 from stealer.agents.client import AGENT_FID, encode_message
 from stealer.agents.jblob import pack as journal_pack
 from stealer.agents.jblob import sender_is_agent
 from stealer.agents.mailbox import Directory
 from stealer.agents.options import DEFAULT_OPTIONS, AgentOptions
+from stealer.agents.placement import COOLDOWN_NS, move_cost_ns, moves_to_busy, pays_to_idle
 from stealer.agents.runqueue import RunQueue
 from stealer.errors import (
     AgentError,
@@ -146,7 +147,9 @@ class _Entry:
 
     __slots__ = (
         "applied",
+        "arrived",
         "blocked",
+        "ckpt_ns",
         "ckpt_time",
         "cls",
         "cpu_ns",
@@ -185,6 +188,7 @@ class _Entry:
         "steps",
         "stop",
         "tier",
+        "turn_ns",
         "uid",
         "ver",
         "waiting",
@@ -230,6 +234,11 @@ class _Entry:
         self.msgs = 0
         self.handled = 0  # messages handled in the current turn
         self.cpu_ns = 0
+        # placement (placement.py): run time per turn (moving average), the last
+        # checkpoint's pickling time, when it moved here (0: spawned here)
+        self.turn_ns = 0
+        self.ckpt_ns = 0
+        self.arrived = 0
         self.win_start = 0  # monotonic ns
         self.cur = (h, K_ROOT | F_AGENT, link)  # the worker's `cur` while it runs (spawn())
         self.deadline_ns = 0
@@ -294,6 +303,8 @@ class Host:
         self.runnable_off = w.wbase + W_RUNNABLE
         self.in_api = 0  # > 0 while a step calls into us (send, call, spawn_agent...)
         self.poked: dict[int, int] = {}  # peer -> monotonic ns we last asked it for an agent
+        self.turn_avg = 0  # ns per turn over every agent here (moving average): backlogs
+        self.bal_prev = -1  # the peer balance() found short at its previous check
         # An idle peer asks (SIGUSR1) for one of the agents waiting behind our long step;
         # only with the native queues: the reference queues' lock is not reentrant.
         self.preempt = w.native
@@ -383,6 +394,7 @@ class Host:
                         e.gen = gen + 1 + self.tries(h)  # the journal: a new generation
                 e.steps, e.msgs = steps, msgs
                 e.last_ckpt = ck
+                e.arrived = time.monotonic_ns()  # moved (or restarted): it stays a while
                 mark = self._ckpt_mark(ck)
             else:  # from the spawn (the messages a stateless checkpoint covered are gone)
                 mark = self._ckpt_mark(ck)
@@ -503,9 +515,11 @@ class Host:
         r = self.r
         r.store32(self.runnable_off, self.rq.n)  # release: read by idle peers (poke_peers)
         # a peer searching or parked (first 64 workers; relaxed loads: a hint, re-checked
-        # by the thief's own steal): publish one more runnable agent for it
-        if self.rq.n and (r.load64(H_SEARCHING) | r.load64(H_PARKED)) & self.peers_mask:
-            self.publish_one()
+        # by the thief's own steal): publish one more runnable agent for it, if that pays
+        if self.rq.n:
+            idle = (r.load64(H_SEARCHING) | r.load64(H_PARKED)) & self.peers_mask
+            if idle and self.pays_to_idle(e, idle):
+                self.publish_one()
         if self.turns & 7 == 0 and self.rq.n >= 2 and self.balancing:
             self.balance()
         if self.turns & 63 == 0:
@@ -566,6 +580,12 @@ class Host:
             dt = t1 - t0
             e.cpu_ns += dt
             e.win_cpu += dt
+            # moving averages of the run time per turn (placement.py); a sample counts for
+            # at most 4x the average: a turn preempted by another process, or the first
+            # one after a restore, does not make every agent look long
+            e.turn_ns = dt if not e.turn_ns else (3 * e.turn_ns + min(dt, 4 * e.turn_ns)) >> 2
+            avg = self.turn_avg
+            self.turn_avg = dt if not avg else (7 * avg + min(dt, 4 * avg)) >> 3
             w.c[C_BUSY_NS] += dt
             if metrics_on:
                 r.hist_record(w.mbase_tier_run[e.tier], dt)
@@ -896,6 +916,8 @@ class Host:
             w.in_body = False
             exc = None
             send = None
+            if type(y) is list and y and all(isinstance(p, Pending) for p in y):
+                y = PendingAll(y)  # several calls yielded together: resumed with every reply
             if isinstance(y, Pending):
                 if y.done:
                     send, exc = self.collect_pending(y)
@@ -918,16 +940,45 @@ class Host:
 
     def ready(self, e: _Entry) -> bool:
         y = e.waiting
-        if isinstance(y, CallPending) and y.rh >= 0:
-            st = self.a.tr.state(y.rh)
-            return st is not None and st[0] == S_DONE
+        if isinstance(y, PendingAll):
+            return self.all_ready(y)
         if isinstance(y, Pending):
-            return y.done
+            return self.part_ready(y)
         frame = e.frame
         return frame is None or self.w.kids_done(frame)
 
+    def part_ready(self, y: Pending) -> bool:
+        if isinstance(y, CallPending) and y.rh >= 0 and not y.done:
+            st = self.a.tr.state(y.rh)
+            return st is not None and st[0] == S_DONE
+        return y.done
+
+    def all_ready(self, y: PendingAll) -> bool:
+        """Every part there?  Parts before ``y.next`` were seen there: a notification per
+        reply looks at each part once, not at all of them each time."""
+        parts = y.parts
+        i = y.next
+        while i < len(parts) and self.part_ready(parts[i]):
+            i += 1
+        y.next = i
+        y.done = i == len(parts)
+        return y.done
+
+    def collect_all(self, y: PendingAll) -> tuple[Any, BaseException | None]:
+        """The replies of a PendingAll (every reply slot freed), or its first failure."""
+        values = []
+        first: BaseException | None = None
+        for p in y.parts:
+            v, exc = self.collect_pending(p)
+            values.append(v)
+            if exc is not None and first is None:
+                first = exc
+        return (None, first) if first is not None else (values, None)
+
     def collect_pending(self, y: Pending) -> tuple[Any, BaseException | None]:
-        if isinstance(y, CallPending) and y.rh >= 0:
+        if isinstance(y, PendingAll):
+            return self.collect_all(y)
+        if isinstance(y, CallPending) and y.rh >= 0 and not y.done:
             a = self.a
             off = a.off(y.rh)
             status = a.kind_link(off)[1]
@@ -1135,6 +1186,12 @@ class Host:
             p.done, p.exc = True, exc
             return p
         return CallPending(rh)
+
+    def call_all(self, targets: list[tuple[int, str | None, float | None]], method: str,
+                 arglists: list[tuple]) -> PendingAll:
+        """api.call_all inside an agent: ``yield`` it for the list of replies."""
+        return PendingAll([self.call(h, method, args, {}, dl, uid)
+                           for (h, uid, dl), args in zip(targets, arglists)])
 
     @_api
     def stop(self, h: int) -> None:
@@ -1349,8 +1406,9 @@ class Host:
         if e.it_msg is not None and not (suspend and self._agent_reply(e.it_msg[1])):
             self.reply(e.it_msg[1], ST_ERROR, stopped)
         y = e.waiting
-        if isinstance(y, CallPending) and y.rh >= 0 and not y.done:
-            self.drop_reply(y.rh)
+        for p in y.parts if isinstance(y, PendingAll) else (y,):
+            if isinstance(p, CallPending) and p.rh >= 0 and not p.done:
+                self.drop_reply(p.rh)
         for _h, m in e.outbox or ():
             a.free(m)  # never pushed: in no chain
         e.outbox = None
@@ -1401,9 +1459,11 @@ class Host:
             jstate = (None if j is None else
                       (e.uid, e.ver, e.jseen, e.jsent, e.jspawned, e.rcache))
             try:
+                t0 = time.monotonic_ns()
                 state = serialize.dumps((e.obj, e.gen, e.steps, e.msgs, self.tries(e.h),
                                          (e.state, e.want_step, e.wake_at), jstate),
                                         "agent state")
+                e.ckpt_ns = time.monotonic_ns() - t0  # what a move costs (placement.py)
             except BaseException as exc:
                 if j is not None:  # a journaled agent must pickle: it fails, saying why
                     self.finish(e, ST_ERROR, JournalError(
@@ -1453,33 +1513,53 @@ class Host:
         return state is not None
 
     def balance(self) -> None:
-        """Hand one runnable agent to the least-loaded peer if it has at least two fewer
-        waiting than we do (W_RUNNABLE): busy peers never steal, so without this a worker
-        that adopted more agents at the start keeps a longer round-robin for good."""
+        """Hand runnable agents to the least-loaded peer when that pays (placement.py):
+        busy peers never steal, so without this a worker that adopted more agents at the
+        start keeps a longer round-robin for good.  A peer's load is its runnable agents
+        (W_RUNNABLE) plus the notifications in its inbox (calls on their way to its
+        agents); it must be the shortest at two checks in a row."""
         w = self.w
         r = self.r
-        mine = self.rq.n
-        best, low = -1, mine - 2
+        mine = self.rq.n + len(w.inbox)
+        best, low = -1, mine
         for j in range(w.n):
             if j == w.k:
                 continue
             base = w.seg.layout.worker(j)
             if r.load32(base + W_STATE) != READY:
                 continue
-            v = r.load32(base + W_RUNNABLE)  # relaxed enough: a hint, re-read every 8 turns
+            # relaxed: a hint, re-read at every check
+            v = r.load32(base + W_RUNNABLE) + len(w.inboxes[j])
             if v < low:
                 best, low = j, v
-        # half the difference at once (a start-up batch evens out in one go, not one
-        # agent per 8 turns), bounded: each move pickles one agent's state
-        for _ in range(min(32, (mine - low) // 2) if best >= 0 else 0):
+        prev, self.bal_prev = self.bal_prev, best
+        if best < 0 or best != prev:
+            return
+        c = self.rq.last()
+        n = moves_to_busy(mine, low, self.turn_avg,
+                          move_cost_ns(c.ckpt_ns if c is not None else 0))
+        for _ in range(n):
             if not self.publish_one(to=best):
                 break
+
+    def pays_to_idle(self, e: _Entry, idle: int) -> bool:
+        """Publish the next runnable agent for an idle peer (``idle``: their bits)?  Only
+        if one of them has nothing on its way and the move pays (placement.py)."""
+        w = self.w
+        if not any(idle >> j & 1 and not len(w.inboxes[j]) for j in range(min(w.n, 64))):
+            return False  # every idle peer has notifications waiting: it has work
+        c = self.rq.candidate()
+        if c is None:
+            return False
+        backlog = (e.turn_ns or self.turn_avg) + self.rq.n * self.turn_avg
+        return pays_to_idle(backlog, c.turn_ns or self.turn_avg, move_cost_ns(c.ckpt_ns))
 
     def publish_one(self, to: int = -1) -> bool:
         """Publish one runnable agent: for an idle peer (on our deque, for a thief), or
         handed to peer ``to`` through its inbox (balance)."""
         e = self.rq.candidate() if to < 0 else self.rq.last()
-        if (e is None or e.frame is not None or e.outbox or e.it is not None or e.pinned):
+        if (e is None or e.frame is not None or e.outbox or e.it is not None or e.pinned
+                or (e.arrived and time.monotonic_ns() - e.arrived < COOLDOWN_NS)):
             return False
         if not self.checkpoint(e):
             return False

@@ -128,8 +128,10 @@ class Directory:
             if r.cas64(e + D_HEAD, old, m + 1):
                 return True
 
-    def notify(self, h: int, me: int = -1) -> None:
-        """After a push (or a stop): make sure agent ``h``'s owner looks at it."""
+    def notify(self, h: int, me: int = -1, defer: set[int] | None = None) -> None:
+        """After a push (or a stop): make sure agent ``h``'s owner looks at it.  With
+        ``defer``, the owner is added to it instead of woken: the caller wakes each owner
+        of a batch once (``Idle.notify_worker``), before it blocks and when it is done."""
         r = self.r
         # seq_cst RMW: pairs with the owner's and64 that clears it before its walk
         if r.or64(self.entry(h) + D_FLAGS, AF_NOTIFIED) & AF_NOTIFIED:
@@ -143,7 +145,10 @@ class Directory:
         while not self.inboxes[owner].push(h):  # one notification per agent at a time
             time.sleep(0.0001)
         if owner != me:
-            self.idle.notify_worker(owner)
+            if defer is not None:
+                defer.add(owner)
+            else:
+                self.idle.notify_worker(owner)
 
     # -- the owner ----------------------------------------------------------------
     def clear_notified(self, h: int) -> None:

@@ -230,6 +230,7 @@ class Worker:
         self.r = r = seg.region
         self.arena = Arena(seg)
         self.idle = Idle(r, layout)
+        self.arena._idle = self.idle  # one owed-wake flag for both paths (Idle.wake_client)
         n = layout.nworkers
         self.n = n
         self.deques = [Q.Deque(r, layout.deque(i), layout.records) for i in range(n)]
@@ -376,6 +377,13 @@ class Worker:
         """Injector, then peers; spin briefly, then park. None means shut down."""
         idle = self.idle
         r = self.r
+        hot = self.arena.hot
+        if idle.owed or (hot is not None and hot.owed):
+            # completions published in the client's throughput mode: announce them now,
+            # once, rather than let them wait for its next poll (Idle.wake_client)
+            if hot is not None:
+                hot.owed = False
+            idle.flush_client()
         searching = idle.try_search(self.k)
         rounds = 0
         while True:

@@ -1278,7 +1278,13 @@ class _OutOfBand(Exception):
     copied): such a payload takes the Python path, which keeps its buffers apart."""
 
 
+# serialize.INBAND_MAX: a buffer up to this size is pickled in-band (the reference's rule)
+cdef Py_ssize_t INBAND_MAX = 2048
+
+
 def _refuse_buffers(buf):
+    if memoryview(buf).nbytes <= INBAND_MAX:
+        return True   # small (an array of a few hundred numbers): in the pickle itself
     raise _OutOfBand
 
 

@@ -240,7 +240,7 @@ def _submit(pool: _Pool, retries: int, fn: Callable[..., Any], args: tuple,
     payload = (fref if fref >= 0 else fn, args, kwargs or None)
     bufs: list = []
     try:
-        data = _pickle_dumps(payload, 5, buffer_callback=bufs.append)
+        data = _pickle_dumps(payload, 5, buffer_callback=serialize.keep_large(bufs))
     except Exception:
         try:
             data, bufs = serialize.dumps(payload, "task (function and arguments)")

@@ -17,6 +17,7 @@ from typing import Any
 
 from stealer import serialize
 from stealer._layout import (
+    AF_CONTROL,
     D_CKPT,
     F_AGENT,
     K_CKPT,
@@ -82,7 +83,7 @@ class AgentClient:
         self.pool = pool
         self.a = pool.arena
         self.dir = Directory(pool.region, pool.arena, pool.layout.offsets["agents"],
-                             pool.inboxes, pool.idle)
+                             pool.inboxes, pool.idle, pool.layout.worker)
         self.lock = threading.Lock()
         self.futures: dict[int, _Future] = {}  # agent handle -> its final value's Future
         self.finished: dict[int, tuple[int, Any]] = {}  # fid -> (status, value), nobody asked yet
@@ -157,7 +158,7 @@ class AgentClient:
         h = self.alloc("a new agent")
         a = self.a
         try:
-            self.dir.init(h, opts.mailbox)  # before the record is QUEUED
+            self.dir.init(h, opts.mailbox, AF_CONTROL if opts.tier == 0 else 0)  # before the record is QUEUED
             off = a.setup(h, K_ROOT | F_AGENT, AGENT_FID | h, time.monotonic_ns(), retries)
             a.put(off, data, bufs)
         except BaseException:
@@ -209,7 +210,7 @@ class AgentClient:
             cls, args, kwargs, wopts = loads(*p.spawn)
             opts = AgentOptions.from_worker(wopts) if wopts else DEFAULT_OPTIONS
             deadline_at = None if opts.deadline is None else time.monotonic() + opts.deadline
-            self.dir.init(h, opts.mailbox)
+            self.dir.init(h, opts.mailbox, AF_CONTROL if opts.tier == 0 else 0)
             ck = -1
             if p.snap is not None:
                 ch = self.alloc("a recovered checkpoint")

@@ -44,6 +44,7 @@ from typing import Any
 from stealer import failpoints as FP
 from stealer import metrics, serialize
 from stealer._layout import (
+    AF_CONTROL,
     AF_STOP,
     D_CKPT,
     D_CPU_NS,
@@ -67,7 +68,7 @@ from stealer._layout import (
     ST_ERROR,
     ST_OK,
 )
-from stealer.agents import api
+from stealer.agents import api, inline
 from stealer.agents.api import AgentRef, Ctx, Done, Pending, PendingAll, Sleep, Wait
 from stealer.agents.client import AGENT_FID, encode_message
 from stealer.agents.jblob import pack as journal_pack
@@ -111,7 +112,7 @@ _U64 = struct.Struct("=Q")
 _C = {name: i for i, name in enumerate(metrics.COUNTERS)}  # the worker's counter indices
 C_BUSY_NS, C_STEPS, C_MSGS = _C["busy_ns"], _C["agent_steps"], _C["agent_messages"]
 C_MIGRATIONS, C_THROTTLED, C_RESUMES = _C["migrations"], _C["throttled"], _C["resumes"]
-C_PREEMPT = _C["preempt_publishes"]
+C_PREEMPT, C_INLINE = _C["preempt_publishes"], _C["inline_controls"]
 READY = 1  # stealer.worker.STATE_READY
 
 def _unpicklable(obj: Any) -> str:
@@ -273,6 +274,9 @@ class CallPending(Pending):
 class Host:
     """The agents of one worker (created by stealer.worker.Worker)."""
 
+    SUSPENDED = SUSPENDED  # (agents/inline.py)
+    c_inline = C_INLINE
+
     def __init__(self, w: Any) -> None:
         self.w = w
         self.a = w.arena
@@ -280,8 +284,13 @@ class Host:
         self.name = w.name
         self.who = w.who
         self.k = w.k
-        self.dir = Directory(w.r, w.arena, w.seg.layout.offsets["agents"], w.inboxes, w.idle)
+        self.dir = Directory(w.r, w.arena, w.seg.layout.offsets["agents"], w.inboxes, w.idle,
+                             w.seg.layout.worker)
         self.agents: dict[int, _Entry] = {}
+        self.controls: dict[int, _Entry] = {}  # the control-tier agents of agents (inline.py)
+        self.nested = False  # a control agent's turn inside a step runs (inline.py)
+        self.nested_ns = 0  # time of those turns, taken off the running step's
+        self.alarm_due = False  # the step's timer fired during a nested turn
         # published for a thief (with its R_TRIES then): ours again if we start it
         self.away: dict[int, tuple[_Entry, int]] = {}
         self.rq = RunQueue()
@@ -314,6 +323,7 @@ class Host:
             api._remap.append(self._remap)
         if self.preempt:
             signal.signal(signal.SIGUSR1, self._on_request)
+            signal.signal(inline.SIGNAL, self._on_control)
 
     # -- the worker loop's questions -------------------------------------------------
     def poll(self) -> None:
@@ -359,6 +369,8 @@ class Host:
             e.seen = self._ckpt_mark(ck)
             e.stop = bool(d.flags(h) & AF_STOP)
             self.agents[h] = e
+            if e.tier == 0:
+                self.controls[h] = e
             self.take(e)
             self.schedule(e)
             return
@@ -430,6 +442,8 @@ class Host:
                     e.replay = i + 1
                     break
         e.win_start = time.monotonic_ns()
+        if e.tier == 0:
+            self.controls[h] = e
         self.schedule(e)
 
     def _ckpt_mark(self, ck: int) -> int:
@@ -554,19 +568,7 @@ class Host:
                     return
                 self.resume(e)
             if e.pending:
-                while e.pending and e.state < SUSPENDED and not e.blocked:
-                    if e.handled >= MSG_BATCH:
-                        break
-                    # ref.stop() during the batch: its ping waits in our inbox until this
-                    # turn ends (16 slow handlers: seconds), so look at the flag itself;
-                    # the next turn stops it, as a stop seen at a ping does
-                    if e.handled and self.dir.flags(e.h) & AF_STOP:
-                        e.stop = True
-                        break
-                    if (e.replay and e.want_step and e.state <= WAITING
-                            and e.steps < self.steps_before(e.pending[0])):
-                        break  # replay: the steps that came before this message come first
-                    self.deliver(e, e.pending.popleft())
+                self.deliver_batch(e)
                 if e.state >= SUSPENDED or e.blocked or e.stop:
                     return
             if e.want_step and e.state <= WAITING:
@@ -578,6 +580,11 @@ class Host:
             r.store64(w.cur_off, 0)
             t1 = time.monotonic_ns()
             dt = t1 - t0
+            if self.nested_ns:  # control turns ran inside this one (inline.py): theirs
+                dt = max(0, dt - self.nested_ns)
+                self.nested_ns = 0
+            if e.tier == 0:
+                w.flush_client()  # a control agent's replies go out now
             e.cpu_ns += dt
             e.win_cpu += dt
             # moving averages of the run time per turn (placement.py); a sample counts for
@@ -594,6 +601,23 @@ class Host:
                     w.flush()  # counters reach stats() while agents keep the worker busy
             if e.state != FINISHED:
                 self.after_turn(e, t1)
+
+    def deliver_batch(self, e: _Entry) -> None:
+        """Handle the agent's pending messages, up to MSG_BATCH (a turn's, or a nested
+        control turn's: inline.py)."""
+        while e.pending and e.state < SUSPENDED and not e.blocked:
+            if e.handled >= MSG_BATCH:
+                break
+            # ref.stop() during the batch: its ping waits in our inbox until this turn
+            # ends (16 slow handlers: seconds), so look at the flag itself; the next turn
+            # stops it, as a stop seen at a ping does
+            if e.handled and self.dir.flags(e.h) & AF_STOP:
+                e.stop = True
+                break
+            if (e.replay and e.want_step and e.state <= WAITING
+                    and e.steps < self.steps_before(e.pending[0])):
+                break  # replay: the steps that came before this message come first
+            self.deliver(e, e.pending.popleft())
 
     def after_turn(self, e: _Entry, now_ns: int = 0) -> None:
         now_ns = now_ns or time.monotonic_ns()
@@ -714,7 +738,17 @@ class Host:
                     pass
         return asked
 
+    def _on_control(self, signum: int, frame: Any) -> None:
+        """inline.SIGNAL from a sender: a control agent's message waits (inline.py)."""
+        inline.on_signal(self)
+
     def _on_alarm(self, signum: int, frame: Any) -> None:
+        if self.nested:  # inside a control turn nested in the step: raised after it
+            self.alarm_due = True
+            return
+        self.on_alarm_now()
+
+    def on_alarm_now(self) -> None:
         e = self.current
         if self.in_step and e is not None:
             raise StepTimeout(f"a step of agent {e.h:#x} ran longer than its step_timeout "
@@ -1270,7 +1304,8 @@ class Host:
         a = self.a
         h = self.alloc()
         w = self.w
-        self.dir.init(h, ao.mailbox)  # before the record is QUEUED (a recoverer may push it)
+        # before the record is QUEUED (a recoverer may push it)
+        self.dir.init(h, ao.mailbox, AF_CONTROL if ao.tier == 0 else 0)
         self.r.store64(w.lease_off, h + 1)  # leased: killed before the push, it is pushed again
         off = a.setup(h, K_ROOT | F_AGENT, AGENT_FID | h, time.monotonic_ns(), retries)
         a.put(off, data, bufs)
@@ -1389,6 +1424,7 @@ class Host:
         h = e.h
         e.state = FINISHED
         self.agents.pop(h, None)
+        self.controls.pop(h, None)
         head = d.close(h)
         if FP.ON:
             FP.hit("agent.finish_after_close")
@@ -1567,6 +1603,7 @@ class Host:
         e.queued = False
         h = e.h
         self.agents.pop(h, None)
+        self.controls.pop(h, None)
         self.away[h] = (e, self.tries(h))
         if len(self.away) > 64:
             self._prune_away()

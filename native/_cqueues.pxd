@@ -78,6 +78,11 @@ cdef class HotPath:
     cdef Py_ssize_t park_base       # worker 0's park word; worker k's is park_base + k * park_stride
     cdef Py_ssize_t park_stride
     cdef int nworkers
+    # A completion published while the result thread parked in throughput mode
+    # (PARKED_BATCH) is not announced: this worker wakes it before it idles
+    # (Worker.search -> Idle.flush_client) and the thread polls every BATCH_POLL anyway.
+    # Process-local (this worker's HotPath), read and cleared by the worker loop.
+    cdef public bint owed
     cdef int next_rr                # where the next notify starts scanning (this process only)
     cdef char *rec(self, uint64_t h) noexcept nogil
     cdef int c_notify_one(self) noexcept nogil

@@ -682,6 +682,7 @@ cdef class HotPath:
         self.free_ring = free_ring
         self.injector = injector
         self.client_park_off = client_park_off
+        self.owed = False
 
     cdef char *rec(self, uint64_t h) noexcept nogil:
         return self.rec_base + RECORD_BYTES * (h & 0xFFFFFFFFU)
@@ -874,18 +875,20 @@ cdef class HotPath:
         st_fence_seqcst()                              # pairs with the client's park store + recheck
         cdef char *w = self.region.base + self.client_park_off
         cdef uint32_t v = st_load_relaxed_u32(w)     # ordered by the fence above
+        if v == PARKED_BATCH:
+            # Throughput mode (idle.ResultPolicy): no wake per completion.  The thread
+            # polls every BATCH_POLL, and this worker wakes it before it idles
+            # (Worker.search -> Idle.flush_client), so a batch is announced once.
+            self.owed = True
+            return 1
         # seq_cst CAS: pairs with the client's store of the park word (idle.client_park)
-        if (v == PARKED or v == PARKED_BATCH) and st_cas_seqcst_u32(w, v, NOTIFIED):
-            if v == PARKED:
-                _hand_over(w)
+        if v == PARKED and st_cas_seqcst_u32(w, v, NOTIFIED):
+            _hand_over(w)
             st_futex_wake(w, 1)
             # Let the woken result thread run now if it was queued on this CPU: with as
             # many busy workers as cores it otherwise waits out this worker's time slice
             # (latency bench, 2 cores: result-return p90 0.6 -> 0.2 ms, p99 -0.1 ms).
-            # Not in throughput mode (PARKED_BATCH, idle.ResultPolicy): there the
-            # thread waits for the CPU on purpose, and this worker goes on with its work.
-            if v == PARKED:
-                sched_yield()
+            sched_yield()
         return 1
 
     def finish_inline(self, uint64_t h, uint32_t status, bytes data not None,
@@ -1275,7 +1278,13 @@ class _OutOfBand(Exception):
     copied): such a payload takes the Python path, which keeps its buffers apart."""
 
 
+# serialize.INBAND_MAX: a buffer up to this size is pickled in-band (the reference's rule)
+cdef Py_ssize_t INBAND_MAX = 2048
+
+
 def _refuse_buffers(buf):
+    if memoryview(buf).nbytes <= INBAND_MAX:
+        return True   # small (an array of a few hundred numbers): in the pickle itself
     raise _OutOfBand
 
 

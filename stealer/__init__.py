@@ -6,6 +6,7 @@ Public names only; each lives in its own module.
 from typing import TYPE_CHECKING
 
 from stealer.agents import Agent, AgentRef, Ctx
+from stealer.agents.api import call_all
 from stealer.errors import (
     AffinityError,
     AgentError,
@@ -63,6 +64,7 @@ __all__ = [
     "SharedMemoryFullError",
     "StealerError",
     "WorkerCrashedError",
+    "call_all",
     "join",
     "recover",
     "run_inline",

@@ -85,6 +85,8 @@ D_GEN = 40  # u32 agent generation (restarts and stops): its owner stores
 D_OWNER = 44  # u32 worker index + 1 running the agent now (0: none), for stats: its owner stores
 AF_NOTIFIED = 1  # a notification is on its way to the owner's inbox (cleared by the owner)
 AF_STOP = 2  # ref.stop(): finish at the next step boundary
+AF_CONTROL = 4  # a control-tier agent: set by its spawner before the record is pushed;
+#                 senders read it with their notify's or64 and signal a busy owner (inline.py)
 D_CPU_NS = 48  # u64 CPU ns the agent's steps and handlers used so far: its owner stores (stats)
 D_STEPS = 56  # u32 steps run so far: its owner stores (stats)
 D_MSGS = 60  # u32 messages handled so far: its owner stores (stats)

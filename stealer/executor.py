@@ -250,7 +250,7 @@ def _submit(pool: _Pool, retries: int, fn: Callable[..., Any], args: tuple,
     payload = (fref if fref >= 0 else fn, args, kwargs or None)
     bufs: list = []
     try:
-        data = _pickle_dumps(payload, 5, buffer_callback=bufs.append)
+        data = _pickle_dumps(payload, 5, buffer_callback=serialize.keep_large(bufs))
     except Exception:
         try:
             data, bufs = serialize.dumps(payload, "task (function and arguments)")
@@ -618,6 +618,23 @@ class Executor(_fbase.Executor):
         _check_retries(r)
         opts = AgentOptions.parse(options)
         return pool.agents.spawn(cls, args, init_kwargs or {}, opts, r, name)
+
+    def call_all(self, refs: Iterable[AgentRef], method: str,
+                 args: Iterable[tuple] | None = None) -> list[Future[Any]]:
+        """Call ``method`` on every agent in ``refs``, the i-th with the i-th tuple of
+        positional arguments (``None``: none): a list of Futures in the order of
+        ``refs``, from one Python call, each worker woken once for the batch (the
+        lockstep pattern: ``futs = ex.call_all(envs, "step", [(a,) for a in actions])``).
+        Backpressure as ``ref.call``: a full mailbox blocks until it has room.  Inside an
+        agent use :func:`stealer.call_all` and ``yield`` it."""
+        from stealer.agents.api import call_all
+
+        refs = list(refs)
+        mine = self._pool.name
+        for r in refs:
+            if isinstance(r, AgentRef) and r._seg != mine:
+                raise ValueError(f"call_all(): {r!r} belongs to another executor")
+        return call_all(refs, method, args)
 
     def agent(self, name: str) -> AgentRef:
         """The agent spawned with ``name`` in this executor's journal (in this run or,

@@ -49,6 +49,7 @@ POINTS = {
     "agent.migrate_after_ckpt": "a migrating agent is checkpointed, before RUNNING -> QUEUED",
     "agent.migrate_after_cas": "a migrating agent is QUEUED (leased), before its push",
     "agent.finish_after_close": "a finishing agent's mailbox is closed, before calls are failed",
+    "agent.inline_turn": "a control agent's turn nested in another's step, before its messages",
     # the agents' journal (stealer/agents/host.py; Executor(journal=...))
     "journal.after_msg_logged": "a worker logged a message, before it reaches the mailbox",
     "journal.after_reply_logged": "a call's reply is logged, before it is stored for the caller",

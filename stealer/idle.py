@@ -55,13 +55,14 @@ from stealer.shm import (
     Layout,
 )
 
-__all__ = ["Idle", "ResultPolicy", "RUNNING", "PARKED", "NOTIFIED", "PARKED_BATCH"]
+__all__ = ["Idle", "ResultPolicy", "RUNNING", "PARKED", "NOTIFIED", "PARKED_BATCH", "BATCH_POLL"]
 
 RUNNING, PARKED, NOTIFIED, PARKED_BATCH = 0, 1, 2, 3  # PARKED_BATCH: the client word only
 _M64 = (1 << 64) - 1
 
 BATCH_ENTER = 8  # outstanding tasks per worker from which the result thread parks SCHED_BATCH
 BATCH_LEAVE = 4  # ... and below which it is SCHED_OTHER again (a gap, so it does not flap)
+BATCH_POLL = 0.002  # seconds: in throughput mode the result thread looks at least this often
 _SCHED_BATCH: int | None = getattr(os, "SCHED_BATCH", None)  # Linux only
 
 
@@ -79,6 +80,7 @@ class Idle:
         self.search_words = [H_SEARCHING + 8 * (k >> 6) for k in range(n)]
         self.parked_words = [H_PARKED + 8 * (k >> 6) for k in range(n)]
         self._next = 0
+        self.owed = False  # worker side: a completion not announced yet (wake_client)
 
     # -- counts (advisory: a snapshot per 64-bit word) --------------------------
     def searching(self) -> int:
@@ -207,14 +209,28 @@ class Idle:
 
     # -- the client's result thread -----------------------------------------
     def wake_client(self) -> None:
-        """Worker side, after pushing a completion: wake the client if parked."""
+        """Worker side, after pushing a completion: wake the client if parked.  In
+        throughput mode (PARKED_BATCH) the wake is owed instead (:attr:`owed`): the
+        worker pays it once, before it idles (:meth:`flush_client`), and the result
+        thread polls every ``BATCH_POLL`` meanwhile (HotPath.c_finish does the same)."""
         r = self.r
         r.fence()  # seq_cst: the completion push before reading the park word
         v = r.load32(H_CLIENT_PARK)  # seq_cst: pairs with client_park's store
+        if v == PARKED_BATCH:
+            self.owed = True
+        elif v == PARKED and r.cas32(H_CLIENT_PARK, v, NOTIFIED):
+            r.futex_wake(H_CLIENT_PARK, 1)
+            os.sched_yield()  # let it run now (HotPath.c_finish)
+
+    def flush_client(self) -> None:
+        """Worker side, about to idle after completions it did not announce (``owed``
+        here or in its HotPath): wake the result thread from either park."""
+        self.owed = False
+        r = self.r
+        r.fence()  # seq_cst: the completion pushes before reading the park word
+        v = r.load32(H_CLIENT_PARK)  # seq_cst: pairs with client_park's store
         if v in (PARKED, PARKED_BATCH) and r.cas32(H_CLIENT_PARK, v, NOTIFIED):
             r.futex_wake(H_CLIENT_PARK, 1)
-            if v == PARKED:  # not in throughput mode: let it run now (HotPath.c_finish)
-                os.sched_yield()
 
     def client_park(self, has_work: Any, timeout: float, batch: bool = False) -> bool:
         """The result thread: sleep until a worker or the API wakes it, or ``timeout``;

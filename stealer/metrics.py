@@ -54,6 +54,7 @@ COUNTERS = (
     "migrations",       # agents this worker published for an idle peer (state pickled once)
     "throttled",        # agent turns demoted or delayed for using more than their cpu_share
     "preempt_publishes",  # agents published from inside a long step, for an idle peer's request
+    "inline_controls",  # control-tier turns run inside another agent's step (agents/inline.py)
 )
 NCOUNTERS = 16
 TIERS = 3

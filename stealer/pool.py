@@ -54,7 +54,7 @@ from stealer.errors import (
 )
 from stealer.futures import _Future
 from stealer.hang import HangWatch, hang_message
-from stealer.idle import NOTIFIED, Idle, ResultPolicy
+from stealer.idle import BATCH_POLL, NOTIFIED, Idle, ResultPolicy
 from stealer.records import Outcome
 from stealer.recovery import Recovery, ping_parent
 from stealer.shm import (
@@ -658,7 +658,6 @@ class _Pool:
     def _loop(self, policy: ResultPolicy) -> None:
         rings = self.completions
         last_check = 0.0
-        agents = self.agents
         while True:
             if FP.ON:
                 FP.hit("client.result_thread")
@@ -686,8 +685,9 @@ class _Pool:
                     and not self.agents.alive()):
                 return
             if not got:
-                batch = policy.update(0 if agents.in_use else len(self.futures))
-                self.idle.client_park(self.has_completions, MONITOR_INTERVAL, batch)
+                batch = policy.update(len(self.futures))
+                self.idle.client_park(self.has_completions,
+                                      BATCH_POLL if batch else MONITOR_INTERVAL, batch)
 
     def check_steps(self) -> None:
         """Kill a worker whose agent step ran far past its step_timeout (stuck in C code,

@@ -1,7 +1,8 @@
 """Serialization: stdlib pickle first, cloudpickle when that fails, protocol 5.
 
-Out-of-band buffers (numpy arrays and anything exposing ``PickleBuffer``)
-are written straight into shared memory by the arena, after a small frame
+Out-of-band buffers (numpy arrays and anything exposing ``PickleBuffer``, larger
+than :data:`INBAND_MAX` bytes: smaller ones stay in the pickle) are written straight
+into shared memory by the arena, after a small frame
 header; the reader copies each buffer once into a private ``bytearray`` so
 the object it gets owns its memory (the shared block is recycled at once).
 
@@ -34,13 +35,14 @@ import pickle
 import struct
 import threading
 import types
+from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
 
 from stealer.errors import SerializationError
 
-__all__ = ["dumps", "frame_size", "frame_header", "write_frame", "loads_frame", "FunctionTable",
+__all__ = ["INBAND_MAX", "keep_large", "dumps", "frame_size", "frame_header", "write_frame", "loads_frame", "FunctionTable",
            "ErrorPayload", "SMALL", "encode_small", "encode_small_call", "load_value",
            "load_call", "dump_result"]
 
@@ -49,15 +51,35 @@ _LEN = struct.Struct("=Q")
 _PROTO = 5
 
 
+# A buffer of at most this many bytes is pickled in-band: framing it apart costs more
+# than its copy (a reply of 64 floats took the frame path: header, lengths, a block of its
+# own and a second copy on the reader's side), and a payload without buffers can take the
+# native paths.  native/_cqueues.pyx's _refuse_buffers applies the same rule.
+INBAND_MAX = 2048
+
+
+def keep_large(bufs: list) -> Callable[[pickle.PickleBuffer], bool | None]:
+    """A pickle ``buffer_callback`` that keeps the buffers larger than :data:`INBAND_MAX`
+    out-of-band (appended to ``bufs``) and the others in the pickle."""
+
+    def oob(b: pickle.PickleBuffer) -> bool | None:
+        # true: in-band; None: out-of-band (pickle's buffer_callback contract)
+        return memoryview(b).nbytes <= INBAND_MAX or bufs.append(b)
+
+    return oob
+
+
 def dumps(obj: Any, what: str = "object") -> tuple[bytes, list[pickle.PickleBuffer]]:
-    """Pickle ``obj``; returns the pickle and its out-of-band buffers."""
+    """Pickle ``obj``; returns the pickle and its out-of-band buffers (those larger than
+    :data:`INBAND_MAX` bytes)."""
     bufs: list[pickle.PickleBuffer] = []
+    oob = keep_large(bufs)
     try:
-        return pickle.dumps(obj, _PROTO, buffer_callback=bufs.append), bufs
+        return pickle.dumps(obj, _PROTO, buffer_callback=oob), bufs
     except Exception:
         bufs.clear()
     try:
-        return cloudpickle.dumps(obj, _PROTO, buffer_callback=bufs.append), bufs
+        return cloudpickle.dumps(obj, _PROTO, buffer_callback=oob), bufs
     except Exception as exc:
         raise SerializationError(
             f"could not pickle the {what} ({type(exc).__name__}: {exc}). Tasks, their "
@@ -121,7 +143,9 @@ class _HasBuffers(Exception):
     pass
 
 
-def _in_band_only(buf: Any) -> None:
+def _in_band_only(buf: Any) -> bool:
+    if memoryview(buf).nbytes <= INBAND_MAX:
+        return True  # small: in the pickle, as dumps() keeps it
     raise _HasBuffers  # stop at the first out-of-band buffer, before it is copied
 
 

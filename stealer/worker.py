@@ -108,9 +108,10 @@ MAX_NEST = 1024  # deepest child chain a blocking join looks up (a task's descen
 FLUSH_MASK = 63  # publish counters every 64 steps (and before parking)
 FLUSH_NS = 2_000_000  # ... and at least this often while busy (stats() is never far behind)
 _COUNTERS = struct.Struct(f"={metrics.NCOUNTERS}Q")
-(C_TASKS, C_STEALS, C_STEAL_ATTEMPTS, C_PARKS, C_WAKEUPS, C_INJECTOR_TAKES, C_SPAWNS, C_RESUMES,
- C_ERRORS, C_BUSY_NS, C_AGENT_STEPS, C_AGENT_MSGS, C_MIGRATIONS, C_THROTTLED, C_PREEMPT
- ) = range(len(metrics.COUNTERS))
+_C = {name: i for i, name in enumerate(metrics.COUNTERS)}  # by name: reordering is safe
+C_TASKS, C_STEALS, C_STEAL_ATTEMPTS = _C["tasks"], _C["steals"], _C["steal_attempts"]
+C_PARKS, C_WAKEUPS, C_INJECTOR_TAKES = _C["parks"], _C["wakeups"], _C["injector_takes"]
+C_SPAWNS, C_RESUMES, C_ERRORS, C_BUSY_NS = _C["spawns"], _C["resumes"], _C["errors"], _C["busy_ns"]
 
 FP = failpoints  # `if FP.ON:` costs one attribute load when no failpoint is armed
 
@@ -230,6 +231,7 @@ class Worker:
         self.r = r = seg.region
         self.arena = Arena(seg)
         self.idle = Idle(r, layout)
+        self.arena._idle = self.idle  # one owed-wake flag for both paths (Idle.wake_client)
         n = layout.nworkers
         self.n = n
         self.deques = [Q.Deque(r, layout.deque(i), layout.records) for i in range(n)]
@@ -376,6 +378,7 @@ class Worker:
         """Injector, then peers; spin briefly, then park. None means shut down."""
         idle = self.idle
         r = self.r
+        self.flush_client()
         searching = idle.try_search(self.k)
         rounds = 0
         while True:
@@ -424,6 +427,16 @@ class Worker:
                 self.orphaned()
             rounds = 0
             searching = idle.try_search(self.k)
+
+    def flush_client(self) -> None:
+        """Completions published in the client's throughput mode and not announced
+        (Idle.wake_client, HotPath.c_finish): wake the result thread now, once, rather
+        than let them wait for its next poll (before idling; after a control turn)."""
+        hot = self.arena.hot
+        if self.idle.owed or (hot is not None and hot.owed):
+            if hot is not None:
+                hot.owed = False
+            self.idle.flush_client()
 
     def flush(self) -> None:
         """Publish the local counters to this worker's metrics block (single writer)."""

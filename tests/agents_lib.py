@@ -311,3 +311,56 @@ def send_many(ref: stealer.AgentRef, n: int) -> int:
     for _ in range(n):
         ref.send("add", 1)
     return n
+
+
+class Fanout(stealer.Agent):
+    """Calls a group of agents at once from a handler (stealer.call_all, or a yielded list
+    of ref.call results) and returns every reply."""
+
+    def __init__(self, refs: list) -> None:
+        self.refs = refs
+
+    def all_add(self, k: int) -> Any:
+        return (yield stealer.call_all(self.refs, "add", [(k,)] * len(self.refs)))
+
+    def listed(self, k: int) -> Any:
+        return (yield [r.call("add", k) for r in self.refs])
+
+
+class Spans(stealer.Agent):
+    """Steps ``steps`` times, each a busy ``long`` seconds; its final value is the
+    (start, end) of every step (time.monotonic, one clock for all processes on Linux)."""
+
+    def __init__(self, steps: int, long: float) -> None:
+        self.left = steps
+        self.long = long
+        self.spans: list[tuple[float, float]] = []
+        self.hits: list[float] = []
+
+    def step(self, ctx: stealer.Ctx) -> Any:
+        t0 = time.monotonic()
+        busy(self.long)
+        self.spans.append((t0, time.monotonic()))
+        self.left -= 1
+        return ctx.done(self.spans) if self.left <= 0 else None
+
+    def hit(self) -> float:
+        self.hits.append(time.monotonic())
+        return self.hits[-1]
+
+
+class Stamp(stealer.Agent):
+    """Message-only: ``hit`` returns when it ran; ``add``/``get`` count."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def hit(self) -> float:
+        return time.monotonic()
+
+    def add(self, k: int) -> int:
+        self.n += k
+        return self.n
+
+    def get(self) -> int:
+        return self.n

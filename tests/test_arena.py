@@ -321,7 +321,7 @@ def test_payload_classes_and_call_kept(rig, call_len, res_len):
 
 def test_out_of_band_buffers_round_trip(rig):
     a = rig.arena
-    arr = bytearray(blob(300, 9))
+    arr = bytearray(blob(3000, 9))  # above serialize.INBAND_MAX: out-of-band
     call, cbufs = serialize.dumps(("f", pickle.PickleBuffer(arr)))
     assert cbufs
     h, off = fresh(rig)
@@ -329,10 +329,10 @@ def test_out_of_band_buffers_round_trip(rig):
     assert u32(rig, off + R_KIND) & F_BUFFERS
     got = a.read_call(off)
     assert got[0] == "f" and bytes(got[1]) == bytes(arr)
-    res, rbufs = serialize.dumps(pickle.PickleBuffer(bytearray(blob(50, 4))))
+    res, rbufs = serialize.dumps(pickle.PickleBuffer(bytearray(blob(5000, 4))))
     a.put_result(off, res, rbufs)
     assert u32(rig, off + R_KIND) & F_RBUFFERS
-    assert bytes(a.take(off)) == blob(50, 4)
+    assert bytes(a.take(off)) == blob(5000, 4)
     a.put_result(off, *serialize.dumps("plain"))  # replaces it; the flag follows
     assert not u32(rig, off + R_KIND) & F_RBUFFERS
     assert a.take(off) == "plain"
@@ -621,7 +621,7 @@ def test_finish_value_refuses_before_storing_anything(rig):
     a, tr = rig.arena, rig.arena.tr
     h = run_hot(rig, blob(40), who=1)
     with pytest.raises(Exception) as info:
-        a.finish_value(h, np.arange(10), rig.completions[0], 1)
+        a.finish_value(h, np.arange(1000), rig.completions[0], 1)
     assert type(info.value).__name__ in ("_OutOfBand", "_HasBuffers")
     # too long beside the call: the payload comes back, to be stored apart
     assert a.finish_value(h, b"z" * 100, rig.completions[0], 1) == serialize.encode_small(

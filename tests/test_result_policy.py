@@ -1,6 +1,7 @@
 """How the result thread is scheduled (stealer.idle.ResultPolicy): SCHED_BATCH while a
-backlog of tasks waits, the normal class otherwise, and a worker wakes it from either park
-(PARKED_BATCH or PARKED), natively and in the Python reference; the hand-off, where a worker
+backlog of tasks or agent calls waits, the normal class otherwise; a worker wakes it at once
+from PARKED, and from PARKED_BATCH only before it idles (an owed wake: one per batch, the
+thread polls meanwhile), natively and in the Python reference; the hand-off, where a worker
 moves the parked thread onto its own CPU before waking it and the thread takes its own CPUs
 back once awake (and before it starts a process)."""
 
@@ -82,7 +83,7 @@ def test_a_refused_change_turns_the_policy_off(monkeypatch):
     assert _in_thread(run) == (False, False, False, os.SCHED_OTHER)
 
 
-def test_wake_client_wakes_either_park_and_yields_only_to_a_normal_one(impl, monkeypatch):
+def test_wake_client_wakes_a_normal_park_and_owes_a_batch_one(impl, monkeypatch):
     from stealer.shm import Layout
 
     layout = Layout(1, records=2, block_classes=((64, 1),), fn_entries=1, fn_data=64)
@@ -90,12 +91,22 @@ def test_wake_client_wakes_either_park_and_yields_only_to_a_normal_one(impl, mon
     yields = []
     monkeypatch.setattr(idle_mod.os, "sched_yield", lambda: yields.append(1))
     r = idle.r
-    for before, after, yielded in ((PARKED, NOTIFIED, 1), (PARKED_BATCH, NOTIFIED, 0),
-                                   (RUNNING, RUNNING, 0), (NOTIFIED, NOTIFIED, 0)):
+    for before, after, yielded, owed in ((PARKED, NOTIFIED, 1, False),
+                                         (PARKED_BATCH, PARKED_BATCH, 0, True),
+                                         (RUNNING, RUNNING, 0, False),
+                                         (NOTIFIED, NOTIFIED, 0, False)):
         r.store32(H_CLIENT_PARK, before)
         yields.clear()
+        idle.owed = False
         idle.wake_client()
-        assert (r.load32(H_CLIENT_PARK), len(yields)) == (after, yielded), before
+        assert (r.load32(H_CLIENT_PARK), len(yields), idle.owed) == (after, yielded, owed), before
+    # the worker pays what it owes before it idles: either park is woken, no yield
+    for before, after in ((PARKED_BATCH, NOTIFIED), (PARKED, NOTIFIED), (RUNNING, RUNNING)):
+        r.store32(H_CLIENT_PARK, before)
+        yields.clear()
+        idle.owed = True
+        idle.flush_client()
+        assert (r.load32(H_CLIENT_PARK), len(yields), idle.owed) == (after, 0, False), before
 
 
 def _wait_until(cond, what: str, timeout: float = 30.0) -> None:
@@ -105,16 +116,35 @@ def _wait_until(cond, what: str, timeout: float = 30.0) -> None:
         time.sleep(0.002)
 
 
-@pytest.mark.parametrize("mode", ["native", "python"])
-def test_the_result_thread_runs_batch_under_a_backlog_and_is_woken_there(mode, monkeypatch):
+def _one_worker_polling_never(mode: str, monkeypatch) -> stealer.Executor:
+    """A one-worker executor whose result thread never polls: a park ends only by a wake,
+    so a worker that did not pay its owed wake before idling would leave results
+    unresolved for a minute (and the tests' result(timeout=20) fail)."""
     if mode == "native" and _cqueues is None:
         pytest.skip("native extension not built")
-    # A park ends only by a wake: a worker that missed the PARKED_BATCH word would leave
-    # the results below unresolved for a minute, and result(timeout=20) fails.
     monkeypatch.setattr(pool_mod, "MONITOR_INTERVAL", 60.0)
+    monkeypatch.setattr(pool_mod, "BATCH_POLL", 60.0)
     with _py_hotpath(mode == "python"):
-        e = stealer.Executor(1)
-    with e:
+        return stealer.Executor(1)
+
+
+def _settled_by_the_result_thread(p, futs, expect: list) -> None:
+    """``futs`` (with done callbacks, which only the result thread runs) resolve to
+    ``expect`` after the thread parked PARKED_BATCH, and it parks normally afterwards."""
+    called: list = []
+    for f in futs:
+        f.add_done_callback(lambda f: called.append(f.result()))
+    _wait_until(lambda: p.region.load32(H_CLIENT_PARK) == PARKED_BATCH,
+                "the result thread parks in throughput mode")
+    assert [f.result(timeout=20) for f in futs] == expect
+    _wait_until(lambda: p.region.load32(H_CLIENT_PARK) == PARKED,
+                "the result thread parks normally again")
+    assert sorted(called) == sorted(expect)
+
+
+@pytest.mark.parametrize("mode", ["native", "python"])
+def test_the_result_thread_runs_batch_under_a_backlog_and_is_woken_there(mode, monkeypatch):
+    with _one_worker_polling_never(mode, monkeypatch) as e:
         p = e._pool
         tid = p.thread.native_id
         assert os.sched_getscheduler(tid) == os.SCHED_OTHER
@@ -122,32 +152,24 @@ def test_the_result_thread_runs_batch_under_a_backlog_and_is_woken_there(mode, m
         # with 20 tasks outstanding (>= 8 per worker), each of them 50 ms long.
         gate = e.submit(tasks.sleep_then, 0.3, "gate")
         rest = [e.submit(tasks.sleep_then, 0.05, i) for i in range(20)]
-        called = []
-        for f in rest:  # callbacks: only the result thread settles these futures
-            f.add_done_callback(lambda f: called.append(f.result()))
-        _wait_until(lambda: p.region.load32(H_CLIENT_PARK) == PARKED_BATCH,
-                    "the result thread parks in throughput mode")
-        assert os.sched_getscheduler(tid) == os.SCHED_BATCH
+        _wait_until(lambda: os.sched_getscheduler(tid) == os.SCHED_BATCH, "SCHED_BATCH")
+        _settled_by_the_result_thread(p, rest, list(range(20)))
         assert gate.result(timeout=20) == "gate"
-        assert [f.result(timeout=20) for f in rest] == list(range(20))
-        _wait_until(lambda: p.region.load32(H_CLIENT_PARK) == PARKED,
-                    "the result thread parks normally again")
         assert os.sched_getscheduler(tid) == os.SCHED_OTHER
-        assert sorted(called) == list(range(20))
 
 
-def test_no_throughput_mode_once_the_client_uses_agents():
-    with stealer.Executor(1) as e:
+@pytest.mark.parametrize("mode", ["native", "python"])
+def test_agent_calls_use_throughput_mode_and_every_reply_arrives(mode, monkeypatch):
+    """Replies to a backlog of calls are announced in batches too (issue 19: a context
+    switch per reply made a client stepping agents in lockstep barely faster than one
+    process): the thread parks PARKED_BATCH with the calls outstanding, and with its poll
+    disabled every reply still arrives, through the worker's wake before it idles."""
+    with _one_worker_polling_never(mode, monkeypatch) as e:
         p = e._pool
-        ref = e.spawn_agent(L.Counter, 0)
-        gate = e.submit(tasks.sleep_then, 0.3, "gate")
-        rest = [e.submit(tasks.sleep_then, 0.05, i) for i in range(20)]
-        # parked after the gate, with >= 8 tasks outstanding: normally all the same
-        _wait_until(lambda: (gate.done() and len(p.futures) >= 8
-                             and p.region.load32(H_CLIENT_PARK) == PARKED),
-                    "the result thread parks with a backlog")
-        assert os.sched_getscheduler(p.thread.native_id) == os.SCHED_OTHER
-        assert [f.result(timeout=20) for f in rest] == list(range(20))
+        ref = e.spawn_agent(L.Counter, 0, 0.02)  # each call 20 ms of work
+        assert ref.call("add", 0).result(timeout=20) == 0
+        futs = e.call_all([ref] * 20, "add", [(1,)] * 20)
+        _settled_by_the_result_thread(p, futs, list(range(1, 21)))
         ref.stop()
 
 

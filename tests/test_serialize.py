@@ -45,6 +45,24 @@ def test_numpy_arrays_travel_out_of_band():
     mm.close()
 
 
+def test_small_arrays_stay_in_the_pickle_and_large_ones_do_not():
+    """Up to INBAND_MAX bytes a buffer is pickled in-band (no frame, a native path can
+    take the payload); above, out-of-band. The same rule for dumps, dump_result and the
+    native worker's finish_value (which refuses only the out-of-band ones)."""
+    edge = np.zeros(serialize.INBAND_MAX // 8, np.float64)  # exactly INBAND_MAX bytes
+    over = np.zeros(serialize.INBAND_MAX // 8 + 1, np.float64)
+    data, bufs = serialize.dumps((edge, 1.5))
+    assert not bufs and len(data) > edge.nbytes
+    out = pickle.loads(data)[0]
+    np.testing.assert_array_equal(out, edge)
+    assert out.flags.writeable
+    data, bufs = serialize.dumps([edge, over, edge])
+    assert [b.raw().nbytes for b in bufs] == [over.nbytes]
+    assert pickle.loads(serialize.dump_result(edge)).nbytes == edge.nbytes
+    with pytest.raises(serialize._HasBuffers):
+        serialize.dump_result(over)
+
+
 def test_function_table_sends_a_function_once():
     Q = _queues.impl
     mm = mmap.mmap(-1, 1 << 16)

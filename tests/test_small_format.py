@@ -127,4 +127,6 @@ def test_the_worker_result_is_small_or_an_in_band_pickle():
     assert serialize.dump_result(5) == serialize.encode_small(5)
     assert pickle.loads(serialize.dump_result([1, 2])) == [1, 2]
     with pytest.raises(serialize._HasBuffers):
-        serialize.dump_result(np.arange(10))  # an out-of-band buffer: the worker re-pickles
+        serialize.dump_result(np.arange(1000))  # an out-of-band buffer: the worker re-pickles
+    small = np.arange(10)  # up to serialize.INBAND_MAX bytes: in the pickle itself
+    assert np.array_equal(pickle.loads(serialize.dump_result(small)), small)

@@ -30,7 +30,8 @@ from typing import Any
 
 from stealer.errors import NotInTaskError
 
-__all__ = ["Agent", "AgentRef", "Ctx", "TIERS", "Sleep", "Wait", "Done", "Pending"]
+__all__ = ["Agent", "AgentRef", "Ctx", "TIERS", "Sleep", "Wait", "Done", "Pending", "PendingAll",
+           "call_all"]
 
 TIERS = {"control": 0, "interactive": 1, "bulk": 2}
 TIER_NAMES = {v: k for k, v in TIERS.items()}
@@ -78,6 +79,60 @@ class Pending:
         self.done = False
         self.value: Any = None
         self.exc: BaseException | None = None
+
+
+class PendingAll(Pending):
+    """Several things an agent waits for at once (:func:`call_all`, or a list of
+    ``ref.call`` results yielded together): resumed with the list of their values, in
+    order, once all are there; if any failed, the first failure (in order) is raised at
+    the ``yield``, after every reply has arrived (none is left behind)."""
+
+    __slots__ = ("next", "parts")
+
+    def __init__(self, parts: list) -> None:
+        super().__init__()
+        self.parts = parts
+        self.next = 0  # parts before this one are known to be there (the host's ready())
+
+
+def call_all(refs: Any, method: str, args: Any = None) -> Any:
+    """Call ``method`` on every agent of ``refs`` at once, the i-th with the i-th tuple
+    of positional arguments in ``args`` (``None``: no arguments for any).
+
+    From the client: a list of Futures, in the order of ``refs`` (one Python call for
+    the batch; each agent's worker is woken once).  From inside an agent: ``yield`` it
+    to get the list of replies (see :class:`PendingAll`).  A full mailbox blocks, as
+    ``ref.call`` does, until it has room (backpressure: nothing is dropped); a stopped
+    agent's future fails with AgentStopped and the others resolve.  Every ref must
+    belong to the same executor.
+    """
+    refs = list(refs)
+    if args is None:
+        arglists = [()] * len(refs)
+    else:
+        arglists = []
+        for a in args:
+            if not isinstance(a, (tuple, list)):
+                raise TypeError(f"call_all() takes one tuple of positional arguments per agent "
+                                f"(e.g. [(x,) for x in xs]), not {type(a).__name__}")
+            arglists.append(tuple(a))
+        if len(arglists) != len(refs):
+            raise ValueError(f"call_all() got {len(refs)} agents but {len(arglists)} "
+                             "argument tuples")
+    if not isinstance(method, str) or not method or method.startswith("_"):
+        raise ValueError(f"a message names a public method of the agent, not {method!r}")
+    if not refs:
+        return []
+    for r in refs:
+        if not isinstance(r, AgentRef):
+            raise TypeError(f"call_all() takes agent refs, not {type(r).__name__}")
+    seg = refs[0]._seg
+    if any(r._seg != seg for r in refs):
+        raise ValueError("call_all(): every agent must belong to the same executor")
+    now = time.monotonic()
+    targets = [(r._h, r._uid, None if r._deadline is None else now + r._deadline)
+               for r in refs]
+    return refs[0]._runtime().call_all(targets, method, arglists)
 
 
 class Ctx:

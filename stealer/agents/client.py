@@ -17,6 +17,7 @@ from typing import Any
 
 from stealer import serialize
 from stealer._layout import (
+    AF_CONTROL,
     D_CKPT,
     F_AGENT,
     K_CKPT,
@@ -82,7 +83,7 @@ class AgentClient:
         self.pool = pool
         self.a = pool.arena
         self.dir = Directory(pool.region, pool.arena, pool.layout.offsets["agents"],
-                             pool.inboxes, pool.idle)
+                             pool.inboxes, pool.idle, pool.layout.worker)
         self.lock = threading.Lock()
         self.futures: dict[int, _Future] = {}  # agent handle -> its final value's Future
         self.finished: dict[int, tuple[int, Any]] = {}  # fid -> (status, value), nobody asked yet
@@ -157,7 +158,7 @@ class AgentClient:
         h = self.alloc("a new agent")
         a = self.a
         try:
-            self.dir.init(h, opts.mailbox)  # before the record is QUEUED
+            self.dir.init(h, opts.mailbox, AF_CONTROL if opts.tier == 0 else 0)  # before the record is QUEUED
             off = a.setup(h, K_ROOT | F_AGENT, AGENT_FID | h, time.monotonic_ns(), retries)
             a.put(off, data, bufs)
         except BaseException:
@@ -209,7 +210,7 @@ class AgentClient:
             cls, args, kwargs, wopts = loads(*p.spawn)
             opts = AgentOptions.from_worker(wopts) if wopts else DEFAULT_OPTIONS
             deadline_at = None if opts.deadline is None else time.monotonic() + opts.deadline
-            self.dir.init(h, opts.mailbox)
+            self.dir.init(h, opts.mailbox, AF_CONTROL if opts.tier == 0 else 0)
             ck = -1
             if p.snap is not None:
                 ch = self.alloc("a recovered checkpoint")
@@ -358,18 +359,28 @@ class AgentClient:
             raise AgentStopped(f"agent {h:#x} was stopped, finished or failed; it takes no "
                                "more messages", h)
 
-    def _deliver(self, h: int, m: int) -> None:
+    def _deliver(self, h: int, m: int, defer: set[int] | None = None) -> None:
         if not self.dir.push(h, m):
             self.a.free(m)
             self.dir.give_back(h)  # the slot reserved for it
             raise AgentStopped(f"agent {h:#x} was stopped, finished or failed before the "
                                "message arrived", h)
-        self.dir.notify(h)
+        self.dir.notify(h, defer=defer)
 
-    def _reserve(self, h: int, block: bool, timeout: float | None) -> None:
+    def _wake(self, owners: set[int]) -> None:
+        """Wake each worker a batch of messages went to (call_all), once."""
+        idle = self.pool.idle
+        for k in owners:
+            idle.notify_worker(k)
+        owners.clear()
+
+    def _reserve(self, h: int, block: bool, timeout: float | None,
+                 defer: set[int] | None = None) -> None:
         d = self.dir
         if d.reserve(h):
             return
+        if defer:  # about to wait for room: the batch sent so far must be handled first
+            self._wake(defer)
         if not block:
             raise MailboxFull(f"the mailbox of agent {h:#x} is full ({d.count(h)[1]} "
                               "messages); send with block=True to wait, or make it bigger "
@@ -404,7 +415,8 @@ class AgentClient:
         self._deliver(h, m)
 
     def call(self, h: int, method: str, args: tuple, kwargs: dict,
-             deadline: float | None, uid: str | None = None) -> _Future:
+             deadline: float | None, uid: str | None = None,
+             defer: set[int] | None = None) -> _Future:
         pool = self.pool
         pool.check_open()
         fid = next(pool.ids)
@@ -417,7 +429,7 @@ class AgentClient:
             f._st_handle = rh  # cancel() withdraws it (the agent then drops the reply)
             pool.futures[fid] = f
             try:
-                self._reserve(h, True, None)
+                self._reserve(h, True, None, defer)
                 try:
                     data, bufs = self._journal_msg(uid, h, method, args, kwargs, rh, deadline)
                 except BaseException:
@@ -426,7 +438,7 @@ class AgentClient:
                 m = self.alloc("a message")
                 off = a.setup(m, K_MSG, 0, time.monotonic_ns())
                 a.put(off, data, bufs)
-                self._deliver(h, m)
+                self._deliver(h, m, defer)
             except BaseException:
                 if pool.futures.pop(fid, None) is not None:
                     a.release(rh, 1, 0, 0)  # QUEUED -> FREEING -> free (still ours)
@@ -434,6 +446,17 @@ class AgentClient:
         except (AgentStopped, MailboxFull, ValueError, StealerError, JournalError) as exc:
             f.set_exception(exc)
         return f
+
+    def call_all(self, targets: list[tuple[int, str | None, float | None]], method: str,
+                 arglists: list[tuple]) -> list[_Future]:
+        """api.call_all from the client: one call per target, each worker woken once."""
+        self.pool.check_open()
+        owners: set[int] = set()
+        try:
+            return [self.call(h, method, args, {}, dl, uid, owners)
+                    for (h, uid, dl), args in zip(targets, arglists)]
+        finally:
+            self._wake(owners)  # also for the calls made before an exception
 
     # -- agents that failed outside their worker ---------------------------------------
     def abandon(self, h: int, exc: BaseException) -> None:

@@ -44,6 +44,7 @@ from typing import Any
 from stealer import failpoints as FP
 from stealer import metrics, serialize
 from stealer._layout import (
+    AF_CONTROL,
     AF_STOP,
     D_CKPT,
     D_CPU_NS,
@@ -67,13 +68,14 @@ from stealer._layout import (
     ST_ERROR,
     ST_OK,
 )
-from stealer.agents import api
-from stealer.agents.api import AgentRef, Ctx, Done, Pending, Sleep, Wait
+from stealer.agents import api, inline
+from stealer.agents.api import AgentRef, Ctx, Done, Pending, PendingAll, Sleep, Wait
 from stealer.agents.client import AGENT_FID, encode_message
 from stealer.agents.jblob import pack as journal_pack
 from stealer.agents.jblob import sender_is_agent
 from stealer.agents.mailbox import Directory
 from stealer.agents.options import DEFAULT_OPTIONS, AgentOptions
+from stealer.agents.placement import COOLDOWN_NS, move_cost_ns, moves_to_busy, pays_to_idle
 from stealer.agents.runqueue import RunQueue
 from stealer.errors import (
     AgentError,
@@ -110,7 +112,7 @@ _U64 = struct.Struct("=Q")
 _C = {name: i for i, name in enumerate(metrics.COUNTERS)}  # the worker's counter indices
 C_BUSY_NS, C_STEPS, C_MSGS = _C["busy_ns"], _C["agent_steps"], _C["agent_messages"]
 C_MIGRATIONS, C_THROTTLED, C_RESUMES = _C["migrations"], _C["throttled"], _C["resumes"]
-C_PREEMPT = _C["preempt_publishes"]
+C_PREEMPT, C_INLINE = _C["preempt_publishes"], _C["inline_controls"]
 READY = 1  # stealer.worker.STATE_READY
 
 def _unpicklable(obj: Any) -> str:
@@ -146,7 +148,9 @@ class _Entry:
 
     __slots__ = (
         "applied",
+        "arrived",
         "blocked",
+        "ckpt_ns",
         "ckpt_time",
         "cls",
         "cpu_ns",
@@ -185,6 +189,7 @@ class _Entry:
         "steps",
         "stop",
         "tier",
+        "turn_ns",
         "uid",
         "ver",
         "waiting",
@@ -230,6 +235,11 @@ class _Entry:
         self.msgs = 0
         self.handled = 0  # messages handled in the current turn
         self.cpu_ns = 0
+        # placement (placement.py): run time per turn (moving average), the last
+        # checkpoint's pickling time, when it moved here (0: spawned here)
+        self.turn_ns = 0
+        self.ckpt_ns = 0
+        self.arrived = 0
         self.win_start = 0  # monotonic ns
         self.cur = (h, K_ROOT | F_AGENT, link)  # the worker's `cur` while it runs (spawn())
         self.deadline_ns = 0
@@ -264,6 +274,9 @@ class CallPending(Pending):
 class Host:
     """The agents of one worker (created by stealer.worker.Worker)."""
 
+    SUSPENDED = SUSPENDED  # (agents/inline.py)
+    c_inline = C_INLINE
+
     def __init__(self, w: Any) -> None:
         self.w = w
         self.a = w.arena
@@ -271,8 +284,13 @@ class Host:
         self.name = w.name
         self.who = w.who
         self.k = w.k
-        self.dir = Directory(w.r, w.arena, w.seg.layout.offsets["agents"], w.inboxes, w.idle)
+        self.dir = Directory(w.r, w.arena, w.seg.layout.offsets["agents"], w.inboxes, w.idle,
+                             w.seg.layout.worker)
         self.agents: dict[int, _Entry] = {}
+        self.controls: dict[int, _Entry] = {}  # the control-tier agents of agents (inline.py)
+        self.nested = False  # a control agent's turn inside a step runs (inline.py)
+        self.nested_ns = 0  # time of those turns, taken off the running step's
+        self.alarm_due = False  # the step's timer fired during a nested turn
         # published for a thief (with its R_TRIES then): ours again if we start it
         self.away: dict[int, tuple[_Entry, int]] = {}
         self.rq = RunQueue()
@@ -294,6 +312,8 @@ class Host:
         self.runnable_off = w.wbase + W_RUNNABLE
         self.in_api = 0  # > 0 while a step calls into us (send, call, spawn_agent...)
         self.poked: dict[int, int] = {}  # peer -> monotonic ns we last asked it for an agent
+        self.turn_avg = 0  # ns per turn over every agent here (moving average): backlogs
+        self.bal_prev = -1  # the peer balance() found short at its previous check
         # An idle peer asks (SIGUSR1) for one of the agents waiting behind our long step;
         # only with the native queues: the reference queues' lock is not reentrant.
         self.preempt = w.native
@@ -303,6 +323,7 @@ class Host:
             api._remap.append(self._remap)
         if self.preempt:
             signal.signal(signal.SIGUSR1, self._on_request)
+            signal.signal(inline.SIGNAL, self._on_control)
 
     # -- the worker loop's questions -------------------------------------------------
     def poll(self) -> None:
@@ -348,6 +369,8 @@ class Host:
             e.seen = self._ckpt_mark(ck)
             e.stop = bool(d.flags(h) & AF_STOP)
             self.agents[h] = e
+            if e.tier == 0:
+                self.controls[h] = e
             self.take(e)
             self.schedule(e)
             return
@@ -383,6 +406,7 @@ class Host:
                         e.gen = gen + 1 + self.tries(h)  # the journal: a new generation
                 e.steps, e.msgs = steps, msgs
                 e.last_ckpt = ck
+                e.arrived = time.monotonic_ns()  # moved (or restarted): it stays a while
                 mark = self._ckpt_mark(ck)
             else:  # from the spawn (the messages a stateless checkpoint covered are gone)
                 mark = self._ckpt_mark(ck)
@@ -418,6 +442,8 @@ class Host:
                     e.replay = i + 1
                     break
         e.win_start = time.monotonic_ns()
+        if e.tier == 0:
+            self.controls[h] = e
         self.schedule(e)
 
     def _ckpt_mark(self, ck: int) -> int:
@@ -503,9 +529,11 @@ class Host:
         r = self.r
         r.store32(self.runnable_off, self.rq.n)  # release: read by idle peers (poke_peers)
         # a peer searching or parked (first 64 workers; relaxed loads: a hint, re-checked
-        # by the thief's own steal): publish one more runnable agent for it
-        if self.rq.n and (r.load64(H_SEARCHING) | r.load64(H_PARKED)) & self.peers_mask:
-            self.publish_one()
+        # by the thief's own steal): publish one more runnable agent for it, if that pays
+        if self.rq.n:
+            idle = (r.load64(H_SEARCHING) | r.load64(H_PARKED)) & self.peers_mask
+            if idle and self.pays_to_idle(e, idle):
+                self.publish_one()
         if self.turns & 7 == 0 and self.rq.n >= 2 and self.balancing:
             self.balance()
         if self.turns & 63 == 0:
@@ -540,19 +568,7 @@ class Host:
                     return
                 self.resume(e)
             if e.pending:
-                while e.pending and e.state < SUSPENDED and not e.blocked:
-                    if e.handled >= MSG_BATCH:
-                        break
-                    # ref.stop() during the batch: its ping waits in our inbox until this
-                    # turn ends (16 slow handlers: seconds), so look at the flag itself;
-                    # the next turn stops it, as a stop seen at a ping does
-                    if e.handled and self.dir.flags(e.h) & AF_STOP:
-                        e.stop = True
-                        break
-                    if (e.replay and e.want_step and e.state <= WAITING
-                            and e.steps < self.steps_before(e.pending[0])):
-                        break  # replay: the steps that came before this message come first
-                    self.deliver(e, e.pending.popleft())
+                self.deliver_batch(e)
                 if e.state >= SUSPENDED or e.blocked or e.stop:
                     return
             if e.want_step and e.state <= WAITING:
@@ -564,8 +580,19 @@ class Host:
             r.store64(w.cur_off, 0)
             t1 = time.monotonic_ns()
             dt = t1 - t0
+            if self.nested_ns:  # control turns ran inside this one (inline.py): theirs
+                dt = max(0, dt - self.nested_ns)
+                self.nested_ns = 0
+            if e.tier == 0:
+                w.flush_client()  # a control agent's replies go out now
             e.cpu_ns += dt
             e.win_cpu += dt
+            # moving averages of the run time per turn (placement.py); a sample counts for
+            # at most 4x the average: a turn preempted by another process, or the first
+            # one after a restore, does not make every agent look long
+            e.turn_ns = dt if not e.turn_ns else (3 * e.turn_ns + min(dt, 4 * e.turn_ns)) >> 2
+            avg = self.turn_avg
+            self.turn_avg = dt if not avg else (7 * avg + min(dt, 4 * avg)) >> 3
             w.c[C_BUSY_NS] += dt
             if metrics_on:
                 r.hist_record(w.mbase_tier_run[e.tier], dt)
@@ -574,6 +601,23 @@ class Host:
                     w.flush()  # counters reach stats() while agents keep the worker busy
             if e.state != FINISHED:
                 self.after_turn(e, t1)
+
+    def deliver_batch(self, e: _Entry) -> None:
+        """Handle the agent's pending messages, up to MSG_BATCH (a turn's, or a nested
+        control turn's: inline.py)."""
+        while e.pending and e.state < SUSPENDED and not e.blocked:
+            if e.handled >= MSG_BATCH:
+                break
+            # ref.stop() during the batch: its ping waits in our inbox until this turn
+            # ends (16 slow handlers: seconds), so look at the flag itself; the next turn
+            # stops it, as a stop seen at a ping does
+            if e.handled and self.dir.flags(e.h) & AF_STOP:
+                e.stop = True
+                break
+            if (e.replay and e.want_step and e.state <= WAITING
+                    and e.steps < self.steps_before(e.pending[0])):
+                break  # replay: the steps that came before this message come first
+            self.deliver(e, e.pending.popleft())
 
     def after_turn(self, e: _Entry, now_ns: int = 0) -> None:
         now_ns = now_ns or time.monotonic_ns()
@@ -694,7 +738,17 @@ class Host:
                     pass
         return asked
 
+    def _on_control(self, signum: int, frame: Any) -> None:
+        """inline.SIGNAL from a sender: a control agent's message waits (inline.py)."""
+        inline.on_signal(self)
+
     def _on_alarm(self, signum: int, frame: Any) -> None:
+        if self.nested:  # inside a control turn nested in the step: raised after it
+            self.alarm_due = True
+            return
+        self.on_alarm_now()
+
+    def on_alarm_now(self) -> None:
         e = self.current
         if self.in_step and e is not None:
             raise StepTimeout(f"a step of agent {e.h:#x} ran longer than its step_timeout "
@@ -896,6 +950,8 @@ class Host:
             w.in_body = False
             exc = None
             send = None
+            if type(y) is list and y and all(isinstance(p, Pending) for p in y):
+                y = PendingAll(y)  # several calls yielded together: resumed with every reply
             if isinstance(y, Pending):
                 if y.done:
                     send, exc = self.collect_pending(y)
@@ -918,16 +974,45 @@ class Host:
 
     def ready(self, e: _Entry) -> bool:
         y = e.waiting
-        if isinstance(y, CallPending) and y.rh >= 0:
-            st = self.a.tr.state(y.rh)
-            return st is not None and st[0] == S_DONE
+        if isinstance(y, PendingAll):
+            return self.all_ready(y)
         if isinstance(y, Pending):
-            return y.done
+            return self.part_ready(y)
         frame = e.frame
         return frame is None or self.w.kids_done(frame)
 
+    def part_ready(self, y: Pending) -> bool:
+        if isinstance(y, CallPending) and y.rh >= 0 and not y.done:
+            st = self.a.tr.state(y.rh)
+            return st is not None and st[0] == S_DONE
+        return y.done
+
+    def all_ready(self, y: PendingAll) -> bool:
+        """Every part there?  Parts before ``y.next`` were seen there: a notification per
+        reply looks at each part once, not at all of them each time."""
+        parts = y.parts
+        i = y.next
+        while i < len(parts) and self.part_ready(parts[i]):
+            i += 1
+        y.next = i
+        y.done = i == len(parts)
+        return y.done
+
+    def collect_all(self, y: PendingAll) -> tuple[Any, BaseException | None]:
+        """The replies of a PendingAll (every reply slot freed), or its first failure."""
+        values = []
+        first: BaseException | None = None
+        for p in y.parts:
+            v, exc = self.collect_pending(p)
+            values.append(v)
+            if exc is not None and first is None:
+                first = exc
+        return (None, first) if first is not None else (values, None)
+
     def collect_pending(self, y: Pending) -> tuple[Any, BaseException | None]:
-        if isinstance(y, CallPending) and y.rh >= 0:
+        if isinstance(y, PendingAll):
+            return self.collect_all(y)
+        if isinstance(y, CallPending) and y.rh >= 0 and not y.done:
             a = self.a
             off = a.off(y.rh)
             status = a.kind_link(off)[1]
@@ -1136,6 +1221,12 @@ class Host:
             return p
         return CallPending(rh)
 
+    def call_all(self, targets: list[tuple[int, str | None, float | None]], method: str,
+                 arglists: list[tuple]) -> PendingAll:
+        """api.call_all inside an agent: ``yield`` it for the list of replies."""
+        return PendingAll([self.call(h, method, args, {}, dl, uid)
+                           for (h, uid, dl), args in zip(targets, arglists)])
+
     @_api
     def stop(self, h: int) -> None:
         if self.a.tr.state(h) is None:
@@ -1213,7 +1304,8 @@ class Host:
         a = self.a
         h = self.alloc()
         w = self.w
-        self.dir.init(h, ao.mailbox)  # before the record is QUEUED (a recoverer may push it)
+        # before the record is QUEUED (a recoverer may push it)
+        self.dir.init(h, ao.mailbox, AF_CONTROL if ao.tier == 0 else 0)
         self.r.store64(w.lease_off, h + 1)  # leased: killed before the push, it is pushed again
         off = a.setup(h, K_ROOT | F_AGENT, AGENT_FID | h, time.monotonic_ns(), retries)
         a.put(off, data, bufs)
@@ -1332,6 +1424,7 @@ class Host:
         h = e.h
         e.state = FINISHED
         self.agents.pop(h, None)
+        self.controls.pop(h, None)
         head = d.close(h)
         if FP.ON:
             FP.hit("agent.finish_after_close")
@@ -1349,8 +1442,9 @@ class Host:
         if e.it_msg is not None and not (suspend and self._agent_reply(e.it_msg[1])):
             self.reply(e.it_msg[1], ST_ERROR, stopped)
         y = e.waiting
-        if isinstance(y, CallPending) and y.rh >= 0 and not y.done:
-            self.drop_reply(y.rh)
+        for p in y.parts if isinstance(y, PendingAll) else (y,):
+            if isinstance(p, CallPending) and p.rh >= 0 and not p.done:
+                self.drop_reply(p.rh)
         for _h, m in e.outbox or ():
             a.free(m)  # never pushed: in no chain
         e.outbox = None
@@ -1401,9 +1495,11 @@ class Host:
             jstate = (None if j is None else
                       (e.uid, e.ver, e.jseen, e.jsent, e.jspawned, e.rcache))
             try:
+                t0 = time.monotonic_ns()
                 state = serialize.dumps((e.obj, e.gen, e.steps, e.msgs, self.tries(e.h),
                                          (e.state, e.want_step, e.wake_at), jstate),
                                         "agent state")
+                e.ckpt_ns = time.monotonic_ns() - t0  # what a move costs (placement.py)
             except BaseException as exc:
                 if j is not None:  # a journaled agent must pickle: it fails, saying why
                     self.finish(e, ST_ERROR, JournalError(
@@ -1453,33 +1549,53 @@ class Host:
         return state is not None
 
     def balance(self) -> None:
-        """Hand one runnable agent to the least-loaded peer if it has at least two fewer
-        waiting than we do (W_RUNNABLE): busy peers never steal, so without this a worker
-        that adopted more agents at the start keeps a longer round-robin for good."""
+        """Hand runnable agents to the least-loaded peer when that pays (placement.py):
+        busy peers never steal, so without this a worker that adopted more agents at the
+        start keeps a longer round-robin for good.  A peer's load is its runnable agents
+        (W_RUNNABLE) plus the notifications in its inbox (calls on their way to its
+        agents); it must be the shortest at two checks in a row."""
         w = self.w
         r = self.r
-        mine = self.rq.n
-        best, low = -1, mine - 2
+        mine = self.rq.n + len(w.inbox)
+        best, low = -1, mine
         for j in range(w.n):
             if j == w.k:
                 continue
             base = w.seg.layout.worker(j)
             if r.load32(base + W_STATE) != READY:
                 continue
-            v = r.load32(base + W_RUNNABLE)  # relaxed enough: a hint, re-read every 8 turns
+            # relaxed: a hint, re-read at every check
+            v = r.load32(base + W_RUNNABLE) + len(w.inboxes[j])
             if v < low:
                 best, low = j, v
-        # half the difference at once (a start-up batch evens out in one go, not one
-        # agent per 8 turns), bounded: each move pickles one agent's state
-        for _ in range(min(32, (mine - low) // 2) if best >= 0 else 0):
+        prev, self.bal_prev = self.bal_prev, best
+        if best < 0 or best != prev:
+            return
+        c = self.rq.last()
+        n = moves_to_busy(mine, low, self.turn_avg,
+                          move_cost_ns(c.ckpt_ns if c is not None else 0))
+        for _ in range(n):
             if not self.publish_one(to=best):
                 break
+
+    def pays_to_idle(self, e: _Entry, idle: int) -> bool:
+        """Publish the next runnable agent for an idle peer (``idle``: their bits)?  Only
+        if one of them has nothing on its way and the move pays (placement.py)."""
+        w = self.w
+        if not any(idle >> j & 1 and not len(w.inboxes[j]) for j in range(min(w.n, 64))):
+            return False  # every idle peer has notifications waiting: it has work
+        c = self.rq.candidate()
+        if c is None:
+            return False
+        backlog = (e.turn_ns or self.turn_avg) + self.rq.n * self.turn_avg
+        return pays_to_idle(backlog, c.turn_ns or self.turn_avg, move_cost_ns(c.ckpt_ns))
 
     def publish_one(self, to: int = -1) -> bool:
         """Publish one runnable agent: for an idle peer (on our deque, for a thief), or
         handed to peer ``to`` through its inbox (balance)."""
         e = self.rq.candidate() if to < 0 else self.rq.last()
-        if (e is None or e.frame is not None or e.outbox or e.it is not None or e.pinned):
+        if (e is None or e.frame is not None or e.outbox or e.it is not None or e.pinned
+                or (e.arrived and time.monotonic_ns() - e.arrived < COOLDOWN_NS)):
             return False
         if not self.checkpoint(e):
             return False
@@ -1487,6 +1603,7 @@ class Host:
         e.queued = False
         h = e.h
         self.agents.pop(h, None)
+        self.controls.pop(h, None)
         self.away[h] = (e, self.tries(h))
         if len(self.away) > 64:
             self._prune_away()

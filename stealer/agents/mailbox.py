@@ -44,6 +44,7 @@ import time
 from typing import Any
 
 from stealer._layout import (
+    AF_CONTROL,
     AF_NOTIFIED,
     D_CAP,
     D_COUNT,
@@ -58,6 +59,7 @@ from stealer._layout import (
     STATE_SHIFT,
     WHO_SHIFT,
 )
+from stealer.agents.inline import signal_if_busy
 
 __all__ = ["CLOSED", "Directory"]
 
@@ -70,24 +72,30 @@ _U64 = struct.Struct("=Q")
 class Directory:
     """The agent directory of one segment (usable from the client and from workers)."""
 
-    def __init__(self, region: Any, arena: Any, base: int, inboxes: list, idle: Any) -> None:
+    def __init__(self, region: Any, arena: Any, base: int, inboxes: list, idle: Any,
+                 worker_base: Any = None) -> None:
         self.r = region
         self.a = arena
         self.mm = arena.mm
         self.base = base
         self.inboxes = inboxes
         self.idle = idle
+        # Layout.worker: where a worker's words are (a control agent's busy owner is
+        # signalled, inline.py); None: never signal
+        self.worker_base = worker_base
 
     def entry(self, h: int) -> int:
         """Byte offset of agent ``h``'s directory entry."""
         return self.base + DIR_BYTES * (h & 0xFFFFFFFF)
 
-    def init(self, h: int, capacity: int) -> None:
+    def init(self, h: int, capacity: int, flags: int = 0) -> None:
         """Spawner: a fresh entry for agent ``h`` (before its record is pushed; the push
-        publishes these stores)."""
+        publishes these stores); ``flags``: AF_CONTROL for a control-tier agent."""
         e = self.entry(h)
         self.mm[e : e + DIR_BYTES] = bytes(DIR_BYTES)
         self.r.store32(e + D_CAP, capacity)
+        if flags:
+            self.r.store64(e + D_FLAGS, flags)  # plain: published by the record's push
 
     # -- senders ----------------------------------------------------------------
     def reserve(self, h: int) -> bool:
@@ -128,11 +136,14 @@ class Directory:
             if r.cas64(e + D_HEAD, old, m + 1):
                 return True
 
-    def notify(self, h: int, me: int = -1) -> None:
-        """After a push (or a stop): make sure agent ``h``'s owner looks at it."""
+    def notify(self, h: int, me: int = -1, defer: set[int] | None = None) -> None:
+        """After a push (or a stop): make sure agent ``h``'s owner looks at it.  With
+        ``defer``, the owner is added to it instead of woken: the caller wakes each owner
+        of a batch once (``Idle.notify_worker``), before it blocks and when it is done."""
         r = self.r
         # seq_cst RMW: pairs with the owner's and64 that clears it before its walk
-        if r.or64(self.entry(h) + D_FLAGS, AF_NOTIFIED) & AF_NOTIFIED:
+        flags = r.or64(self.entry(h) + D_FLAGS, AF_NOTIFIED)
+        if flags & AF_NOTIFIED:
             return  # a notification is already on its way
         w = r.load64(self.a.off(h))  # the agent's state word (seq_cst after the or64)
         if w & GEN_MASK != h >> 32 or (w >> STATE_SHIFT) & STATE_MASK != S_RUNNING:
@@ -143,7 +154,12 @@ class Directory:
         while not self.inboxes[owner].push(h):  # one notification per agent at a time
             time.sleep(0.0001)
         if owner != me:
-            self.idle.notify_worker(owner)
+            if defer is not None:
+                defer.add(owner)
+            else:
+                self.idle.notify_worker(owner)
+            if flags & AF_CONTROL and self.worker_base is not None:
+                signal_if_busy(r, self.worker_base(owner), h, flags)
 
     # -- the owner ----------------------------------------------------------------
     def clear_notified(self, h: int) -> None:

@@ -1,0 +1,96 @@
+"""Control-tier messages handled inside a running step of another agent (agents/inline.py):
+the handler runs between two bytecodes of the step; never for the agent that is mid-step;
+a kill inside the nested turn loses and duplicates nothing; the interrupted step's
+step_timeout still fires."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+import stealer
+from stealer import _queues
+from tests import agents_lib as L
+
+T = 60  # seconds: only to turn a hang into a failure
+
+pytestmark = pytest.mark.skipif(not _queues.impl.NATIVE,
+                                reason="inline control turns need the native queues")
+
+
+def _inline_turns(ex) -> int:
+    """The workers' inline_controls counter, once published (a worker publishes its
+    counters when it parks, or every 50 ms of agent turns)."""
+    end = time.monotonic() + 10
+    while True:
+        n = ex.stats().totals()["inline_controls"]
+        if n or time.monotonic() > end:
+            return n
+        time.sleep(0.02)
+
+
+def _adopted(ref) -> None:
+    ref.call("get").result(T)  # adopted: it lives on a worker now
+
+
+def test_a_control_call_is_answered_inside_another_agents_step():
+    with stealer.Executor(1) as ex:
+        ctl = ex.spawn_agent(L.Stamp, tier="control")
+        _adopted(ctl)
+        bulk = ex.spawn_agent(L.Spans, 2, 0.6, tier="bulk")
+        time.sleep(0.2)  # the bulk agent is in its first step (0.6 s)
+        ran = ctl.call("hit").result(T)
+        spans = bulk.result(T)
+        assert any(s < ran < e for s, e in spans), (ran, spans)
+        assert _inline_turns(ex) >= 1
+        ctl.stop()
+
+
+def test_the_agent_mid_step_gets_its_message_after_the_step():
+    with stealer.Executor(1) as ex:
+        ctl = ex.spawn_agent(L.Spans, 3, 0.5, tier="control")
+        first = ctl.call("hit").result(T)  # adopted; its turn handles messages, then steps
+        time.sleep(0.2)  # in a step now
+        ran = ctl.call("hit").result(T)
+        spans = ctl.result(T)
+        assert not any(s < ran < e for s, e in spans), (first, ran, spans)
+        assert any(e <= ran for _s, e in spans)  # it was called during a step: after it
+
+
+def test_a_step_timeout_fires_through_nested_control_turns():
+    """A 0.5 s control handler nested in a step whose step_timeout (0.3 s) falls inside
+    it: the alarm is raised in the step once the nested turn ends, and the worker lives
+    (no hard kill of a step deaf to its timer)."""
+    with stealer.Executor(1) as ex:
+        ctl = ex.spawn_agent(L.Counter, 0, 0.5, tier="control")
+        ctl.call("get").result(T)  # adopted
+        bulk = ex.spawn_agent(L.Spans, 1, 3.0, tier="bulk", step_timeout=0.3)
+        time.sleep(0.1)  # the step runs
+        assert ctl.call("add", 1).result(T) == 1
+        with pytest.raises(stealer.StepTimeout):
+            bulk.result(T)
+        assert ex._pool.crashes == 0
+        assert _inline_turns(ex) >= 1
+        ctl.stop()
+
+
+@pytest.mark.kills_workers
+def test_killed_inside_a_nested_control_turn(monkeypatch, tmp_path):
+    """SIGKILL at the start of the nested turn: the replacement restarts both agents;
+    the call is answered once and applied once; the bulk agent still finishes."""
+    point = "agent.inline_turn"
+    monkeypatch.setenv("STEALER_FAILPOINTS", f"{point}=kill!once")
+    monkeypatch.setenv("STEALER_FAILPOINTS_DIR", str(tmp_path))
+    with stealer.Executor(1) as ex:
+        ctl = ex.spawn_agent(L.Stamp, tier="control")
+        _adopted(ctl)
+        bulk = ex.spawn_agent(L.Spans, 3, 0.3, tier="bulk")
+        time.sleep(0.1)
+        assert ctl.call("add", 5).result(T) == 5
+        assert os.path.exists(tmp_path / point), "the nested turn was never reached"
+        assert ex._pool.crashes == 1
+        assert ctl.call("get").result(T) == 5  # applied once
+        assert len(bulk.result(T)) == 3
+        ctl.stop()

@@ -67,7 +67,7 @@ from stealer._layout import (
     ST_ERROR,
     ST_OK,
 )
-from stealer.agents import api
+from stealer.agents import api, dormant
 from stealer.agents.api import AgentRef, Ctx, Done, Pending, PendingAll, Sleep, Wait
 from stealer.agents.client import AGENT_FID, encode_message
 from stealer.agents.jblob import pack as journal_pack
@@ -282,6 +282,7 @@ class Host:
         self.k = w.k
         self.dir = Directory(w.r, w.arena, w.seg.layout.offsets["agents"], w.inboxes, w.idle)
         self.agents: dict[int, _Entry] = {}
+        self.dormant: dict[int, Any] = {}  # handle -> object of an agent idle since its spawn
         # published for a thief (with its R_TRIES then): ours again if we start it
         self.away: dict[int, tuple[_Entry, int]] = {}
         self.rq = RunQueue()
@@ -365,21 +366,7 @@ class Host:
         e = _Entry(h, link)
         self.agents[h] = e
         try:
-            spawn = self.a.read_call(self.a.off(h))
-            cls, args, kwargs, opts, deadline_at = spawn[:5]
-            jinfo = spawn[5] if len(spawn) > 5 else None
-            if jinfo is not None:
-                e.uid = jinfo[0]
-                e.jreplies = dict(jinfo[2]) if jinfo[2] else None
-            if type(cls) is int:
-                cls = self.w.fns.get(cls)
-            e.cls = cls
-            e.spawn_args = (args, kwargs)
-            e.opts = self.options(opts)
-            e.tier = e.opts.tier
-            e.deadline = deadline_at
-            if deadline_at is not None:
-                e.deadline_ns = int(deadline_at * 1e9)
+            cls, args, kwargs, jinfo = self.spawned(e, self.a.read_call(self.a.off(h)))
             saved = self.a.read_call(self.a.off(ck - 1)) if ck else None
             if saved is not None:
                 obj, gen, steps, msgs, tries, _sched, jstate = saved
@@ -423,6 +410,8 @@ class Host:
             e.want_step = hasattr(e.obj, "step")
             e.state = RUNNABLE if e.want_step else WAITING
         self.take(e)
+        if saved is None and dormant.may_doze(self, e):
+            return  # idle from its spawn: held as its object alone (dormant.py)
         done = d.done_mark(h)
         if done and done != mark and e.pending:  # handled before a restore: replayed first
             for i, m in enumerate(e.pending):
@@ -431,6 +420,24 @@ class Host:
                     break
         e.win_start = time.monotonic_ns()
         self.schedule(e)
+
+    def spawned(self, e: _Entry, spawn: tuple) -> tuple:
+        """Fill ``e`` from its record's spawn payload; (cls, args, kwargs, jinfo)."""
+        cls, args, kwargs, opts, deadline_at = spawn[:5]
+        jinfo = spawn[5] if len(spawn) > 5 else None
+        if jinfo is not None:
+            e.uid = jinfo[0]
+            e.jreplies = dict(jinfo[2]) if jinfo[2] else None
+        if type(cls) is int:
+            cls = self.w.fns.get(cls)
+        e.cls = cls
+        e.spawn_args = (args, kwargs)
+        e.opts = self.options(opts)
+        e.tier = e.opts.tier
+        e.deadline = deadline_at
+        if deadline_at is not None:
+            e.deadline_ns = int(deadline_at * 1e9)
+        return cls, args, kwargs, jinfo
 
     def _ckpt_mark(self, ck: int) -> int:
         if not ck:
@@ -466,7 +473,9 @@ class Host:
         is not an agent of ours."""
         e = self.agents.get(h)
         if e is None:
-            return False
+            e = dormant.thaw(self, h, _Entry, WAITING) if self.dormant else None
+            if e is None:
+                return False
         self.dir.clear_notified(h)
         self.take(e)
         if self.dir.flags(h) & AF_STOP:  # read after clearing NOTIFIED: a stop is never missed
@@ -1605,6 +1614,4 @@ class Host:
             self.r.or64(self.dir.entry(h) + D_FLAGS, AF_STOP)  # seq_cst; read at its next turn
             e.stop = True
             self.schedule(e)
-
-
-
+        dormant.stop_all(self, _Entry, WAITING)  # (they stop now: no turn to wait for)

@@ -31,29 +31,86 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from stealer._layout import AF_STOP, D_FLAGS, F_AGENT, K_ROOT, R_TSTART, ST_ERROR, ST_OK
+from stealer._layout import (
+    AF_STOP,
+    D_COUNT,
+    D_FLAGS,
+    D_GEN,
+    D_HEAD,
+    DIR_BYTES,
+    F_AGENT,
+    K_ROOT,
+    R_LINK,
+    R_TSTART,
+    RECORD_BYTES,
+    ST_ERROR,
+    ST_OK,
+)
+from stealer.agents.mailbox import CLOSED
 
-__all__ = ["may_doze", "thaw", "stop_all"]
+__all__ = ["adopt", "thaw", "stop_all"]
 
 _U64 = struct.Struct("=Q")
 _MISSING = object()
 
 
-def may_doze(host: Any, e: Any) -> bool:
-    """Adopt, for an agent just built from its spawn (its mailbox walked): keep it as its
-    object alone if it has nothing to do.  True if it went dormant (``host.agents`` no
-    longer holds ``e``)."""
-    if (e.want_step or e.pending or e.deadline is not None or e.stop or host.stopping
-            or e.uid is not None or e.jreplies is not None or e.outbox or e.frame is not None):
-        return False
-    del host.agents[e.h]
-    host.dormant[e.h] = e.obj
-    return True
+def adopt(host: Any, h: int, link: int, entry: Any) -> tuple | None:
+    """Host.adopt of agent ``h`` with no checkpoint (fresh from its spawn, or restarted
+    from it): build it and keep it dormant if it has nothing to do; None when adopted
+    here (dormant, or -- a message or a ``step`` attribute that came with the object --
+    scheduled as any agent), else its spawn payload for Host.adopt's own path (``()``:
+    the payload did not read; Host.adopt reads it again and fails the agent with that).
+
+    What decides before the object is built: no journal, no deadline, no ``step`` on the
+    class, no stop asked, an empty mailbox (so no handled message either: D_DONE is 0 and
+    nothing is to be replayed)."""
+    a = host.a
+    r = host.r
+    d = host.dir
+    ent = d.entry(h)
+    try:
+        spawn = a.read_call(a.off(h))
+    except BaseException:
+        return ()
+    cls, args, kwargs, _opts, deadline_at = spawn[:5]
+    if deadline_at is not None or (len(spawn) > 5 and spawn[5] is not None):
+        return spawn
+    if type(cls) is int:
+        cls = host.w.fns.get(cls)
+    # seq_cst loads: the or64 of a stop, the CAS of a push (mailbox.py)
+    if hasattr(cls, "step") or r.load64(ent + D_FLAGS) & AF_STOP or r.load64(ent + D_HEAD):
+        return spawn
+    gen = host.tries(h)  # re-run from the spawn after worker deaths: a generation each
+    w = host.w
+    w.in_body = True
+    try:
+        obj = cls(*args, **kwargs) if kwargs else cls(*args)
+    except BaseException as exc:
+        w.in_body = False
+        e = entry(h, link)
+        host.agents[h] = e
+        host.spawned(e, spawn)
+        e.gen = gen
+        e.seen = d.done_mark(h)
+        host.finish(e, ST_ERROR, exc)
+        return None
+    w.in_body = False
+    r.store32(ent + D_GEN, gen)  # stats only: read by collect()
+    host.dormant[h] = obj
+    step = hasattr(obj, "step")  # (an instance attribute: the class had none)
+    if step or r.load64(ent + D_HEAD):  # a message pushed while it was being built
+        e = thaw(host, h, entry)
+        if step:
+            e.want_step = True
+            e.state = entry.RUNNABLE
+        host.take(e)
+        host.schedule(e)
+    return None
 
 
-def thaw(host: Any, h: int, entry: type, waiting: int) -> Any:
-    """The entry of dormant agent ``h`` (``entry``: host.py's ``_Entry``, ``waiting``: its
-    WAITING state), made now as adopting it made it; None if ``h`` is not dormant here.
+def thaw(host: Any, h: int, entry: Any) -> Any:
+    """The entry of dormant agent ``h`` (``entry``: host.py's ``_Entry``), made now as
+    adopting it made it; None if ``h`` is not dormant here.
     ``host.agents`` holds it from now on."""
     obj = host.dormant.pop(h, _MISSING)
     if obj is _MISSING:
@@ -65,7 +122,7 @@ def thaw(host: Any, h: int, entry: type, waiting: int) -> Any:
     e.obj = obj
     e.gen = host.tries(h)
     e.want_step = False
-    e.state = waiting
+    e.state = entry.WAITING
     # the start of its checkpoint and throttle windows: when this worker started it
     t = _U64.unpack_from(a.mm, off + R_TSTART)[0]
     e.ckpt_time = t
@@ -74,35 +131,53 @@ def thaw(host: Any, h: int, entry: type, waiting: int) -> Any:
     return e
 
 
-def stop_all(host: Any, entry: type, waiting: int) -> None:
-    """Shutdown: stop every dormant agent here (see the module doc)."""
+def stop_all(host: Any, entry: Any) -> None:
+    """Shutdown: stop every dormant agent here (see the module doc).
+
+    No AF_STOP flag is set for them (Host.stop_all sets it for the others): a dormant agent
+    is stopped here and now, and if this worker dies first, the successor that adopts it
+    stops it because of the same H_STOP_AGENTS that brought us here."""
     d = host.dir
     w = host.w
     r = host.r
     a = host.a
+    mm = a.mm
     none = w.encode_result(ST_OK, None)  # the final value of an agent without on_stop
     dormant = host.dormant
+    base = d.base
+    rec_base = a.rec_base
+    load64, load32, cas64 = r.load64, r.load32, r.cas64
+    report = w.report_encoded
+    kind = K_ROOT | F_AGENT
+    has_stop: dict[type, bool] = {}  # per class: an on_stop to call?
     while dormant:
         h, obj = dormant.popitem()
-        r.or64(d.entry(h) + D_FLAGS, AF_STOP)  # seq_cst: as Host.stop_all (a successor sees it)
-        fn = getattr(obj, "on_stop", None)
+        t = type(obj)
+        fn = has_stop.get(t)
+        if fn is None:
+            fn = has_stop[t] = getattr(t, "on_stop", None) is not None
         status, value = ST_OK, None
-        if fn is not None:
+        if fn:
             w.in_body = True
             try:
-                value = fn()
+                value = obj.on_stop()
             except BaseException as exc:
                 status, value = ST_ERROR, exc
             finally:
                 w.in_body = False
-        if d.close(h):
+        ent = base + DIR_BYTES * (h & 0xFFFFFFFF)
+        # close an empty mailbox (acquire load, seq_cst CAS: as Directory.close, which
+        # also wakes a full mailbox's blocked senders: a count > 0 takes that path)
+        if ((load64(ent + D_HEAD) or load32(ent + D_COUNT)
+             or not cas64(ent + D_HEAD, 0, CLOSED)) and d.close(h)):
             # messages arrived since it went dormant (their notification not handled yet):
             # finish() answers them with AgentStopped and frees them, as for any agent
             dormant[h] = obj
-            host.finish(thaw(host, h, entry, waiting), status, value)
+            host.finish(thaw(host, h, entry), status, value)
             continue
-        link = a.kind_link(a.off(h))[2]
-        if fn is None:
-            w.report_encoded(h, K_ROOT | F_AGENT, link, *none)
+        # (its record is ours, RUNNING here: the link its spawner wrote)
+        link = _U64.unpack_from(mm, rec_base + RECORD_BYTES * (h & 0xFFFFFFFF) + R_LINK)[0]
+        if fn:
+            w.report(h, kind, link, status, value)
         else:
-            w.report(h, K_ROOT | F_AGENT, link, status, value)
+            report(h, kind, link, *none)

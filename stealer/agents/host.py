@@ -145,6 +145,10 @@ RUNNABLE, WAITING, SLEEPING, SUSPENDED, FINISHED = range(5)
 class _Entry:
     """One agent living in this worker's heap."""
 
+    # (its states, for dormant.py, which cannot import this module)
+    RUNNABLE = RUNNABLE
+    WAITING = WAITING
+
     __slots__ = (
         "applied",
         "arrived",
@@ -363,10 +367,15 @@ class Host:
             self.take(e)
             self.schedule(e)
             return
+        spawn = None
+        if not ck:  # from its spawn: kept dormant if it has nothing to do (dormant.py)
+            spawn = dormant.adopt(self, h, link, _Entry)
+            if spawn is None:
+                return
         e = _Entry(h, link)
         self.agents[h] = e
         try:
-            cls, args, kwargs, jinfo = self.spawned(e, self.a.read_call(self.a.off(h)))
+            cls, args, kwargs, jinfo = self.spawned(e, spawn or self.a.read_call(self.a.off(h)))
             saved = self.a.read_call(self.a.off(ck - 1)) if ck else None
             if saved is not None:
                 obj, gen, steps, msgs, tries, _sched, jstate = saved
@@ -410,8 +419,6 @@ class Host:
             e.want_step = hasattr(e.obj, "step")
             e.state = RUNNABLE if e.want_step else WAITING
         self.take(e)
-        if saved is None and dormant.may_doze(self, e):
-            return  # idle from its spawn: held as its object alone (dormant.py)
         done = d.done_mark(h)
         if done and done != mark and e.pending:  # handled before a restore: replayed first
             for i, m in enumerate(e.pending):
@@ -473,7 +480,7 @@ class Host:
         is not an agent of ours."""
         e = self.agents.get(h)
         if e is None:
-            e = dormant.thaw(self, h, _Entry, WAITING) if self.dormant else None
+            e = dormant.thaw(self, h, _Entry) if self.dormant else None
             if e is None:
                 return False
         self.dir.clear_notified(h)
@@ -1614,4 +1621,4 @@ class Host:
             self.r.or64(self.dir.entry(h) + D_FLAGS, AF_STOP)  # seq_cst; read at its next turn
             e.stop = True
             self.schedule(e)
-        dormant.stop_all(self, _Entry, WAITING)  # (they stop now: no turn to wait for)
+        dormant.stop_all(self, _Entry)  # (they stop now: no turn to wait for)

@@ -221,3 +221,21 @@ def test_dormant_agents_of_a_killed_worker_restart_from_their_spawn():
         assert [f.result(T) for f in ex.call_all(refs, "get")] == [1, *range(1, 600)]
         _stop_all(refs)
         assert records_in_use(ex) == 0
+
+
+@pytest.mark.kills_workers
+@pytest.mark.parametrize("point", ["dormant.adopt_built", "dormant.stop_after_close"])
+def test_worker_killed_at_a_dormant_failpoint(monkeypatch, tmp_path, point):
+    """Killed right after building an idle agent (before it is held dormant), or at
+    shutdown between closing a dormant agent's mailbox and publishing its final value:
+    that worker's agents restart on its successor from their spawn, and every call and
+    every final value still arrives."""
+    monkeypatch.setenv("STEALER_FAILPOINTS", f"{point}=kill@50!once")
+    monkeypatch.setenv("STEALER_FAILPOINTS_DIR", str(tmp_path))
+    with stealer.Executor(2, records=1 << 12) as ex:
+        refs = ex.spawn_agents(L.Counter, [(i,) for i in range(500)])
+        _settled(ex)
+        assert [f.result(T) for f in ex.call_all(refs[::7], "get")] == list(range(0, 500, 7))
+    assert [r.result(T) for r in refs] == [f"stopped at {i}" for i in range(500)]
+    assert os.path.exists(tmp_path / point), f"{point} was never reached"
+    assert ex._pool.crashes >= 1

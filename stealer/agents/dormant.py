@@ -31,6 +31,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
+from stealer import failpoints as FP
 from stealer._layout import (
     AF_STOP,
     D_COUNT,
@@ -95,6 +96,8 @@ def adopt(host: Any, h: int, link: int, entry: Any) -> tuple | None:
         host.finish(e, ST_ERROR, exc)
         return None
     w.in_body = False
+    if FP.ON:
+        FP.hit("dormant.adopt_built")
     r.store32(ent + D_GEN, gen)  # stats only: read by collect()
     host.dormant[h] = obj
     step = hasattr(obj, "step")  # (an instance attribute: the class had none)
@@ -175,6 +178,8 @@ def stop_all(host: Any, entry: Any) -> None:
             dormant[h] = obj
             host.finish(thaw(host, h, entry), status, value)
             continue
+        if FP.ON:
+            FP.hit("dormant.stop_after_close")
         # (its record is ours, RUNNING here: the link its spawner wrote)
         link = _U64.unpack_from(mm, rec_base + RECORD_BYTES * (h & 0xFFFFFFFF) + R_LINK)[0]
         if fn:

@@ -797,6 +797,58 @@ cdef class HotPath:
             raise IndexError("corrupt free ring: record index out of range")
         return h
 
+    def spawn_inline(self, list datas, uint32_t kind, uint64_t link_or, uint32_t retries,
+                     Py_ssize_t dir_off, uint32_t cap, list out):
+        """Client: a batch of agents (stealer/agents/batch.py), one record each: for each
+        payload of ``datas`` (bytes, each <= INLINE) take a record, fill it as
+        ``submit_inline`` does with link ``link_or | h``, make its directory entry at
+        ``dir_off`` fresh (zeroed, capacity ``cap``; before the push that publishes it) and
+        push it on the injector; append each handle to ``out``.  Wakes nobody: the caller
+        notifies once for the batch.  Returns 0 when all were queued, -1 when no record was
+        free (``out`` holds those queued so far), or -2 when the injector was full: the last
+        handle in ``out`` is set up but not queued (the caller queues it).
+        """
+        cdef Py_ssize_t i, n
+        cdef uint64_t t_submit = _now_ns()
+        cdef uint64_t idx, gen, h
+        cdef char *r
+        cdef char *d
+        cdef bytes data
+        for data in datas:
+            if data is None:
+                raise TypeError("spawn_inline takes a list of bytes")
+            if PyBytes_GET_SIZE(data) > INLINE:
+                raise ValueError("payload too large for the inline path")
+        if dir_off < 0 or dir_off + <Py_ssize_t>(self.nrecords * DIR_BYTES) > self.region.size:
+            raise ValueError("the agent directory does not fit the region")
+        for i in range(len(datas)):
+            data = datas[i]
+            n = PyBytes_GET_SIZE(data)
+            if self.free_ring.c_pop(&idx) != ST_SUCCESS:
+                return -1
+            if idx >= self.nrecords:
+                raise IndexError("corrupt free ring: record index out of range")
+            r = self.rec_base + RECORD_BYTES * idx
+            gen = st_load_relaxed_u64(r) & 0xFFFFFFFFU
+            h = (gen << 32) | idx
+            memset(r + 8, 0, R_INLINE - 8)
+            (<uint32_t *>(r + R_KIND))[0] = kind
+            (<uint64_t *>(r + R_LINK))[0] = link_or | h
+            (<uint32_t *>(r + R_RETRIES))[0] = retries
+            (<uint64_t *>(r + R_PLEN))[0] = <uint64_t>n
+            (<uint64_t *>(r + R_TSUBMIT))[0] = t_submit
+            if n:
+                memcpy(r + R_INLINE, PyBytes_AS_STRING(data), n)
+            # the directory entry: plain stores, published by the push below (as Directory.init)
+            d = self.region.base + dir_off + DIR_BYTES * idx
+            memset(d, 0, DIR_BYTES)
+            (<uint32_t *>(d + D_CAP))[0] = cap
+            st_store_relaxed_u64(r, gen | (<uint64_t>S_QUEUED << STATE_SHIFT))  # alloc: published by the push below
+            out.append(<int64_t>h)
+            if self.injector.c_push(h) != ST_SUCCESS:   # release (cell seq): the worker's pop acquires it
+                return -2
+        return 0
+
     def start(self, uint64_t h, Py_ssize_t current_off, uint64_t t_start,
               Py_ssize_t wait_hist_off=-1, uint64_t who=0):
         """Worker ``who - 1``: the ``start`` transition QUEUED -> RUNNING|who.

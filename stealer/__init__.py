@@ -28,6 +28,7 @@ from stealer.errors import (
 from stealer.forkjoin import Child, join, run_inline, spawn
 
 if TYPE_CHECKING:
+    from stealer.agents.batch import AgentRefs
     from stealer.executor import Executor, recover
 
 __version__ = "0.1.0"
@@ -40,6 +41,10 @@ def __getattr__(name: str) -> object:
         from stealer import executor
 
         return getattr(executor, name)
+    if name == "AgentRefs":  # (what Executor.spawn_agents returns: client side, lazy too)
+        from stealer.agents import batch
+
+        return batch.AgentRefs
     raise AttributeError(f"module 'stealer' has no attribute {name!r}")
 
 __all__ = [
@@ -48,6 +53,7 @@ __all__ = [
     "AgentError",
     "AgentNotFound",
     "AgentRef",
+    "AgentRefs",
     "AgentStopped",
     "Ctx",
     "DeadlineExceeded",

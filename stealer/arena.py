@@ -39,6 +39,8 @@ from typing import Any
 
 from stealer import serialize
 from stealer._layout import (
+    D_CAP,
+    DIR_BYTES,
     F_BUFFERS,
     F_RBUFFERS,
     INLINE,
@@ -122,6 +124,7 @@ class Arena:
                             L.worker(0) + W_PARK, WORKER_BYTES, L.nworkers)
             self.hot = hot
             self.submit_inline = hot.submit_inline
+            self.spawn_inline = hot.spawn_inline
             self.notify_one = hot.notify_one
             self.start = hot.start
             self.finish_inline = hot.finish_inline
@@ -211,6 +214,35 @@ class Arena:
             return -2 - h
         self.notify_one()
         return h
+
+    def spawn_inline(self, datas: list[bytes], kind: int, link_or: int, retries: int,
+                     dir_off: int, cap: int, out: list[int]) -> int:
+        """Client: a batch of agents (stealer/agents/batch.py), one record each: for each
+        inline payload take a record set up as :meth:`submit_inline` does with link
+        ``link_or | h``, give it a fresh directory entry at ``dir_off`` (zeroed, capacity
+        ``cap``; published by the push) and push it on the injector, appending each handle
+        to ``out``.  Wakes nobody (the caller notifies once).  0: all queued; -1: no free
+        record (``out`` holds those queued); -2: the injector was full, the last handle in
+        ``out`` is set up but not queued."""
+        for data in datas:
+            if len(data) > INLINE:
+                raise ValueError("payload too large for the inline path")
+        t_submit = time.monotonic_ns()
+        mm = self.mm
+        for data in datas:
+            h = self.alloc()
+            if h < 0:
+                return -1
+            off = self.setup(h, kind, link_or | h, t_submit, retries)
+            mm[off + R_INLINE : off + R_INLINE + len(data)] = data
+            _PCALL.pack_into(mm, off + R_PCLASS, 0, 0, 0, len(data))
+            e = dir_off + DIR_BYTES * (h & 0xFFFFFFFF)
+            mm[e : e + DIR_BYTES] = bytes(DIR_BYTES)  # plain stores: published by the push
+            _U32.pack_into(mm, e + D_CAP, cap)
+            out.append(h)
+            if not self.injector.push(h):  # release: the worker's pop acquires it
+                return -2
+        return 0
 
     def notify_one(self) -> int:
         """Wake one parked worker if nobody searches (see stealer/idle.py)."""

@@ -32,7 +32,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import _base as _fbase
 from pickle import dumps as _pickle_dumps
@@ -618,6 +618,30 @@ class Executor(_fbase.Executor):
         _check_retries(r)
         opts = AgentOptions.parse(options)
         return pool.agents.spawn(cls, args, init_kwargs or {}, opts, r, name)
+
+    def spawn_agents(self, cls: type, args_list: Iterable[tuple], /, *,
+                     init_kwargs: dict | None = None, retries: int | None = None,
+                     **options: Any) -> Sequence[AgentRef]:
+        """Start one agent per tuple of ``args_list``: ``cls(*args, **init_kwargs)`` each,
+        with the same options (those of :meth:`spawn_agent`, checked once).  Returns their
+        refs in the order of ``args_list``: an :class:`~stealer.AgentRefs` (8 bytes per
+        agent; ``refs[i]`` is an AgentRef).  Much cheaper per agent than a loop of
+        ``spawn_agent`` (one native call and one wake-up per few thousand agents).  All or
+        nothing: on an error part-way (an argument that does not pickle, no free record)
+        the agents already started are stopped and the error is raised.  Named agents
+        (``name=``) are spawned one by one with :meth:`spawn_agent`."""
+        from stealer.agents.batch import spawn_many
+        from stealer.agents.options import AgentOptions
+
+        pool = self._pool
+        if pool.shutdown or pool.broken or _poolmod._exiting:
+            self._refuse()
+        if not isinstance(cls, type) or not hasattr(cls, "__init__"):
+            raise TypeError(f"spawn_agents() takes an agent class, not {cls!r}")
+        r = self._retries if retries is None else retries
+        _check_retries(r)
+        opts = AgentOptions.parse(options)
+        return spawn_many(pool.agents, cls, args_list, init_kwargs, opts, r)
 
     def call_all(self, refs: Iterable[AgentRef], method: str,
                  args: Iterable[tuple] | None = None) -> list[Future[Any]]:

@@ -50,6 +50,9 @@ POINTS = {
     "agent.migrate_after_cas": "a migrating agent is QUEUED (leased), before its push",
     "agent.finish_after_close": "a finishing agent's mailbox is closed, before calls are failed",
     "agent.inline_turn": "a control agent's turn nested in another's step, before its messages",
+    "dormant.adopt_built": "an idle agent's object is built, before it is held dormant",
+    "dormant.stop_after_close": "shutdown: a dormant agent's mailbox is closed, before its "
+    "final value is published",
     # the agents' journal (stealer/agents/host.py; Executor(journal=...))
     "journal.after_msg_logged": "a worker logged a message, before it reaches the mailbox",
     "journal.after_reply_logged": "a call's reply is logged, before it is stored for the caller",

@@ -681,7 +681,9 @@ class _Pool:
                 self.check_hangs()
             elif not got:
                 self.check_workers()  # a death is handled before parking: one poll(2)
-            if (self.shutdown and not self.futures and not self.backlog
+            # (the scan of every record only once the rings are empty: while a million
+            # agents' final values stream in it would cost more than reading them)
+            if (self.shutdown and not got and not self.futures and not self.backlog
                     and not self.agents.alive()):
                 return
             if not got:

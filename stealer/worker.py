@@ -394,10 +394,10 @@ class Worker:
                 if searching:
                     idle.stop_search(self.k, True)
                 return h
-            if host.agents and not host.stopping and r.load32(H_STOP_AGENTS):
+            if (host.agents or host.dormant) and not host.stopping and r.load32(H_STOP_AGENTS):
                 host.stop_all()  # shutdown: agents stop at their next step boundary
                 continue
-            if r.load32(H_SHUTDOWN) and not self.conts and not host.agents:
+            if r.load32(H_SHUTDOWN) and not self.conts and not host.agents and not host.dormant:
                 if searching:
                     idle.stop_search(self.k, False)
                 return None
@@ -741,7 +741,7 @@ class Worker:
         a = self.arena
         if (h & 0xFFFFFFFF) >= a.nrecords:
             return
-        if self.host.agents and self.host.notify(h):
+        if (self.host.agents or self.host.dormant) and self.host.notify(h):
             return  # an agent of ours: messages, a reply, children, a stop
         frame = self.conts.get(h)
         if frame is None and a.kind_link(a.off(h))[0] & F_AGENT:

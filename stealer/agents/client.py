@@ -335,7 +335,15 @@ class AgentClient:
         if not fid & AGENT_FID:
             return False
         with self.lock:
-            self.finished[fid] = (status, value)
+            # A Future made since the caller found none in pool.futures (future() registers
+            # it under this lock, then looks in `finished`): it gets the value, or the value
+            # would wait in `finished` for a Future that never looks again (a hang, seen as
+            # ref.result() timing out when a stop's final value raced the call).
+            f = self.pool.futures.pop(fid, None)
+            if f is None:
+                self.finished[fid] = (status, value)
+                return True
+        self.pool.resolve(f, status, value)
         return True
 
     def alive(self) -> bool:

@@ -68,7 +68,7 @@ from stealer._layout import (
     ST_ERROR,
     ST_OK,
 )
-from stealer.agents import api, inline
+from stealer.agents import api, dormant, inline
 from stealer.agents.api import AgentRef, Ctx, Done, Pending, PendingAll, Sleep, Wait
 from stealer.agents.client import AGENT_FID, encode_message
 from stealer.agents.jblob import pack as journal_pack
@@ -145,6 +145,10 @@ RUNNABLE, WAITING, SLEEPING, SUSPENDED, FINISHED = range(5)
 
 class _Entry:
     """One agent living in this worker's heap."""
+
+    # (its states, for dormant.py, which cannot import this module)
+    RUNNABLE = RUNNABLE
+    WAITING = WAITING
 
     __slots__ = (
         "applied",
@@ -291,6 +295,7 @@ class Host:
         self.nested = False  # a control agent's turn inside a step runs (inline.py)
         self.nested_ns = 0  # time of those turns, taken off the running step's
         self.alarm_due = False  # the step's timer fired during a nested turn
+        self.dormant: dict[int, Any] = {}  # handle -> object of an agent idle since its spawn
         # published for a thief (with its R_TRIES then): ours again if we start it
         self.away: dict[int, tuple[_Entry, int]] = {}
         self.rq = RunQueue()
@@ -374,24 +379,15 @@ class Host:
             self.take(e)
             self.schedule(e)
             return
+        spawn = None
+        if not ck:  # from its spawn: kept dormant if it has nothing to do (dormant.py)
+            spawn = dormant.adopt(self, h, link, _Entry)
+            if spawn is None:
+                return
         e = _Entry(h, link)
         self.agents[h] = e
         try:
-            spawn = self.a.read_call(self.a.off(h))
-            cls, args, kwargs, opts, deadline_at = spawn[:5]
-            jinfo = spawn[5] if len(spawn) > 5 else None
-            if jinfo is not None:
-                e.uid = jinfo[0]
-                e.jreplies = dict(jinfo[2]) if jinfo[2] else None
-            if type(cls) is int:
-                cls = self.w.fns.get(cls)
-            e.cls = cls
-            e.spawn_args = (args, kwargs)
-            e.opts = self.options(opts)
-            e.tier = e.opts.tier
-            e.deadline = deadline_at
-            if deadline_at is not None:
-                e.deadline_ns = int(deadline_at * 1e9)
+            cls, args, kwargs, jinfo = self.spawned(e, spawn or self.a.read_call(self.a.off(h)))
             saved = self.a.read_call(self.a.off(ck - 1)) if ck else None
             if saved is not None:
                 obj, gen, steps, msgs, tries, _sched, jstate = saved
@@ -446,6 +442,24 @@ class Host:
             self.controls[h] = e
         self.schedule(e)
 
+    def spawned(self, e: _Entry, spawn: tuple) -> tuple:
+        """Fill ``e`` from its record's spawn payload; (cls, args, kwargs, jinfo)."""
+        cls, args, kwargs, opts, deadline_at = spawn[:5]
+        jinfo = spawn[5] if len(spawn) > 5 else None
+        if jinfo is not None:
+            e.uid = jinfo[0]
+            e.jreplies = dict(jinfo[2]) if jinfo[2] else None
+        if type(cls) is int:
+            cls = self.w.fns.get(cls)
+        e.cls = cls
+        e.spawn_args = (args, kwargs)
+        e.opts = self.options(opts)
+        e.tier = e.opts.tier
+        e.deadline = deadline_at
+        if deadline_at is not None:
+            e.deadline_ns = int(deadline_at * 1e9)
+        return cls, args, kwargs, jinfo
+
     def _ckpt_mark(self, ck: int) -> int:
         if not ck:
             return 0
@@ -480,7 +494,9 @@ class Host:
         is not an agent of ours."""
         e = self.agents.get(h)
         if e is None:
-            return False
+            e = dormant.thaw(self, h, _Entry) if self.dormant else None
+            if e is None:
+                return False
         self.dir.clear_notified(h)
         self.take(e)
         if self.dir.flags(h) & AF_STOP:  # read after clearing NOTIFIED: a stop is never missed
@@ -1642,6 +1658,4 @@ class Host:
             self.r.or64(self.dir.entry(h) + D_FLAGS, AF_STOP)  # seq_cst; read at its next turn
             e.stop = True
             self.schedule(e)
-
-
-
+        dormant.stop_all(self, _Entry)  # (they stop now: no turn to wait for)

@@ -216,5 +216,10 @@ class Directory:
             if old & CLOSED:
                 return old & _CHAIN
             if r.cas64(e + D_HEAD, old, old | CLOSED):  # seq_cst: pairs with push's CAS
-                r.futex_wake(e + D_COUNT, 1 << 30)  # blocked senders see it closed
+                # blocked senders see it closed.  Only a full mailbox can have one (wait_room
+                # sleeps only on a count >= the cap, and a count that fell since wakes it at
+                # give_back's futex_wake or fails its futex_wait's compare): seq_cst loads
+                # after the CAS. (A system call per close was most of stopping a dormant agent.)
+                if r.load32(e + D_COUNT) >= r.load32(e + D_CAP):
+                    r.futex_wake(e + D_COUNT, 1 << 30)
                 return old

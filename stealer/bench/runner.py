@@ -75,8 +75,9 @@ Workloads (``--quick`` sizes in brackets; all but ``agent_scale`` together finis
   different workers (``same_worker`` says if that failed; ``info`` has the tries and the
   workers' park/wake-up counts during the run).
 - ``agent_scale`` (stealer only, and only when named in ``--workloads``: heavy):
-  1,000,000 [20,000] idle message-only agents in one executor made with ``records=1 << 21``
-  [``1 << 16``].  ``create_s`` runs from the first spawn until nothing is left on the
+  1,000,000 [20,000] idle message-only agents, started by one ``spawn_agents`` call, in one
+  executor made with ``records=1 << 20`` [``1 << 15``] (the smallest power of two with room
+  for every agent's record and the probes' messages).  ``create_s`` runs from the first spawn until nothing is left on the
   injector or any deque and a call to the last agent and to 100 others answered;
   ``bytes_per_agent`` = (growth of the client's and the workers' private resident memory,
   psutil ``rss - shared``, + the shared segment's whole size + what the overflow files that
@@ -110,6 +111,7 @@ import concurrent.futures as cf
 import gc
 import heapq
 import importlib
+import itertools
 import json
 import math
 import os
@@ -1181,7 +1183,7 @@ def _ping_pong(system: System, workers: int, rounds: int) -> dict[str, Any]:
 
 
 #: (agents, records) of ``agent_scale``: every idle agent holds one record.
-SCALE_SIZES = {"full": (1_000_000, 1 << 21), "quick": (20_000, 1 << 16), "tiny": (300, 1 << 12)}
+SCALE_SIZES = {"full": (1_000_000, 1 << 20), "quick": (20_000, 1 << 15), "tiny": (300, 1 << 12)}
 SCALE_PROBES = 100
 
 
@@ -1235,14 +1237,11 @@ def run_agent_scale(system: System, workers: int, quick: bool | str) -> dict[str
         segment, ov_files0, ov_bytes0 = _shm_files(ex)
         gc.collect()
         mem0 = _private_bytes(procs)
-        spawn = ex.spawn_agent  # type: ignore[attr-defined]
+        spawn = ex.spawn_agents  # type: ignore[attr-defined]
         t0 = time.perf_counter()
-        refs = []
-        for i in range(n):
-            refs.append(spawn(_wl.IdleAgent))
-            if not i & 0x3FFF:
-                _report(0.8 * i / n)
+        refs: Any = spawn(_wl.IdleAgent, itertools.repeat((), n))
         t_spawned = time.perf_counter()
+        _report(0.8)
         # Every agent adopted: nothing left on the injector or any deque, then a call to the
         # last one spawned and to SCALE_PROBES others answers.
         end = time.monotonic() + WAIT_TIMEOUT_S
@@ -1533,6 +1532,7 @@ _ROWS: dict[str, list[tuple[str, str, str]]] = {
         ("agents", "idle agents", ",.0f"),
         ("create_s", "create s", ".2f"),
         ("create_us", "create µs/agent", ".1f"),
+        ("spawn_us", "  spawn µs/agent", ".2f"),
         ("bytes_per_agent", "bytes/agent", ",.0f"),
         ("worker_bytes_per_agent", "  workers' heap", ",.0f"),
         ("client_bytes_per_agent", "  client (refs)", ",.0f"),

@@ -1,0 +1,241 @@
+"""Many agents cheaply: ``spawn_agents`` (the batch spawn), dormant agents (an idle agent
+held as its object alone, stealer/agents/dormant.py) and stopping them all at shutdown.
+
+The batch runs with the native HotPath and with its pure-Python reference twin
+(STEALER_PY_HOTPATH=1: ``Arena.spawn_inline``)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import threading
+import time
+
+import pytest
+
+import stealer
+from stealer._layout import D_CAP, D_CKPT, D_CPU_NS, D_OWNER
+from stealer.agents import batch
+from stealer.agents.batch import AgentRefs
+from stealer.errors import SerializationError
+from tests import agents_lib as L
+from tests.probes import records_in_use
+from tests.rig import _py_hotpath
+
+T = 60  # seconds: only to turn a hang into a failure
+
+
+class Plain(stealer.Agent):
+    """Message-only, no on_stop: its final value is None."""
+
+    def ping(self, x: object = None) -> object:
+        return x
+
+
+class StopFails(stealer.Agent):
+    def ping(self, x: object = None) -> object:
+        return x
+
+    def on_stop(self) -> None:
+        raise RuntimeError("on_stop failed")
+
+
+@pytest.fixture(params=["native", "python"])
+def ex(request):
+    with _py_hotpath(request.param == "python"), stealer.Executor(2, records=1 << 14) as e:
+        yield e
+
+
+def _settled(ex: stealer.Executor) -> None:
+    """Every spawned agent adopted: nothing left on the injector or any deque."""
+    end = time.monotonic() + T
+    while True:
+        st = ex.stats()
+        if st.injector_depth == 0 and not any(w.deque_depth for w in st.workers):
+            return
+        assert time.monotonic() < end, "agents still waiting to be adopted"
+        time.sleep(0.01)
+
+
+def _dir_word(ex: stealer.Executor, h: int, field: int, size: int = 8) -> int:
+    d = ex._pool.agents.dir
+    r = ex._pool.region
+    return r.load64(d.entry(h) + field) if size == 8 else r.load32(d.entry(h) + field)
+
+
+def _stop_all(refs) -> list:
+    for r in refs:
+        r.stop()
+    return [r.result(T) for r in refs]
+
+
+# -- spawn_agents ---------------------------------------------------------------------
+def test_spawn_agents_gives_refs_in_order(ex):
+    n = batch.CHUNK + 904  # two native calls
+    refs = ex.spawn_agents(L.Counter, ((i,) for i in range(n)))
+    assert isinstance(refs, AgentRefs) and len(refs) == n
+    assert len({r.id for r in refs}) == n
+    assert [f.result(T) for f in ex.call_all(refs, "get")] == list(range(n))
+    assert refs[7] == refs[7] and refs[-1] == list(refs)[-1]
+    assert refs[7].call("add", 1).result(T) == 8
+    assert list(refs[10:13]) == [refs[10], refs[11], refs[12]]
+    assert list(refs.ids[:3]) == [refs[0].id, refs[1].id, refs[2].id]
+    assert pickle.loads(pickle.dumps(refs[5])) == refs[5]
+    out = _stop_all(refs)
+    assert out[7] == "stopped at 8" and out[:3] == [f"stopped at {i}" for i in range(3)]
+    assert records_in_use(ex) == 0
+
+
+def test_spawn_agents_options_reach_every_agent(ex):
+    """The options are parsed once and reach every agent of the batch (the mailbox
+    capacity is in each one's directory entry); an empty batch is an empty sequence."""
+    refs = ex.spawn_agents(L.Counter, [(i,) for i in range(300)], mailbox=5, tier="control")
+    assert [f.result(T) for f in ex.call_all(refs, "get")] == list(range(300))
+    assert {_dir_word(ex, r.id, D_CAP, 4) for r in refs} == {5}
+    assert len(ex.spawn_agents(L.Counter, [])) == 0
+    _stop_all(refs)
+    assert records_in_use(ex) == 0
+
+
+def test_spawn_agents_payload_in_a_block_keeps_the_order(ex):
+    """Arguments too big for the inline bytes: those agents are queued one by one,
+    between the native runs, and the refs stay in order."""
+    args = [(i,) if i % 4 else (i, 0.0, ["pad" * 60]) for i in range(40)]
+    refs = ex.spawn_agents(_Padded, args)
+    assert [f.result(T) for f in ex.call_all(refs, "get")] == list(range(40))
+    _stop_all(refs)
+    assert records_in_use(ex) == 0
+
+
+class _Padded(L.Counter):
+    def __init__(self, start: int = 0, delay: float = 0.0, pad: object = None) -> None:
+        super().__init__(start, delay)
+        self.pad = pad
+
+
+def test_spawn_agents_checks_options_once_and_starts_nothing_on_bad_input(ex):
+    with pytest.raises(ValueError):
+        ex.spawn_agents(L.Counter, [(1,)] * 10, tier="nope")
+    with pytest.raises(TypeError, match="agent class"):
+        ex.spawn_agents(L.Counter(), [(1,)])
+    with pytest.raises(TypeError, match="tuple of arguments"):
+        ex.spawn_agents(L.Counter, [1, 2])
+    assert records_in_use(ex) == 0
+
+
+def test_spawn_agents_failure_mid_batch_stops_what_it_started(ex):
+    """All or nothing: an argument that does not pickle after a whole chunk was queued
+    raises, and the agents already started are stopped; no record stays held."""
+    args = [(i,) for i in range(batch.CHUNK + 10)] + [(threading.Lock(),)]
+    with pytest.raises(SerializationError):
+        ex.spawn_agents(L.Counter, args)
+    assert records_in_use(ex) == 0
+    args = [(i,) for i in range(batch.CHUNK + 10)] + ["not a tuple"]
+    with pytest.raises(TypeError):
+        ex.spawn_agents(L.Counter, args)
+    assert records_in_use(ex) == 0
+
+
+def test_spawn_agents_out_of_records_raises_and_leaks_nothing(monkeypatch):
+    """More agents than records: the batch waits as one spawn does (RECORD_WAIT), then
+    raises, and the agents it started are stopped and their records freed."""
+    from stealer.agents import client
+
+    monkeypatch.setattr(client, "RECORD_WAIT", 0.5)
+    with stealer.Executor(2, records=256) as ex:
+        with pytest.raises(stealer.StealerError, match="no free record"):
+            ex.spawn_agents(L.Counter, [(i,) for i in range(400)])
+        assert records_in_use(ex) == 0
+        refs = ex.spawn_agents(L.Counter, [(i,) for i in range(100)])  # all free again
+        assert [f.result(T) for f in ex.call_all(refs, "get")] == list(range(100))
+
+
+def test_spawn_agents_with_a_journal_names_each_agent(tmp_path):
+    with stealer.Executor(2, journal=str(tmp_path / "j")) as ex:
+        refs = ex.spawn_agents(L.Counter, [(i,) for i in range(5)])
+        assert [r.uid for r in refs] == [f"{refs[0].uid.split('.')[0]}.{i}" for i in
+                                         range(1, 6)]
+        assert [r.call("get").result(T) for r in refs] == list(range(5))
+
+
+# -- dormant agents ---------------------------------------------------------------------
+def test_idle_agents_go_dormant_and_wake_exactly_as_before(ex):
+    """A message-only agent with nothing to do after its spawn runs no turn (dormant: its
+    D_CPU_NS stays 0); its first message wakes it, and from then on it keeps the order
+    of every sender, checkpoints every `checkpoint_every` events and stops with on_stop."""
+    refs = ex.spawn_agents(L.Counter, [(i,) for i in range(200)], checkpoint_every=4)
+    _settled(ex)
+    time.sleep(0.2)
+    assert all(_dir_word(ex, r.id, D_OWNER, 4) for r in refs)  # adopted
+    assert not any(_dir_word(ex, r.id, D_CPU_NS) for r in refs)  # and not one turn run
+    woken = refs[::10]
+    for r in woken:
+        for s in range(30):
+            r.send("note", "client", s)
+    logs = [f.result(T) for f in ex.call_all(woken, "log")]
+    assert logs == [[("client", s) for s in range(30)]] * len(woken)
+    assert all(_dir_word(ex, r.id, D_CKPT) for r in woken)  # they checkpoint again
+    assert not any(_dir_word(ex, r.id, D_CKPT) for r in refs[1::10])
+    relay = ex.spawn_agent(L.Relay, refs[3])  # an agent calling a dormant one
+    assert relay.call("relay", 2).result(T) == 50
+    out = _stop_all(refs)
+    assert out[0] == "stopped at 0" and out[199] == "stopped at 199"
+    relay.stop()
+    relay.result(T)
+    assert records_in_use(ex) == 0
+
+
+def test_shutdown_stops_dormant_and_woken_agents_with_their_final_values():
+    """Shutdown stops every agent directly, dormant or not: on_stop's value (None without
+    one, its exception if it raises) reaches each ref, also for agents that got messages
+    just before the shutdown (whose notification may still be on its way)."""
+    with stealer.Executor(2, records=1 << 14) as ex:
+        counters = ex.spawn_agents(L.Counter, [(i,) for i in range(3000)])
+        plain = ex.spawn_agents(Plain, [()] * 500)
+        failing = ex.spawn_agents(StopFails, [()] * 20)
+        _settled(ex)
+        assert counters[5].call("add", 1).result(T) == 6  # woken
+        for r in counters[100:400]:
+            r.send("add", 1)  # late: handled, or still in the mailbox at the stop
+    got = [r.result(T) for r in counters]
+    assert got[5] == "stopped at 6"
+    for i, v in enumerate(got):
+        if i != 5:
+            assert v in ((f"stopped at {i}", f"stopped at {i + 1}") if 100 <= i < 400
+                         else (f"stopped at {i}",)), (i, v)
+    assert [r.result(T) for r in plain] == [None] * 500
+    for r in failing:
+        with pytest.raises(RuntimeError, match="on_stop failed"):
+            r.result(T)
+
+
+@pytest.mark.kills_workers
+def test_dormant_agents_of_a_killed_worker_restart_from_their_spawn():
+    with stealer.Executor(2, records=1 << 12) as ex:
+        refs = ex.spawn_agents(L.Counter, [(i,) for i in range(600)])
+        _settled(ex)
+        assert refs[0].call("add", 1).result(T) == 1  # one woken agent among them
+        os.kill(ex.worker_pids()[0], signal.SIGKILL)
+        # restarted from their spawn; the woken one replays its accepted message
+        assert [f.result(T) for f in ex.call_all(refs, "get")] == [1, *range(1, 600)]
+        _stop_all(refs)
+        assert records_in_use(ex) == 0
+
+
+@pytest.mark.kills_workers
+@pytest.mark.parametrize("point", ["dormant.adopt_built", "dormant.stop_after_close"])
+def test_worker_killed_at_a_dormant_failpoint(monkeypatch, tmp_path, point):
+    """Killed right after building an idle agent (before it is held dormant), or at
+    shutdown between closing a dormant agent's mailbox and publishing its final value:
+    that worker's agents restart on its successor from their spawn, and every call and
+    every final value still arrives."""
+    monkeypatch.setenv("STEALER_FAILPOINTS", f"{point}=kill@50!once")
+    monkeypatch.setenv("STEALER_FAILPOINTS_DIR", str(tmp_path))
+    with stealer.Executor(2, records=1 << 12) as ex:
+        refs = ex.spawn_agents(L.Counter, [(i,) for i in range(500)])
+        _settled(ex)
+        assert [f.result(T) for f in ex.call_all(refs[::7], "get")] == list(range(0, 500, 7))
+    assert [r.result(T) for r in refs] == [f"stopped at {i}" for i in range(500)]
+    assert os.path.exists(tmp_path / point), f"{point} was never reached"
+    assert ex._pool.crashes >= 1

@@ -168,7 +168,9 @@ class _Pool:
         Q = _default_queues
         self.native = Q.NATIVE
         self.lock = None if Q.NATIVE else ctx.Lock()  # the reference queues need one shared lock
-        layout = Layout(n, records=records)
+        # STEALER_TEST_INBOX_CAP: tests only (tests/test_storm.py), a small inbox per worker
+        layout = Layout(n, records=records,
+                        inbox_cap=int(os.environ.get("STEALER_TEST_INBOX_CAP") or 0))
         self.layout = layout
         self.seg = seg = Segment.create(layout, self.lock, Q)
         seg.populate()
@@ -198,8 +200,8 @@ class _Pool:
         self.arena.init()
         for k in range(n):
             Q.Deque(r, layout.deque(k), layout.records).init()
-            Q.MPMCRing(r, layout.inbox(k), layout.records).init()
-        self.inboxes = [Q.MPMCRing(r, layout.inbox(k), layout.records) for k in range(n)]
+            Q.MPMCRing(r, layout.inbox(k), layout.inbox_cap).init()
+        self.inboxes = [Q.MPMCRing(r, layout.inbox(k), layout.inbox_cap) for k in range(n)]
         self.completions = [Q.SPSCRing(r, layout.completion(k), layout.records) for k in range(n)]
         for ring in self.completions:
             ring.init()

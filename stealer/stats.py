@@ -175,7 +175,7 @@ def collect(seg: Segment, queues: Any | None = None) -> Stats:
             state=STATE_NAMES[state] if state < len(STATE_NAMES) else str(state),
             running=bool(r.load64(base + W_CURRENT)),
             deque_depth=len(Q.Deque(r, L.deque(k), L.records)),
-            inbox_depth=len(Q.MPMCRing(r, L.inbox(k), L.records)),
+            inbox_depth=len(Q.MPMCRing(r, L.inbox(k), L.inbox_cap)),
             counters=counters,
         ))
     created = r.load64(H_CREATED_NS) / 1e9

@@ -233,7 +233,7 @@ class Worker:
         n = layout.nworkers
         self.n = n
         self.deques = [Q.Deque(r, layout.deque(i), layout.records) for i in range(n)]
-        self.inboxes = [Q.MPMCRing(r, layout.inbox(i), layout.records) for i in range(n)]
+        self.inboxes = [Q.MPMCRing(r, layout.inbox(i), layout.inbox_cap) for i in range(n)]
         self.deque = self.deques[self.k]
         self.inbox = self.inboxes[self.k]
         self.injector = Q.MPMCRing(r, layout.offsets["injector"], layout.injector_cap)

@@ -257,20 +257,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     crashes = pool.crashes
     where = where_pending(pool) if counts.get("lost") else {}
     strays = pool.stray  # completions that found no pending future
-    # shut down without hanging on lost futures
-    ex.shutdown(wait=False, cancel_futures=True)
-    t.join(0.5 if counts.get("lost") else 30)
-    if t.is_alive():
-        pool.region.store32(H_SHUTDOWN, 1)  # no replacements from now on
-        for p in list(pool.procs):
-            if p is not None:
-                p.kill()
-        pool.futures.clear()
-        pool.wake()
-        deadline = time.monotonic() + 30
-        while t.is_alive() and time.monotonic() < deadline:
-            pool.injector.pop()  # room for a recovery spinning on a full injector
-            t.join(0.05)
+    close(ex, 0.5 if counts.get("lost") else 30)  # without hanging on lost futures
     return {
         "workers": a.workers,
         "records": pool.layout.records,
@@ -304,6 +291,29 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def close(ex: stealer.Executor, wait: float) -> bool:
+    """Shut down; if the result thread is still busy after ``wait`` s (a lost future, a
+    push it spins on), kill the workers and make room in the queues until it exits."""
+    pool = ex._pool
+    t = pool.thread
+    assert t is not None
+    ex.shutdown(wait=False, cancel_futures=True)
+    t.join(wait)
+    if t.is_alive():
+        pool.region.store32(H_SHUTDOWN, 1)  # no replacements from now on
+        for p in list(pool.procs):
+            if p is not None:
+                p.kill()
+        pool.futures.clear()
+        pool.wake()
+        deadline = time.monotonic() + 30
+        while t.is_alive() and time.monotonic() < deadline:
+            for q in (pool.injector, *pool.inboxes):
+                q.pop()  # room for a push it spins on
+            t.join(0.05)
+    return not t.is_alive()
+
+
 class Storm(threading.Thread):
     """SIGKILL a random live worker process (any state: starting ones too) every
     ``interval`` seconds for ``seconds``."""
@@ -322,14 +332,18 @@ class Storm(threading.Thread):
     def run(self) -> None:
         pool = self.ex._pool
         end = time.monotonic() + self.seconds
+        dead: set[int] = set()  # (a killed worker stays in pool.procs until it is replaced)
         while time.monotonic() < end and not self.halt.wait(self.rng.uniform(*self.interval)):
-            pids = [p.pid for p in list(pool.procs) if p is not None and p.pid is not None]
+            pids = [p.pid for p in list(pool.procs)
+                    if p is not None and p.pid is not None and p.pid not in dead]
             if not pids:
                 continue
+            pid = self.rng.choice(pids)
             try:
-                os.kill(self.rng.choice(pids), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 continue
+            dead.add(pid)
             self.kills += 1
             self.last_kill = time.monotonic()
 
@@ -392,18 +406,7 @@ def storm(a: argparse.Namespace) -> dict[str, Any]:
     strays = pool.stray
     t = pool.thread
     assert t is not None
-    ex.shutdown(wait=False, cancel_futures=True)
-    t.join(30)
-    exited = not t.is_alive()
-    if not exited:
-        pool.region.store32(H_SHUTDOWN, 1)
-        for p in list(pool.procs):
-            if p is not None:
-                p.kill()
-        pool.futures.clear()
-        pool.wake()
-        t.join(10)
-        exited = not t.is_alive()
+    exited = close(ex, 30)
     return {
         "workers": a.workers, "records": pool.layout.records, "retries": a.retries,
         "storm_s": a.storm, "tasks": len(jobs), "kills": killer.kills,

@@ -55,7 +55,7 @@ from stealer.errors import (
 from stealer.futures import _Future
 from stealer.idle import NOTIFIED, Idle, ResultPolicy
 from stealer.records import Outcome
-from stealer.recovery import Recovery, ping_parent
+from stealer.recovery import Pings, Recovery
 from stealer.shm import (
     H_CLIENT_PARK,
     H_SHUTDOWN,
@@ -63,6 +63,8 @@ from stealer.shm import (
     LEASE_SLOTS,
     W_CURRENT,
     W_LEASE,
+    W_PING_IN,
+    W_PING_OUT,
     W_STATE,
     W_STEP_DEADLINE,
     Layout,
@@ -209,7 +211,12 @@ class _Pool:
         self.fns = serialize.FunctionTable(seg.mm, r, o["fn_table"], layout.fn_entries,
                                            o["fn_data"], layout.fn_data)
         self.idle = Idle(r, layout)
-        self.rec = Recovery(self.arena, self.inboxes, self.idle, 0, self.push)
+        # Pings that found an inbox full: pushed by the result thread as room appears (it
+        # never waits on a worker's inbox: a worker still starting does not drain it)
+        self.ping_backlog: collections.deque[tuple[int, int]] = collections.deque()
+        self.pings = Pings(self.arena, self.inboxes, self.idle, -1, -1,
+                           lambda owner, h: self.ping_backlog.append((owner, h)))
+        self.rec = Recovery(self.arena, self.inboxes, self.idle, 0, self.push, self.pings)
         from stealer.agents.client import AgentClient
 
         self.agents = AgentClient(self)  # spawn/send/call/stop and agents' final values
@@ -381,8 +388,18 @@ class _Pool:
             if FP.ON:
                 FP.hit("client.recovery")
             rec.leased(h, who)  # QUEUED: again on the injector; CANCELLED/FREEING: freed
+        # Pings it held (its inbox, its last pop) or half-sent (recovery.py Pings)
+        rec.dead_pings(k, r.load64(base + W_PING_IN), r.load64(base + W_PING_OUT))
+        # Tasks it was running and fork-join frames it held: their ping bits cleared before
+        # their children are looked at (below, in one scan), so a child done after that
+        # pings again (the replacement, which then recovers the frame).
+        held = {state: rec.held_by(who, (state,)) for state in (S_RUNNING, S_RECOVERING)}
+        frames = [h for hs in held.values() for h in hs]
+        for h in frames:
+            self.pings.clear(h)
         # Results stored but maybe not published (the ring was drained: roots DONE|who
-        # are unpublished; children: ping their parents again, pings are idempotent).
+        # are unpublished; children: ping their parents again; a ping already on its way
+        # is not sent twice, and frames of the dead worker are looked at below).
         parents = set()
         for h in rec.held_by(who, (S_DONE,)):
             kind, _status, link = a.kind_link(a.off(h))
@@ -392,8 +409,8 @@ class _Pool:
                 self.agents.dir.notify(link)  # a reply its caller may not have heard of
             else:
                 parents.add(link)
-        for parent in parents:
-            ping_parent(a, self.inboxes, self.idle, parent)
+        for parent in parents.difference(frames):
+            self.pings.ping(parent)
         for h in rec.held_by(who, (S_FREEING,)):
             a.free(h)  # a release it began (payload fields are zeroed before they are dropped)
         # An agent whose step ignored its step_timeout: we killed the worker for it; it
@@ -404,11 +421,12 @@ class _Pool:
                 f"a step of agent {stuck:#x} ignored its step_timeout (stuck in C code?); "
                 f"its worker was killed and replaced", stuck), self.complete_failed_root)
         # Tasks it was running, and fork-join frames it held.
-        for state in (S_RUNNING, S_RECOVERING):  # RECOVERING: it died recovering another's
-            for h in rec.held_by(who, (state,)):
+        kids = rec.children_of(frames)
+        for state, hs in held.items():  # RECOVERING: it died recovering another's
+            for h in hs:
                 if FP.ON:
                     FP.hit("client.recovery")
-                rec.orphan(h, who, desc, self.complete_failed_root, state)
+                rec.orphan(h, who, desc, self.complete_failed_root, state, kids.get(h, []))
         r.store64(base + W_CURRENT, 0)  # settled: nobody may act on these words again
         for i in range(LEASE_SLOTS):
             r.store64(base + W_LEASE + 8 * i, 0)
@@ -594,6 +612,16 @@ class _Pool:
         if moved:
             self.idle.notify_one()
 
+    def drain_pings(self) -> None:
+        """Push the pings that found an inbox full (each owner's in order)."""
+        q = self.ping_backlog
+        for _ in range(len(q)):
+            owner, h = q.popleft()
+            if self.inboxes[owner].push(h):
+                self.idle.notify_worker(owner)
+            else:
+                q.append((owner, h))
+
     def drain_backlog(self) -> None:
         a = self.arena
         moved = 0
@@ -668,6 +696,8 @@ class _Pool:
                     self.complete_batch(hs)
             if self.requeue:
                 self.drain_requeue()
+            if self.ping_backlog:
+                self.drain_pings()
             if self.backlog:
                 self.drain_backlog()
             now = time.monotonic()

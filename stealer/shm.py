@@ -102,6 +102,12 @@ W_STEP_DEADLINE = 96  # u64 monotonic ns by which the agent step running now mus
 #                      load64s it in its monitor and kills a worker stuck past it
 W_RUNNABLE = 104  # u32 agents runnable on this worker besides the one in its turn: the worker
 #                  store32s it at each turn (release); idle peers load32 it to ask for one
+W_PING_OUT = 112  # u64 handle+1 of the frame this worker is pinging (0: none): the worker stores it
+#                  (release) before its or64 of AF_PINGED and 0 after the push; the client reads it
+#                  after the worker's death and pings that frame again (recovery.py Pings)
+W_PING_IN = 120  # u64 handle+1 of the ping this worker pops from its inbox: written by the inbox
+#                 pop before the CAS that takes it (the ring's lease, relaxed); the client reads it
+#                 after the worker's death: a ping taken but maybe not handled is delivered again
 W_LEASE = 128  # 16 x u64 handle+1 a worker is taking off a queue (records.py): slot 0 for single
 #               takes, slot i for the i-th of an injector batch; the worker writes each before the
 #               CAS that takes the handle (relaxed), the client reads them after the worker's death

@@ -73,7 +73,7 @@ from stealer.forkjoin import Child, children_of
 from stealer.idle import Idle
 from stealer.liveness import ProcessWatch
 from stealer.records import Outcome
-from stealer.recovery import Recovery, ping_parent
+from stealer.recovery import Pings, Recovery
 from stealer.shm import (
     H_SHUTDOWN,
     H_STARTED,
@@ -83,6 +83,8 @@ from stealer.shm import (
     W_CURRENT,
     W_LEASE,
     W_PID,
+    W_PING_IN,
+    W_PING_OUT,
     W_STATE,
     Layout,
     Segment,
@@ -250,10 +252,20 @@ class Worker:
         # W_LEASE before the CAS that takes it.
         for q in (*self.deques, self.injector):
             q.set_lease(self.lease_off)
+        self.inbox.set_lease(self.wbase + W_PING_IN)  # a ping taken: read after our death
         self.deque.repair()  # inherited from a predecessor killed inside a pop
         order = a.steal_order or [(self.k + i) % n for i in range(1, n)]
         self.victims = [self.deques[i] for i in order]
-        self.rec = Recovery(self.arena, self.inboxes, self.idle, self.who, self.push_any)
+        self.pings = Pings(self.arena, self.inboxes, self.idle, self.k, self.wbase + W_PING_OUT,
+                           self.inbox_full)
+        self.rec = Recovery(self.arena, self.inboxes, self.idle, self.who, self.push_any,
+                            self.pings)
+        # Work for later, when our inbox is empty: pings for our own frames that found our
+        # inbox full, and frames a dead predecessor held (looked at in one scan, not one per
+        # ping).  Lost with us if we die: all are frames we hold, which our recoverer
+        # looks at anyway.
+        self.held: list[int] = []
+        self.orphans: list[int] = []
         # Metrics (metrics.py): local counters flushed to the shared block every
         # FLUSH_EVERY steps and before parking; histograms recorded per step.
         self.c = [0] * metrics.NCOUNTERS
@@ -301,6 +313,9 @@ class Worker:
             if h >= 0:
                 self.on_ping(h)
                 continue
+            if self.held or self.orphans:
+                self.run_later()
+                continue
             self.tick += 1
             if host.timers or host.blocked:
                 host.poll()
@@ -331,7 +346,8 @@ class Worker:
                 return STATE_RETIRED
 
     def has_work(self) -> bool:
-        if len(self.inbox) or len(self.injector) or len(self.deque) or self.host.has_work():
+        if (len(self.inbox) or len(self.injector) or len(self.deque) or self.host.has_work()
+                or self.held or self.orphans):
             return True
         return any(len(d) for d in self.victims)
 
@@ -380,7 +396,7 @@ class Worker:
         rounds = 0
         while True:
             host = self.host
-            if len(self.inbox) or host.has_work():
+            if len(self.inbox) or host.has_work() or self.held or self.orphans:
                 if searching:
                     idle.stop_search(self.k, False)
                 return -1
@@ -658,13 +674,17 @@ class Worker:
                     raise TimeoutError(f"the children were not all done within {timeout} s")
                 h = inbox.pop()
                 if h >= 0:
-                    # a ping for a task waiting in a join on this stack: dropped (each join
-                    # looks at its children's states itself)
-                    if h not in joining:
-                        if h in self.conts and self._descends(h, top):
+                    if h in joining:
+                        # a ping for a task waiting in a join on this stack: dropped (each
+                        # join looks at its children's states itself, after this clear)
+                        self.pings.clear(h)
+                    elif h in self.conts:
+                        if self._descends(h, top):
                             self._nested(self.on_ping, h, frame, cur)
                         else:
-                            deferred.append(h)  # pinged again after the join
+                            deferred.append(h)  # pinged again after the join (bit still set)
+                    elif not self.pass_on(h):
+                        deferred.append(h)  # an agent's: after the join
                     continue
                 h = deque.pop()  # leased: killed from here on, a recoverer pushes it again
                 if FP.ON and h >= 0:
@@ -683,8 +703,8 @@ class Worker:
             joining.discard(top)
             self.in_body = True
             for h in deferred:
-                while not inbox.push(h):
-                    time.sleep(0.0001)
+                if not inbox.push(h):  # (room taken meanwhile) our loop runs it instead
+                    self.held.append(h)
             # the join's time is not this task's busy time (the tasks run inside count their own)
             self.joined_ns = joined + time.monotonic_ns() - t0
         frame.waiting = (kids, single)
@@ -728,6 +748,11 @@ class Worker:
         a = self.arena
         if (h & 0xFFFFFFFF) >= a.nrecords:
             return
+        if FP.ON:
+            FP.hit("worker.ping_before_clear")
+        self.pings.clear(h)  # first: a child done after our look below pings again
+        if FP.ON:
+            FP.hit("worker.ping_after_clear")
         if self.host.agents and self.host.notify(h):
             return  # an agent of ours: messages, a reply, children, a stop
         frame = self.conts.get(h)
@@ -737,14 +762,8 @@ class Worker:
                 self.execute(h)  # an agent a busier peer handed us (Host.balance)
             return
         if frame is None:
-            st = a.tr.state(h)
-            owner, inc = self.rec.frame_owner(h) if st is not None else (0, 0)
-            if (st is not None and st == (S_RUNNING, self.who) and owner == self.k and inc
-                    and inc != self.incarnation):
-                # a frame our dead predecessor held: re-run or fail that task
-                self.rec.orphan(h, self.who, f"worker {self.k} (an earlier incarnation) died "
-                                "while this task waited for its children", self.complete_root)
-            return  # running now, finished, or a stale ping: nothing to do
+            self.pass_on(h)
+            return
         if not self.kids_done(frame):
             return
         del self.conts[h]
@@ -771,6 +790,51 @@ class Worker:
                 dt = time.monotonic_ns() - t0
                 c[C_BUSY_NS] += dt
                 r.hist_record(self.run_off, dt)
+
+    def pass_on(self, h: int) -> bool:
+        """A ping for a frame not suspended here (its bit cleared): a frame our dead
+        predecessor held is looked at later (:meth:`run_later`); one another worker holds
+        (it moved, or the slot was reused) gets the ping forwarded.  False for an agent's
+        record (the caller keeps the ping for the host)."""
+        a = self.arena
+        if a.kind_link(a.off(h))[0] & F_AGENT:
+            return False
+        st = a.tr.state(h)
+        owner, inc = self.rec.frame_owner(h) if st is not None else (0, 0)
+        if st == (S_RUNNING, self.who) and owner == self.k and inc and inc != self.incarnation:
+            self.orphans.append(h)  # a frame our dead predecessor held: re-run or fail it
+            return True
+        # ours and running now (it looks at its children before it suspends), finished,
+        # or another's: forwarded to the frame's owner (see Pings.forward)
+        self.pings.forward(h, self.k)
+        return True
+
+    def run_later(self) -> None:
+        """Handle :attr:`held` pings and :attr:`orphans` (our inbox is empty)."""
+        held, self.held = self.held, []
+        for h in held:
+            self.on_ping(h)
+        orphans, self.orphans = list(dict.fromkeys(self.orphans)), []
+        if not orphans:
+            return
+        for h in orphans:
+            self.pings.clear(h)  # (cleared again: before the one scan of their children)
+        kids = self.rec.children_of(orphans)
+        why = f"worker {self.k} (an earlier incarnation) died while this task waited for its children"
+        for h in orphans:
+            if self.arena.tr.state(h) == (S_RUNNING, self.who):
+                self.rec.orphan(h, self.who, why, self.complete_root, kids=kids.get(h, []))
+
+    def inbox_full(self, owner: int, h: int) -> None:
+        """Pings.ping found ``owner``'s inbox full (its bit is set: nobody else pushes it)."""
+        if owner == self.k:
+            self.held.append(h)  # our own inbox: our loop looks at it instead
+            return
+        # A peer's: it drains its inbox, or it dies and the client drains it (recover):
+        # the wait ends without anything from us, and the client never waits on us.
+        while not self.inboxes[owner].push(h):
+            time.sleep(0.0001)
+        self.idle.notify_worker(owner)
 
     def finish(self, frame: _Frame, status: int, value: Any) -> None:
         """The task body is done; wait for outstanding children (implicit join), then report."""
@@ -835,7 +899,7 @@ class Worker:
         if kind & K_MASK == K_REPLY:
             self.host.dir.notify(link, self.k)
         else:
-            ping_parent(self.arena, self.inboxes, self.idle, link, self.k)
+            self.pings.ping(link)
 
     def push_any(self, h: int) -> None:
         """Recovery: a QUEUED handle onto the injector, else our own deque (never lost)."""

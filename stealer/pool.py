@@ -214,8 +214,7 @@ class _Pool:
         # Pings that found an inbox full: pushed by the result thread as room appears (it
         # never waits on a worker's inbox: a worker still starting does not drain it)
         self.ping_backlog: collections.deque[tuple[int, int]] = collections.deque()
-        self.pings = Pings(self.arena, self.inboxes, self.idle, -1, -1,
-                           lambda owner, h: self.ping_backlog.append((owner, h)))
+        self.pings = Pings(self.arena, self.inboxes, self.idle, -1, -1, self.defer_ping)
         self.rec = Recovery(self.arena, self.inboxes, self.idle, 0, self.push, self.pings)
         from stealer.agents.client import AgentClient
 
@@ -611,6 +610,13 @@ class _Pool:
             moved += 1
         if moved:
             self.idle.notify_one()
+
+    def defer_ping(self, owner: int, h: int) -> None:
+        """A ping or an agent's notification found worker ``owner``'s inbox full: the
+        result thread pushes it later (any thread; deque append is atomic)."""
+        self.ping_backlog.append((owner, h))
+        if threading.current_thread() is not getattr(self, "thread", None):
+            self.wake()
 
     def drain_pings(self) -> None:
         """Push the pings that found an inbox full (each owner's in order)."""

@@ -82,7 +82,7 @@ class AgentClient:
         self.pool = pool
         self.a = pool.arena
         self.dir = Directory(pool.region, pool.arena, pool.layout.offsets["agents"],
-                             pool.inboxes, pool.idle)
+                             pool.inboxes, pool.idle, pool.defer_ping)
         self.lock = threading.Lock()
         self.futures: dict[int, _Future] = {}  # agent handle -> its final value's Future
         self.finished: dict[int, tuple[int, Any]] = {}  # fid -> (status, value), nobody asked yet

@@ -70,13 +70,18 @@ _U64 = struct.Struct("=Q")
 class Directory:
     """The agent directory of one segment (usable from the client and from workers)."""
 
-    def __init__(self, region: Any, arena: Any, base: int, inboxes: list, idle: Any) -> None:
+    def __init__(self, region: Any, arena: Any, base: int, inboxes: list, idle: Any,
+                 full: Any = None) -> None:
         self.r = region
         self.a = arena
         self.mm = arena.mm
         self.base = base
         self.inboxes = inboxes
         self.idle = idle
+        # (owner, h) -> None: a notification found the owner's inbox full.  The client
+        # passes one that queues it for its result thread (it never waits on a worker's
+        # inbox: a worker still starting does not drain it); a worker waits for room.
+        self.full = full
 
     def entry(self, h: int) -> int:
         """Byte offset of agent ``h``'s directory entry."""
@@ -139,6 +144,9 @@ class Directory:
             return  # gone, or QUEUED: whoever starts it walks the mailbox after its start CAS
         owner = (w >> WHO_SHIFT) - 1
         if not 0 <= owner < len(self.inboxes):
+            return
+        if not self.inboxes[owner].push(h) and self.full is not None:
+            self.full(owner, h)
             return
         while not self.inboxes[owner].push(h):  # one notification per agent at a time
             time.sleep(0.0001)

@@ -409,7 +409,7 @@ def storm(a: argparse.Namespace) -> dict[str, Any]:
     exited = close(ex, 30)
     return {
         "workers": a.workers, "records": pool.layout.records, "retries": a.retries,
-        "storm_s": a.storm, "tasks": len(jobs), "kills": killer.kills,
+        "storm_s": a.storm, "interval_ms": list(a.interval), "tasks": len(jobs), "kills": killer.kills,
         "crashes_seen_by_pool": pool.crashes,
         "pending_at_storm_end": at_storm_end,
         "ok": counts.pop("ok", 0), "lost": counts.pop("lost", 0), "duplicated": strays,
@@ -430,7 +430,8 @@ def storm(a: argparse.Namespace) -> dict[str, Any]:
 def print_storm(res: dict[str, Any]) -> bool:
     """Print a storm's report; True if it missed a target."""
     print(f"stealer storm: {res['workers']} workers, records={res['records']}, "
-          f"retries={res['retries']}, {res['storm_s']} s of kills every 20-50 ms")
+          f"retries={res['retries']}, {res['storm_s']} s of kills every "
+          f"{res['interval_ms'][0]:g}-{res['interval_ms'][1]:g} ms")
     print(f"tasks       {res['tasks']} (20 fork-join trees of 256 leaves + plain tasks)")
     print(f"kills       {res['kills']} (the pool saw {res['crashes_seen_by_pool']} deaths); "
           f"{res['pending_at_storm_end']} futures pending at the last kill")

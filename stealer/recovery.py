@@ -41,6 +41,7 @@ from stealer._layout import (
     K_CHILD,
     K_MASK,
     K_ROOT,
+    R_INCARNATION,
     R_KIND,
     R_LINK,
     R_OWNER,
@@ -261,8 +262,21 @@ class Recovery:
                 a.notify_one()
                 continue
             self.pings.forward(h, k)
+        # Bits of frames it held that no ping in its inbox named: pings it held in a list
+        # of its own (a blocking join's deferred ones, its own inbox full), lost with it.
+        for i in self.frames_of(k):
+            self.pings.clear(i)
         if ping_out:
             self.pings.ping(ping_out - 1, force=True)
+
+    def frames_of(self, k: int) -> list[int]:
+        """Record slots whose R_OWNER names worker ``k`` (any incarnation of it)."""
+        a = self.a
+        n = a.nrecords
+        v = np.frombuffer(a.mm, np.uint32, n * (RECORD_BYTES // 4), a.rec_base).reshape(
+            n, RECORD_BYTES // 4)
+        # plain (racy) reads: R_OWNER/R_INCARNATION are written by k itself, dead now
+        return np.nonzero((v[:, R_OWNER // 4] == k) & (v[:, R_INCARNATION // 4] != 0))[0].tolist()
 
     def leased(self, h: int, dead: int) -> None:
         """A handle in dead worker's (who ``dead``) lease or current word."""

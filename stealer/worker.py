@@ -683,8 +683,10 @@ class Worker:
                             self._nested(self.on_ping, h, frame, cur)
                         else:
                             deferred.append(h)  # pinged again after the join (bit still set)
-                    elif not self.pass_on(h):
-                        deferred.append(h)  # an agent's: after the join
+                    else:
+                        self.pings.clear(h)  # (before pass_on looks, as in on_ping)
+                        if not self.pass_on(h):
+                            deferred.append(h)  # an agent's: after the join
                     continue
                 h = deque.pop()  # leased: killed from here on, a recoverer pushes it again
                 if FP.ON and h >= 0:

@@ -51,6 +51,7 @@ from stealer._layout import (
     RECORD_BYTES,
     S_CANCELLED,
     S_DONE,
+    S_FREE,
     S_FREEING,
     S_QUEUED,
     S_RECOVERING,
@@ -134,7 +135,7 @@ class Pings:
         # seq_cst RMW: pairs with the and64 of clear() (the popper's, before its look)
         if r.or64(self.flag_off(parent), AF_PINGED) & AF_PINGED and not force:
             if self.out_off >= 0:
-                r.store64(self.out_off, 0)
+                r.store64(self.out_off, 0)  # release: nothing half-sent (read after our death)
             return  # a ping is on its way: its popper looks at the children after clearing
         if failpoints.ON and self.me >= 0:
             failpoints.hit("worker.ping_after_set")
@@ -246,7 +247,7 @@ class Recovery:
         """
         a = self.a
         who = k + 1
-        got = self.inboxes[k].pop_many(1 << 30)
+        got = self.inboxes[k].pop_many(1 << 30)  # its pops are gone with it: we are the only one
         if ping_in:
             got.append(ping_in - 1)
         for h in dict.fromkeys(got):
@@ -294,6 +295,11 @@ class Recovery:
             a.release(h, S_CANCELLED, 0, self.me)
         elif state == S_FREEING and who == dead:
             a.free(h)  # its holder is dead: finish the release (payload fields zeroed first)
+        elif state == S_FREE:
+            # allocated (spawn leases a child's record right after its alloc) and never set
+            # up: off the free ring, in no queue: ours to give back (a free bumps the
+            # generation, so a record freed since is stale, never FREE with this one)
+            a.free(h)
 
     def orphan(self, h: int, dead: int, why: str, complete_root: Callable[[int, int, Any], None],
                state: int = S_RUNNING, kids: list[tuple[int, int, int]] | None = None) -> bool:

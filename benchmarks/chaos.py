@@ -454,10 +454,11 @@ def print_storm(res: dict[str, Any]) -> bool:
     ans = res["new_submit_answered_after_last_kill_s"]
     bad = bool(res["lost"] or res["duplicated"] or res["wrong"] or res["other_errors"]
                or done is None or done > 5 or ans is None or ans > 1
-               or not res["shm_clean_after_shutdown"])
+               or not res["shm_clean_after_shutdown"]
+               or res["records_free_end"] != res["records_free_start"])
     print("target met" if not bad else "TARGET MISSED (issue 20: 0 lost/duplicated/wrong/"
           "hung, all done <= 5 s and a new submit answered <= 1 s after the last kill, "
-          "/dev/shm clean)")
+          "records_free back to its start value, /dev/shm clean)")
     return bad
 
 

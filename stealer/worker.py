@@ -56,7 +56,6 @@ from stealer._layout import (
     S_CANCELLED,
     S_DONE,
     S_QUEUED,
-    S_RUNNING,
     ST_ERROR,
     ST_LOST,
     ST_OK,
@@ -90,6 +89,7 @@ from stealer.shm import (
     Segment,
     unlink_all,
 )
+from stealer.worker_pings import PingHandling
 
 __all__ = ["WorkerArgs", "main", "error_payload", "STATE_READY", "encode_result", "result_value"]
 
@@ -210,7 +210,7 @@ class _Frame:
         self.final: tuple[int, Any] | None = None  # result held until children finish
 
 
-class Worker:
+class Worker(PingHandling):
     def __init__(self, a: WorkerArgs) -> None:
         from stealer import _queues
 
@@ -792,51 +792,6 @@ class Worker:
                 dt = time.monotonic_ns() - t0
                 c[C_BUSY_NS] += dt
                 r.hist_record(self.run_off, dt)
-
-    def pass_on(self, h: int) -> bool:
-        """A ping for a frame not suspended here (its bit cleared): a frame our dead
-        predecessor held is looked at later (:meth:`run_later`); one another worker holds
-        (it moved, or the slot was reused) gets the ping forwarded.  False for an agent's
-        record (the caller keeps the ping for the host)."""
-        a = self.arena
-        if a.kind_link(a.off(h))[0] & F_AGENT:
-            return False
-        st = a.tr.state(h)
-        owner, inc = self.rec.frame_owner(h) if st is not None else (0, 0)
-        if st == (S_RUNNING, self.who) and owner == self.k and inc and inc != self.incarnation:
-            self.orphans.append(h)  # a frame our dead predecessor held: re-run or fail it
-            return True
-        # ours and running now (it looks at its children before it suspends), finished,
-        # or another's: forwarded to the frame's owner (see Pings.forward)
-        self.pings.forward(h, self.k)
-        return True
-
-    def run_later(self) -> None:
-        """Handle :attr:`held` pings and :attr:`orphans` (our inbox is empty)."""
-        held, self.held = self.held, []
-        for h in held:
-            self.on_ping(h)
-        orphans, self.orphans = list(dict.fromkeys(self.orphans)), []
-        if not orphans:
-            return
-        for h in orphans:
-            self.pings.clear(h)  # (cleared again: before the one scan of their children)
-        kids = self.rec.children_of(orphans)
-        why = f"worker {self.k} (an earlier incarnation) died while this task waited for its children"
-        for h in orphans:
-            if self.arena.tr.state(h) == (S_RUNNING, self.who):
-                self.rec.orphan(h, self.who, why, self.complete_root, kids=kids.get(h, []))
-
-    def inbox_full(self, owner: int, h: int) -> None:
-        """Pings.ping found ``owner``'s inbox full (its bit is set: nobody else pushes it)."""
-        if owner == self.k:
-            self.held.append(h)  # our own inbox: our loop looks at it instead
-            return
-        # A peer's: it drains its inbox, or it dies and the client drains it (recover):
-        # the wait ends without anything from us, and the client never waits on us.
-        while not self.inboxes[owner].push(h):
-            time.sleep(0.0001)
-        self.idle.notify_worker(owner)
 
     def finish(self, frame: _Frame, status: int, value: Any) -> None:
         """The task body is done; wait for outstanding children (implicit join), then report."""

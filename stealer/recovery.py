@@ -12,6 +12,8 @@ The rules, by what the state word of a record says (who = dead worker + 1):
   taken off its queue and never started: push it on the injector again.  If
   it was still queued, there are now two copies; ``start`` lets one win.
 * CANCELLED (lease/current): the dead worker was about to free it: free it.
+* FREE (lease, same generation): spawn allocated it and was killed before setting it
+  up: free it (give it back to the free ring).
 * FREEING|who: the dead worker was freeing it: finish that.
 * DONE|who (current word): the result was stored but maybe not published:
   a root is completed by the client if its completion is not in the dead
@@ -23,6 +25,16 @@ The rules, by what the state word of a record says (who = dead worker + 1):
   then calls :meth:`Recovery.orphan` again), it is claimed, its children's
   records are freed, and it is re-run (``tries < retries``) or failed with
   WorkerCrashedError.  Re-running is at-least-once for side effects.
+
+Nobody waits on a full queue for a process that waits on it (issue 20).  The client
+(its result thread, recoveries included) never waits on a shared queue: a QUEUED
+handle that finds the injector full joins its requeue list, a ping or an agent's
+notification that finds an inbox full its ping backlog, both pushed by the result
+thread as room appears.  Workers wait only where the queue cannot stay full or its
+consumer is another worker or the client: a peer's inbox (the peer drains it, or dies
+and its recovery drains it), the injector (other workers take from it), a completion
+ring (capacity == records, one completion per root; the client drains it).  A worker
+never waits on its own inbox: a ping that finds it full is kept for its loop.
 """
 
 from __future__ import annotations
@@ -67,7 +79,7 @@ from stealer.records import Outcome
 
 np: Any = lazy_numpy(globals())  # numpy, imported on first use
 
-__all__ = ["Pings", "Recovery", "ping_parent"]
+__all__ = ["Pings", "Recovery"]
 
 _U32 = struct.Struct("=I")
 _U64 = struct.Struct("=Q")
@@ -109,7 +121,7 @@ class Pings:
         self.idle = idle
         self.me = me  # our worker index, -1: the client
         self.out_off = out_off  # our W_PING_OUT word (-1: the client, which never dies alone)
-        self.full = full or _wait_for_room  # what to do when an inbox is full
+        self.full = full or _no_room  # what to do when an inbox is full
         self.flags = arena.seg.layout.offsets["agents"] + D_FLAGS  # slot 0's flag word
 
     def flag_off(self, h: int) -> int:
@@ -170,13 +182,8 @@ class Pings:
         self.ping(cur)
 
 
-def _wait_for_room(owner: int, h: int) -> None:
+def _no_room(owner: int, h: int) -> None:
     raise RuntimeError(f"the inbox of worker {owner} is full (ping for {h:#x})")
-
-
-def ping_parent(arena: Any, inboxes: list, idle: Any, parent: int, me: int = -1) -> None:
-    """One ping (see :class:`Pings`), from a process that keeps no Pings object."""
-    Pings(arena, inboxes, idle, me).ping(parent)
 
 
 class Recovery:

@@ -22,6 +22,16 @@ Reported:
     python benchmarks/chaos.py [--tasks 20000] [--kills 300] [--records N] [--json]
     python benchmarks/chaos.py --chunks 1 --spin-us 300   # all at once: backlog in use
 
+``--storm SECONDS`` runs issue 20's storm instead: 20,000 tasks of 0.2 ms busy work
+and 20 fork-join trees (depth 8, 256 leaves each, generator joins) submitted at once
+while a thread SIGKILLs a random worker process (starting ones included) every 20-50 ms
+for SECONDS; then every future must resolve (--stall seconds at most).  Reported: lost
+(hung), duplicated, wrong, crashed; the time from the last kill to all done and a new
+submit's answer time after the last kill; free records at the start and at the end;
+whether /dev/shm is clean after shutdown::
+
+    python benchmarks/chaos.py --storm 180
+
 Exits 1 if anything was lost, duplicated, wrong or crashed, or fewer kills were made.
 """
 
@@ -247,20 +257,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     crashes = pool.crashes
     where = where_pending(pool) if counts.get("lost") else {}
     strays = pool.stray  # completions that found no pending future
-    # shut down without hanging on lost futures
-    ex.shutdown(wait=False, cancel_futures=True)
-    t.join(0.5 if counts.get("lost") else 30)
-    if t.is_alive():
-        pool.region.store32(H_SHUTDOWN, 1)  # no replacements from now on
-        for p in list(pool.procs):
-            if p is not None:
-                p.kill()
-        pool.futures.clear()
-        pool.wake()
-        deadline = time.monotonic() + 30
-        while t.is_alive() and time.monotonic() < deadline:
-            pool.injector.pop()  # room for a recovery spinning on a full injector
-            t.join(0.05)
+    close(ex, 0.5 if counts.get("lost") else 30)  # without hanging on lost futures
     return {
         "workers": a.workers,
         "records": pool.layout.records,
@@ -294,12 +291,186 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def close(ex: stealer.Executor, wait: float) -> bool:
+    """Shut down; if the result thread is still busy after ``wait`` s (a lost future, a
+    push it spins on), kill the workers and make room in the queues until it exits."""
+    pool = ex._pool
+    t = pool.thread
+    assert t is not None
+    ex.shutdown(wait=False, cancel_futures=True)
+    t.join(wait)
+    if t.is_alive():
+        pool.region.store32(H_SHUTDOWN, 1)  # no replacements from now on
+        for p in list(pool.procs):
+            if p is not None:
+                p.kill()
+        pool.futures.clear()
+        pool.wake()
+        deadline = time.monotonic() + 30
+        while t.is_alive() and time.monotonic() < deadline:
+            for q in (pool.injector, *pool.inboxes):
+                q.pop()  # room for a push it spins on
+            t.join(0.05)
+    return not t.is_alive()
+
+
+class Storm(threading.Thread):
+    """SIGKILL a random live worker process (any state: starting ones too) every
+    ``interval`` seconds for ``seconds``."""
+
+    def __init__(self, ex: stealer.Executor, interval: tuple[float, float], seconds: float,
+                 seed: int) -> None:
+        super().__init__(name="chaos-storm", daemon=True)
+        self.ex = ex
+        self.interval = interval
+        self.seconds = seconds
+        self.rng = random.Random(seed)
+        self.kills = 0
+        self.last_kill = 0.0
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        pool = self.ex._pool
+        end = time.monotonic() + self.seconds
+        dead: set[int] = set()  # (a killed worker stays in pool.procs until it is replaced)
+        while time.monotonic() < end and not self.halt.wait(self.rng.uniform(*self.interval)):
+            pids = [p.pid for p in list(pool.procs)
+                    if p is not None and p.pid is not None and p.pid not in dead]
+            if not pids:
+                continue
+            pid = self.rng.choice(pids)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            dead.add(pid)
+            self.kills += 1
+            self.last_kill = time.monotonic()
+
+
+def our_shm_files() -> list[str]:
+    from stealer.shm import PREFIX, shm_dir
+
+    mine = f"{PREFIX}{os.getpid()}-"
+    return [f for f in os.listdir(shm_dir()) if f.startswith(mine)]
+
+
+def storm(a: argparse.Namespace) -> dict[str, Any]:
+    """Issue 20's storm: see the module docstring."""
+    kw: dict[str, Any] = {"retries": a.retries}
+    if a.records:
+        kw["records"] = a.records
+    ex = stealer.Executor(a.workers, **kw)
+    pool = ex._pool
+    assert ex.wait_ready(60), "workers did not start"
+    free_start = len(pool.arena.rec_free)
+    killer = Storm(ex, (a.interval[0] / 1e3, a.interval[1] / 1e3), a.storm, a.seed)
+    killer.start()
+    jobs: list[tuple[cf.Future, Any]] = []
+    for t in range(a.trees if a.trees_set else 20):
+        jobs.append((ex.submit(tree_sum, 8, 2), 2**9 - 1))
+        if t == 0:
+            for i in range(a.tasks):
+                jobs.append((ex.submit(tagged, i, None, a.spin_us / 1e6 if a.spin_set
+                                       else 0.0002), (i, i * i)))
+    killer.join()
+    t_last = killer.last_kill or time.monotonic()
+    pending = {f for f, _ in jobs if not f.done()}
+    at_storm_end = len(pending)
+    t_new = time.monotonic()
+    try:
+        ex.submit(tagged, -1).result(timeout=a.stall)
+        new_submit = time.monotonic() - t_last
+        new_submit_alone = time.monotonic() - t_new
+    except cf.TimeoutError:
+        new_submit = new_submit_alone = None
+    done_at = None
+    end = time.monotonic() + a.stall
+    while pending and time.monotonic() < end:
+        pending = cf.wait(pending, timeout=0.2)[1]
+    if not pending:  # (0: every future was done before the last kill)
+        done_at = time.monotonic() - t_last if at_storm_end else 0.0
+    counts: dict[str, int] = {}
+    for f, expected in jobs:
+        o = outcome(f, expected)
+        counts[o] = counts.get(o, 0) + 1
+    time.sleep(0.2)  # the last frees of records whose futures just resolved
+    free_end = len(pool.arena.rec_free)
+    stats = None
+    if pending:
+        st = ex.stats()
+        stats = {"states": [w.state for w in st.workers],
+                 "inbox_depths": [w.inbox_depth for w in st.workers],
+                 "deque_depths": [w.deque_depth for w in st.workers],
+                 "where": where_pending(pool)}
+    strays = pool.stray
+    t = pool.thread
+    assert t is not None
+    exited = close(ex, 30)
+    return {
+        "workers": a.workers, "records": pool.layout.records, "retries": a.retries,
+        "storm_s": a.storm, "interval_ms": list(a.interval), "tasks": len(jobs), "kills": killer.kills,
+        "crashes_seen_by_pool": pool.crashes,
+        "pending_at_storm_end": at_storm_end,
+        "ok": counts.pop("ok", 0), "lost": counts.pop("lost", 0), "duplicated": strays,
+        "wrong": counts.pop("wrong", 0), "crashed": counts.pop("crashed", 0),
+        "other_errors": counts,
+        "all_done_after_last_kill_s": None if done_at is None else round(done_at, 3),
+        "new_submit_answered_after_last_kill_s": (None if new_submit is None
+                                                  else round(new_submit, 3)),
+        "new_submit_round_trip_s": (None if new_submit_alone is None
+                                    else round(new_submit_alone, 3)),
+        "records_free_start": free_start, "records_free_end": free_end,
+        "stats_when_hung": stats,
+        "result_thread_exited": exited,
+        "shm_clean_after_shutdown": exited and not our_shm_files(),
+    }
+
+
+def print_storm(res: dict[str, Any]) -> bool:
+    """Print a storm's report; True if it missed a target."""
+    print(f"stealer storm: {res['workers']} workers, records={res['records']}, "
+          f"retries={res['retries']}, {res['storm_s']} s of kills every "
+          f"{res['interval_ms'][0]:g}-{res['interval_ms'][1]:g} ms")
+    print(f"tasks       {res['tasks']} (20 fork-join trees of 256 leaves + plain tasks)")
+    print(f"kills       {res['kills']} (the pool saw {res['crashes_seen_by_pool']} deaths); "
+          f"{res['pending_at_storm_end']} futures pending at the last kill")
+    print(f"lost        {res['lost']} (hung: not resolved --stall s after the last kill)")
+    print(f"duplicated  {res['duplicated']} (stray completions)")
+    print(f"wrong       {res['wrong']}")
+    print(f"crashed     {res['crashed']} (WorkerCrashedError)")
+    if res["other_errors"]:
+        print(f"errors      {res['other_errors']}")
+    print(f"all done    {res['all_done_after_last_kill_s']} s after the last kill")
+    print(f"new submit  answered {res['new_submit_answered_after_last_kill_s']} s after the "
+          f"last kill (round trip {res['new_submit_round_trip_s']} s)")
+    print(f"records     {res['records_free_start']} free at the start, "
+          f"{res['records_free_end']} at the end")
+    if res["stats_when_hung"]:
+        print(f"when hung   {res['stats_when_hung']}")
+    print(f"/dev/shm    {'clean' if res['shm_clean_after_shutdown'] else 'NOT CLEAN'} after "
+          f"shutdown (result thread exited: {res['result_thread_exited']})")
+    done = res["all_done_after_last_kill_s"]
+    ans = res["new_submit_answered_after_last_kill_s"]
+    bad = bool(res["lost"] or res["duplicated"] or res["wrong"] or res["other_errors"]
+               or done is None or done > 5 or ans is None or ans > 1
+               or not res["shm_clean_after_shutdown"]
+               or res["records_free_end"] != res["records_free_start"])
+    print("target met" if not bad else "TARGET MISSED (issue 20: 0 lost/duplicated/wrong/"
+          "hung, all done <= 5 s and a new submit answered <= 1 s after the last kill, "
+          "records_free back to its start value, /dev/shm clean)")
+    return bad
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--tasks", type=int, default=20_000, help="plain tasks (default 20000)")
-    p.add_argument("--trees", type=int, default=40, help="fork-join trees (default 40)")
+    p.add_argument("--trees", type=int, default=None,
+                   help="fork-join trees (default 40; --storm: 20 of depth 8)")
+    p.add_argument("--storm", type=float, default=0.0, metavar="SECONDS",
+                   help="issue 20's storm for SECONDS instead (see the docstring)")
     p.add_argument("--kills", type=int, default=300,
                    help="at least this many kills while tasks are in flight (default 300: "
                         "about 30 s here; DESIGN.md's target asks for >= 100)")
@@ -315,12 +486,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="submission rounds, round j after j*kills/(chunks-1) kills (default "
                         "50); 1: everything at once (more than --records tasks then wait in "
                         "the client's backlog)")
-    p.add_argument("--spin-us", type=float, default=0.0,
-                   help="busy-wait per plain task, microseconds (default 0)")
+    p.add_argument("--spin-us", type=float, default=None,
+                   help="busy-wait per plain task, microseconds (default 0; --storm: 200)")
     p.add_argument("--max-seconds", type=float, default=20,
                    help="after the last round, stop killing after this long even if tasks "
                         "are pending (default 20)")
-    p.add_argument("--stall", type=float, default=10,
+    p.add_argument("--stall", type=float, default=None,
                    help="seconds without kills and progress before pending tasks count as "
                         "lost (default 15)")
     p.add_argument("--poll-ms", type=float, default=1.0,
@@ -328,6 +499,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
     a = p.parse_args(argv)
+    a.stall_set = a.stall is not None
+    a.stall = 10.0 if a.stall is None else a.stall
+    a.trees_set, a.spin_set = a.trees is not None, a.spin_us is not None
+    a.trees = 40 if a.trees is None else a.trees
+    a.spin_us = a.spin_us or 0.0
+    if a.storm:
+        if not a.stall_set:
+            a.stall = 60.0
+        res = storm(a)
+        bad = print_storm(res) if not a.json else bool(res["lost"] or res["duplicated"])
+        if a.json:
+            print(json.dumps(res, indent=2))
+        sys.stdout.flush()
+        if not res["result_thread_exited"]:
+            os._exit(1)
+        return 1 if bad else 0
     res = run(a)
     bad = (res["lost"] or res["duplicated"] or res["wrong"] or res["crashed"]
            or res["other_errors"] or res["kills"] < a.kills

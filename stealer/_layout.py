@@ -85,7 +85,12 @@ D_GEN = 40  # u32 agent generation (restarts and stops): its owner stores
 D_OWNER = 44  # u32 worker index + 1 running the agent now (0: none), for stats: its owner stores
 AF_NOTIFIED = 1  # a notification is on its way to the owner's inbox (cleared by the owner)
 AF_STOP = 2  # ref.stop(): finish at the next step boundary
-AF_CONTROL = 4  # a control-tier agent: set by its spawner before the record is pushed;
+AF_PINGED = 4  # fork-join, any record (not only agents): a ping for this slot's frame is on its
+#               way to an inbox (stealer/recovery.py Pings).  Set by the sender's or64 (seq_cst;
+#               only the sender that set it pushes), cleared by whoever pops the ping (and64,
+#               seq_cst) *before* it looks at the frame's children, and by a recoverer for
+#               the frames of a dead worker; the or64 pairs with that and64
+AF_CONTROL = 8  # a control-tier agent: set by its spawner before the record is pushed;
 #                 senders read it with their notify's or64 and signal a busy owner (inline.py)
 D_CPU_NS = 48  # u64 CPU ns the agent's steps and handlers used so far: its owner stores (stats)
 D_STEPS = 56  # u32 steps run so far: its owner stores (stats)

@@ -38,6 +38,9 @@ POINTS = {
     "worker.in_collect": "a frame is collecting (freeing) its children's records",
     "worker.join_after_pop": "a blocking join popped a handle (leased), before it runs or goes back",
     "worker.join_after_nested": "a blocking join ran a descendant, the waiting task current again",
+    "worker.ping_after_set": "a ping's AF_PINGED bit is set by us, before the push",
+    "worker.ping_before_clear": "a ping was popped (leased in W_PING_IN), before its bit is cleared",
+    "worker.ping_after_clear": "a ping's bit is cleared, before the frame's children are looked at",
     "recovery.after_take_over": "a recoverer claimed a dead worker's task, before re-run/fail",
     # agents (stealer/agents/host.py)
     "agent.adopt": "an agent record was started here, before its mailbox is walked",

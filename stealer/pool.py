@@ -56,7 +56,7 @@ from stealer.futures import _Future
 from stealer.hang import HangWatch, hang_message
 from stealer.idle import BATCH_POLL, NOTIFIED, Idle, ResultPolicy
 from stealer.records import Outcome
-from stealer.recovery import Recovery, ping_parent
+from stealer.recovery import Pings, Recovery
 from stealer.shm import (
     H_CLIENT_PARK,
     H_SHUTDOWN,
@@ -64,6 +64,8 @@ from stealer.shm import (
     LEASE_SLOTS,
     W_CURRENT,
     W_LEASE,
+    W_PING_IN,
+    W_PING_OUT,
     W_STATE,
     W_STEP_DEADLINE,
     Layout,
@@ -171,7 +173,9 @@ class _Pool:
         Q = _default_queues
         self.native = Q.NATIVE
         self.lock = None if Q.NATIVE else ctx.Lock()  # the reference queues need one shared lock
-        layout = Layout(n, records=records)
+        # STEALER_TEST_INBOX_CAP: tests only (tests/test_storm.py), a small inbox per worker
+        layout = Layout(n, records=records,
+                        inbox_cap=int(os.environ.get("STEALER_TEST_INBOX_CAP") or 0))
         self.layout = layout
         self.seg = seg = Segment.create(layout, self.lock, Q)
         seg.populate()
@@ -203,8 +207,8 @@ class _Pool:
         self.arena.init()
         for k in range(n):
             Q.Deque(r, layout.deque(k), layout.records).init()
-            Q.MPMCRing(r, layout.inbox(k), layout.records).init()
-        self.inboxes = [Q.MPMCRing(r, layout.inbox(k), layout.records) for k in range(n)]
+            Q.MPMCRing(r, layout.inbox(k), layout.inbox_cap).init()
+        self.inboxes = [Q.MPMCRing(r, layout.inbox(k), layout.inbox_cap) for k in range(n)]
         self.completions = [Q.SPSCRing(r, layout.completion(k), layout.records) for k in range(n)]
         for ring in self.completions:
             ring.init()
@@ -212,7 +216,11 @@ class _Pool:
         self.fns = serialize.FunctionTable(seg.mm, r, o["fn_table"], layout.fn_entries,
                                            o["fn_data"], layout.fn_data)
         self.idle = Idle(r, layout)
-        self.rec = Recovery(self.arena, self.inboxes, self.idle, 0, self.push)
+        # Pings that found an inbox full: pushed by the result thread as room appears (it
+        # never waits on a worker's inbox: a worker still starting does not drain it)
+        self.ping_backlog: collections.deque[tuple[int, int]] = collections.deque()
+        self.pings = Pings(self.arena, self.inboxes, self.idle, -1, -1, self.defer_ping)
+        self.rec = Recovery(self.arena, self.inboxes, self.idle, 0, self.push, self.pings)
         from stealer.agents.client import AgentClient
 
         self.agents = AgentClient(self)  # spawn/send/call/stop and agents' final values
@@ -385,8 +393,18 @@ class _Pool:
             if FP.ON:
                 FP.hit("client.recovery")
             rec.leased(h, who)  # QUEUED: again on the injector; CANCELLED/FREEING: freed
+        # Pings it held (its inbox, its last pop) or half-sent (recovery.py Pings)
+        rec.dead_pings(k, r.load64(base + W_PING_IN), r.load64(base + W_PING_OUT))
+        # Tasks it was running and fork-join frames it held: their ping bits cleared before
+        # their children are looked at (below, in one scan), so a child done after that
+        # pings again (the replacement, which then recovers the frame).
+        held = {state: rec.held_by(who, (state,)) for state in (S_RUNNING, S_RECOVERING)}
+        frames = [h for hs in held.values() for h in hs]
+        for h in frames:
+            self.pings.clear(h)
         # Results stored but maybe not published (the ring was drained: roots DONE|who
-        # are unpublished; children: ping their parents again, pings are idempotent).
+        # are unpublished; children: ping their parents again; a ping already on its way
+        # is not sent twice, and frames of the dead worker are looked at below).
         parents = set()
         for h in rec.held_by(who, (S_DONE,)):
             kind, _status, link = a.kind_link(a.off(h))
@@ -396,8 +414,8 @@ class _Pool:
                 self.agents.dir.notify(link)  # a reply its caller may not have heard of
             else:
                 parents.add(link)
-        for parent in parents:
-            ping_parent(a, self.inboxes, self.idle, parent)
+        for parent in parents.difference(frames):
+            self.pings.ping(parent)
         for h in rec.held_by(who, (S_FREEING,)):
             a.free(h)  # a release it began (payload fields are zeroed before they are dropped)
         # An agent whose step ignored its step_timeout: we killed the worker for it; it
@@ -408,11 +426,12 @@ class _Pool:
                 f"a step of agent {stuck:#x} ignored its step_timeout (stuck in C code?); "
                 f"its worker was killed and replaced", stuck), self.complete_failed_root)
         # Tasks it was running, and fork-join frames it held.
-        for state in (S_RUNNING, S_RECOVERING):  # RECOVERING: it died recovering another's
-            for h in rec.held_by(who, (state,)):
+        kids = rec.children_of(frames)
+        for state, hs in held.items():  # RECOVERING: it died recovering another's
+            for h in hs:
                 if FP.ON:
                     FP.hit("client.recovery")
-                rec.orphan(h, who, desc, self.complete_failed_root, state)
+                rec.orphan(h, who, desc, self.complete_failed_root, state, kids.get(h, []))
         r.store64(base + W_CURRENT, 0)  # settled: nobody may act on these words again
         for i in range(LEASE_SLOTS):
             r.store64(base + W_LEASE + 8 * i, 0)
@@ -598,6 +617,23 @@ class _Pool:
         if moved:
             self.idle.notify_one()
 
+    def defer_ping(self, owner: int, h: int) -> None:
+        """A ping or an agent's notification found worker ``owner``'s inbox full: the
+        result thread pushes it later (any thread; deque append is atomic)."""
+        self.ping_backlog.append((owner, h))
+        if threading.current_thread() is not getattr(self, "thread", None):
+            self.wake()
+
+    def drain_pings(self) -> None:
+        """Push the pings that found an inbox full (each owner's in order)."""
+        q = self.ping_backlog
+        for _ in range(len(q)):
+            owner, h = q.popleft()
+            if self.inboxes[owner].push(h):
+                self.idle.notify_worker(owner)
+            else:
+                q.append((owner, h))
+
     def drain_backlog(self) -> None:
         a = self.arena
         moved = 0
@@ -671,6 +707,8 @@ class _Pool:
                     self.complete_batch(hs)
             if self.requeue:
                 self.drain_requeue()
+            if self.ping_backlog:
+                self.drain_pings()
             if self.backlog:
                 self.drain_backlog()
             now = time.monotonic()

@@ -12,6 +12,8 @@ The rules, by what the state word of a record says (who = dead worker + 1):
   taken off its queue and never started: push it on the injector again.  If
   it was still queued, there are now two copies; ``start`` lets one win.
 * CANCELLED (lease/current): the dead worker was about to free it: free it.
+* FREE (lease, same generation): spawn allocated it and was killed before setting it
+  up: free it (give it back to the free ring).
 * FREEING|who: the dead worker was freeing it: finish that.
 * DONE|who (current word): the result was stored but maybe not published:
   a root is completed by the client if its completion is not in the dead
@@ -23,21 +25,35 @@ The rules, by what the state word of a record says (who = dead worker + 1):
   then calls :meth:`Recovery.orphan` again), it is claimed, its children's
   records are freed, and it is re-run (``tries < retries``) or failed with
   WorkerCrashedError.  Re-running is at-least-once for side effects.
+
+Nobody waits on a full queue for a process that waits on it (issue 20).  The client
+(its result thread, recoveries included) never waits on a shared queue: a QUEUED
+handle that finds the injector full joins its requeue list, a ping or an agent's
+notification that finds an inbox full its ping backlog, both pushed by the result
+thread as room appears.  Workers wait only where the queue cannot stay full or its
+consumer is another worker or the client: a peer's inbox (the peer drains it, or dies
+and its recovery drains it), the injector (other workers take from it), a completion
+ring (capacity == records, one completion per root; the client drains it).  A worker
+never waits on its own inbox: a ping that finds it full is kept for its loop.
 """
 
 from __future__ import annotations
 
 import struct
-import time
 from collections.abc import Callable
 from typing import Any
 
 from stealer import failpoints, serialize
 from stealer._layout import (
+    AF_PINGED,
+    D_FLAGS,
+    DIR_BYTES,
+    F_AGENT,
     GEN_MASK,
     K_CHILD,
     K_MASK,
     K_ROOT,
+    R_INCARNATION,
     R_KIND,
     R_LINK,
     R_OWNER,
@@ -47,8 +63,10 @@ from stealer._layout import (
     RECORD_BYTES,
     S_CANCELLED,
     S_DONE,
+    S_FREE,
     S_FREEING,
     S_QUEUED,
+    S_RECOVERING,
     S_RUNNING,
     ST_ERROR,
     STATE_MASK,
@@ -61,47 +79,130 @@ from stealer.records import Outcome
 
 np: Any = lazy_numpy(globals())  # numpy, imported on first use
 
-__all__ = ["Recovery", "ping_parent"]
+__all__ = ["Pings", "Recovery"]
 
 _U32 = struct.Struct("=I")
 _U64 = struct.Struct("=Q")
 _OWNER = struct.Struct("=II")  # R_OWNER, R_INCARNATION
 _STRIDE = RECORD_BYTES // 8
+_ALL = (1 << 64) - 1
 
 
-def ping_parent(arena: Any, inboxes: list, idle: Any, parent: int, me: int = -1) -> None:
-    """A child of ``parent`` is DONE: ask the parent's owner to look at its frame.
+class Pings:
+    """Fork-join pings: "a child of frame h is done, look at it", at most one per frame.
 
-    Pings are idempotent (the owner re-checks every child's state), so a
-    recoverer may send one again when it cannot know whether it was sent.
+    A frame's owner (the worker R_OWNER names) learns that it may resume from a
+    ping: the frame's handle in its inbox.  The protocol is the agents' NOTIFIED
+    one (stealer/agents/mailbox.py), with the AF_PINGED bit of the frame's slot in
+    the agent directory (stealer/_layout.py):
+
+    * a sender sets the bit (or64); only the sender that set it pushes the handle,
+      so an inbox holds at most one ping per frame and cannot fill from duplicates
+      (recoveries used to resend every ping they could not prove sent, and piled
+      them into the inbox of a worker still starting: issue 20);
+    * whoever pops the ping clears the bit *before* it looks at the frame's
+      children, so a child done after that look sends a fresh ping: no wake is lost;
+    * a ping taken by a worker that does not hold the frame (it moved, or the slot
+      was reused) is forwarded to the frame's owner (:meth:`forward`).
+
+    Deaths: a worker stores the handle it pings in W_PING_OUT before its or64, and its
+    inbox pop leases the handle in W_PING_IN; the client's recovery (stealer/pool.py)
+    pings the first again (``force``: the bit may be set with nothing pushed) and
+    delivers the second again, drains the dead worker's inbox, and clears the bits of
+    the frames the dead worker held before it looks at their children.
     """
-    try:
-        poff = arena.off(parent)
-    except IndexError:
-        return
-    owner = _U32.unpack_from(arena.mm, poff + R_OWNER)[0]  # the parent's worker, set at its first spawn
-    if owner >= len(inboxes):
-        return
-    while not inboxes[owner].push(parent):  # capacity == records
-        time.sleep(0.0001)
-    if owner != me:
-        idle.notify_worker(owner)
+
+    def __init__(self, arena: Any, inboxes: list, idle: Any, me: int = -1, out_off: int = -1,
+                 full: Callable[[int, int], None] | None = None) -> None:
+        self.a = arena
+        self.r = arena.region
+        self.mm = arena.mm
+        self.inboxes = inboxes
+        self.idle = idle
+        self.me = me  # our worker index, -1: the client
+        self.out_off = out_off  # our W_PING_OUT word (-1: the client, which never dies alone)
+        self.full = full or _no_room  # what to do when an inbox is full
+        self.flags = arena.seg.layout.offsets["agents"] + D_FLAGS  # slot 0's flag word
+
+    def flag_off(self, h: int) -> int:
+        return self.flags + DIR_BYTES * (h & 0xFFFFFFFF)
+
+    def ping(self, parent: int, force: bool = False) -> None:
+        """A child of ``parent`` is DONE (or may be): ask the frame's owner to look at it.
+
+        ``force``: push even if a ping is marked pending (a recoverer's, for the ping
+        a dead worker marked and maybe never pushed)."""
+        a = self.a
+        idx = parent & 0xFFFFFFFF
+        if idx >= a.nrecords:
+            return
+        # the frame's worker and incarnation: set at its first spawn, before any child's
+        # push (which releases them to the child's worker); 0, 0: no frame, nobody waits
+        owner, inc = _OWNER.unpack_from(self.mm, a.rec_base + RECORD_BYTES * idx + R_OWNER)
+        if not inc or owner >= len(self.inboxes):
+            return
+        r = self.r
+        if self.out_off >= 0:
+            r.store64(self.out_off, parent + 1)  # release: read by the recoverer after our death
+        # seq_cst RMW: pairs with the and64 of clear() (the popper's, before its look)
+        if r.or64(self.flag_off(parent), AF_PINGED) & AF_PINGED and not force:
+            if self.out_off >= 0:
+                r.store64(self.out_off, 0)  # release: nothing half-sent (read after our death)
+            return  # a ping is on its way: its popper looks at the children after clearing
+        if failpoints.ON and self.me >= 0:
+            failpoints.hit("worker.ping_after_set")
+        if self.inboxes[owner].push(parent):
+            if owner != self.me:
+                self.idle.notify_worker(owner)
+        else:
+            self.full(owner, parent)
+        if self.out_off >= 0:
+            r.store64(self.out_off, 0)  # release: pushed (or held where our recoverer finds it)
+
+    def clear(self, h: int) -> None:
+        """The ping for ``h`` was taken (or its pusher is dead): a new one may be sent.
+        Call it before looking at the frame's children."""
+        # seq_cst RMW: pairs with the or64 of ping()
+        self.r.and64(self.flag_off(h), ~AF_PINGED & _ALL)
+
+    def forward(self, h: int, skip: int = -1) -> None:
+        """A ping for ``h`` taken (and cleared) by one that does not hold the frame: ping
+        the current frame of ``h``'s slot at its owner (unless that is worker ``skip``:
+        the caller handles its own frames).  A sender may have found the bit set while
+        this ping was on its way to the wrong place: without this, its wake was lost."""
+        a = self.a
+        idx = h & 0xFFFFFFFF
+        if idx >= a.nrecords:
+            return
+        off = a.rec_base + RECORD_BYTES * idx
+        owner, inc = _OWNER.unpack_from(self.mm, off + R_OWNER)  # see ping()
+        cur = ((self.r.load64(off) & GEN_MASK) << 32) | idx  # the slot's handle now (acquire)
+        if not inc or (owner == skip and cur == h):
+            return  # no frame; or the caller's own, running now (it looks before it suspends)
+        self.ping(cur)
+
+
+def _no_room(owner: int, h: int) -> None:
+    raise RuntimeError(f"the inbox of worker {owner} is full (ping for {h:#x})")
 
 
 class Recovery:
     """Recovery operations over one segment's records (client or worker side)."""
 
     def __init__(self, arena: Any, inboxes: list, idle: Any, me: int,
-                 push: Callable[[int], None] | None = None) -> None:
+                 push: Callable[[int], None] | None = None, pings: Pings | None = None) -> None:
         self.a = arena
         self.inboxes = inboxes
         self.idle = idle
         self.me = me  # who: our worker index + 1, or 0 for the client
         self.push = push or self._push  # puts a QUEUED handle where a worker will find it
+        self.pings = pings or Pings(arena, inboxes, idle, me - 1)
 
     def _push(self, h: int) -> None:
-        while not self.a.injector.push(h):
-            time.sleep(0.0001)
+        # Only without a ``push`` of the caller's (tests): the pool passes one that never
+        # waits (its requeue list), a worker one that falls back on its own deque.
+        if not self.a.injector.push(h):
+            raise RuntimeError(f"the injector is full (recovering {h:#x})")
 
     # -- scans (crash paths only) ------------------------------------------------
     def _columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -121,18 +222,70 @@ class Recovery:
 
     def children(self, parent: int) -> list[tuple[int, int, int]]:
         """(handle, state, who) of every live child record of ``parent``."""
+        return self.children_of((parent,)).get(parent, [])
+
+    def children_of(self, parents: Any) -> dict[int, list[tuple[int, int, int]]]:
+        """:meth:`children` of each of ``parents``, from one scan of the records (a
+        recovery looks at many frames at once: one scan each was O(records) per frame)."""
         w, ks, link = self._columns()
         kind = ks & np.uint64(K_MASK)
         st = (w >> np.uint64(STATE_SHIFT)) & np.uint64(STATE_MASK)
-        mask = (kind == np.uint64(K_CHILD)) & (link == np.uint64(parent)) & (st != np.uint64(0))
-        out = []
+        want = np.fromiter(parents, np.uint64)
+        mask = (kind == np.uint64(K_CHILD)) & (st != np.uint64(0)) & np.isin(link, want)
+        out: dict[int, list[tuple[int, int, int]]] = {}
         for i in np.nonzero(mask)[0]:
             x = int(w[i])
-            out.append((((x & GEN_MASK) << 32) | int(i), (x >> STATE_SHIFT) & STATE_MASK,
-                        x >> WHO_SHIFT))
+            out.setdefault(int(link[i]), []).append(
+                (((x & GEN_MASK) << 32) | int(i), (x >> STATE_SHIFT) & STATE_MASK,
+                 x >> WHO_SHIFT))
         return out
 
     # -- the rules ------------------------------------------------------------------
+    def dead_pings(self, k: int, ping_in: int, ping_out: int) -> None:
+        """Worker ``k`` died (its process is gone): the pings it held or half-sent.
+
+        Its inbox is drained here (nobody else pops it; the replacement starts with an
+        empty one), with the ping its last pop leased (``ping_in``: W_PING_IN, handle + 1).
+        Each one's bit is cleared; frames the dead worker held are left to the caller's
+        look at them (stealer/pool.py recover, after it clears their bits too); a QUEUED
+        agent a peer handed it goes back on a queue; any other ping is forwarded to the
+        frame's owner.  ``ping_out`` (W_PING_OUT): a ping it marked and maybe never
+        pushed, sent again.
+        """
+        a = self.a
+        who = k + 1
+        got = self.inboxes[k].pop_many(1 << 30)  # its pops are gone with it: we are the only one
+        if ping_in:
+            got.append(ping_in - 1)
+        for h in dict.fromkeys(got):
+            if (h & 0xFFFFFFFF) >= a.nrecords:
+                continue
+            self.pings.clear(h)
+            st = a.tr.state(h)
+            if st is not None and st[1] == who and st[0] in (S_RUNNING, S_RECOVERING):
+                continue  # the dead worker's own frame (or agent): the caller looks at it
+            if (st is not None and st[0] == S_QUEUED
+                    and a.kind_link(a.off(h))[0] & F_AGENT):
+                self.push(h)  # handed over by a peer (Host.balance): its only copy
+                a.notify_one()
+                continue
+            self.pings.forward(h, k)
+        # Bits of frames it held that no ping in its inbox named: pings it held in a list
+        # of its own (a blocking join's deferred ones, its own inbox full), lost with it.
+        for i in self.frames_of(k):
+            self.pings.clear(i)
+        if ping_out:
+            self.pings.ping(ping_out - 1, force=True)
+
+    def frames_of(self, k: int) -> list[int]:
+        """Record slots whose R_OWNER names worker ``k`` (any incarnation of it)."""
+        a = self.a
+        n = a.nrecords
+        v = np.frombuffer(a.mm, np.uint32, n * (RECORD_BYTES // 4), a.rec_base).reshape(
+            n, RECORD_BYTES // 4)
+        # plain (racy) reads: R_OWNER/R_INCARNATION are written by k itself, dead now
+        return np.nonzero((v[:, R_OWNER // 4] == k) & (v[:, R_INCARNATION // 4] != 0))[0].tolist()
+
     def leased(self, h: int, dead: int) -> None:
         """A handle in dead worker's (who ``dead``) lease or current word."""
         a = self.a
@@ -149,19 +302,27 @@ class Recovery:
             a.release(h, S_CANCELLED, 0, self.me)
         elif state == S_FREEING and who == dead:
             a.free(h)  # its holder is dead: finish the release (payload fields zeroed first)
+        elif state == S_FREE:
+            # allocated (spawn leases a child's record right after its alloc) and never set
+            # up: off the free ring, in no queue: ours to give back (a free bumps the
+            # generation, so a record freed since is stale, never FREE with this one)
+            a.free(h)
 
     def orphan(self, h: int, dead: int, why: str, complete_root: Callable[[int, int, Any], None],
-               state: int = S_RUNNING) -> bool:
+               state: int = S_RUNNING, kids: list[tuple[int, int, int]] | None = None) -> bool:
         """``h`` is RUNNING|dead (or RECOVERING|dead: a recoverer died recovering it): re-run
         or fail it once its children are all done.
 
         Returns False while children are still queued or running (the last
         one's ping brings the frame's owner back here).  ``complete_root(h,
         status, value)`` publishes a failed root task (the client resolves
-        its future; a worker pushes a completion).
+        its future; a worker pushes a completion).  ``kids``: :meth:`children` of
+        ``h``, if the caller scanned for a batch of frames (:meth:`children_of`), after it
+        cleared their ping bits (a child done after the scan pings again).
         """
         a = self.a
-        kids = self.children(h)
+        if kids is None:
+            kids = self.children(h)
         if any(s in (S_QUEUED, S_RUNNING) for _k, s, _w in kids):
             return False
         if a.tr.take_over(h, state, dead, self.me) is not Outcome.OK:
@@ -205,7 +366,7 @@ class Recovery:
         a.put_result(off, data, bufs)
         _U32.pack_into(a.mm, off + R_STATUS, ST_ERROR)
         a.tr.fail(h, self.me)  # ours (taken over); seq_cst CAS releases the result above
-        ping_parent(a, self.inboxes, self.idle, link, self.me - 1)
+        self.pings.ping(link)
 
     def frame_owner(self, h: int) -> tuple[int, int]:
         """(worker, incarnation) holding ``h``'s fork-join frame; incarnation 0: none."""

@@ -102,6 +102,12 @@ W_STEP_DEADLINE = 96  # u64 monotonic ns by which the agent step running now mus
 #                      load64s it in its monitor and kills a worker stuck past it
 W_RUNNABLE = 104  # u32 agents runnable on this worker besides the one in its turn: the worker
 #                  store32s it at each turn (release); idle peers load32 it to ask for one
+W_PING_OUT = 112  # u64 handle+1 of the frame this worker is pinging (0: none): the worker stores it
+#                  (release) before its or64 of AF_PINGED and 0 after the push; the client reads it
+#                  after the worker's death and pings that frame again (recovery.py Pings)
+W_PING_IN = 120  # u64 handle+1 of the ping this worker pops from its inbox: written by the inbox
+#                 pop before the CAS that takes it (the ring's lease, relaxed); the client reads it
+#                 after the worker's death: a ping taken but maybe not handled is delivered again
 W_LEASE = 128  # 16 x u64 handle+1 a worker is taking off a queue (records.py): slot 0 for single
 #               takes, slot i for the i-th of an injector batch; the worker writes each before the
 #               CAS that takes the handle (relaxed), the client reads them after the worker's death
@@ -136,12 +142,16 @@ class Layout:
     block_classes: tuple[tuple[int, int], ...] = ((1024, 4096), (16384, 512), (262144, 32))
     fn_entries: int = 4096
     fn_data: int = 1 << 20
+    # Capacity of each worker's inbox; 0: ``records``.  Tests only (STEALER_TEST_INBOX_CAP,
+    # read by the client in stealer/pool.py): a small inbox shows quickly what fills one.
+    inbox_cap: int = 0
     offsets: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.nworkers < 1:
             raise ValueError("nworkers must be >= 1")
         object.__setattr__(self, "records", _pow2(self.records))
+        object.__setattr__(self, "inbox_cap", _pow2(self.inbox_cap or self.records))
         off = HEADER_BYTES
         o: dict[str, int] = {}
 
@@ -153,7 +163,7 @@ class Layout:
         n, cap = self.nworkers, self.records
         take("workers", WORKER_BYTES * n)
         take("deques", Q.Deque.nbytes(cap) * n)
-        take("inboxes", Q.MPMCRing.nbytes(cap) * n)
+        take("inboxes", Q.MPMCRing.nbytes(self.inbox_cap) * n)
         take("completions", Q.SPSCRing.nbytes(cap) * n)
         take("injector", Q.MPMCRing.nbytes(2 * cap))  # see injector_cap
         take("record_free", Q.MPMCRing.nbytes(cap))
@@ -187,7 +197,7 @@ class Layout:
         return self.offsets["deques"] + Q.Deque.nbytes(self.records) * k
 
     def inbox(self, k: int) -> int:
-        return self.offsets["inboxes"] + Q.MPMCRing.nbytes(self.records) * k
+        return self.offsets["inboxes"] + Q.MPMCRing.nbytes(self.inbox_cap) * k
 
     def completion(self, k: int) -> int:
         return self.offsets["completions"] + Q.SPSCRing.nbytes(self.records) * k
@@ -198,12 +208,13 @@ class Layout:
         return self.offsets["metrics"] + _align(BLOCK_BYTES) * k
 
     def to_args(self) -> tuple:
-        return (self.nworkers, self.records, self.block_classes, self.fn_entries, self.fn_data)
+        return (self.nworkers, self.records, self.block_classes, self.fn_entries, self.fn_data,
+                self.inbox_cap)
 
     @classmethod
     def from_args(cls, args: tuple) -> Layout:
-        n, records, classes, fn_entries, fn_data = args
-        return cls(n, records, tuple(tuple(c) for c in classes), fn_entries, fn_data)
+        n, records, classes, fn_entries, fn_data, *rest = args
+        return cls(n, records, tuple(tuple(c) for c in classes), fn_entries, fn_data, *rest)
 
 
 class Segment:

@@ -92,6 +92,10 @@ class Stats:
     latency: dict[str, dict[str, metrics.Histogram]]  # tier -> {"wait"|"run": Histogram}
     client: dict[str, int] = field(default_factory=dict)  # backlog, pending, crashes (client only)
     agents_live: int = 0  # agents started and not finished
+    # Records on the free ring, of ``records`` in all: back to its start value once the
+    # executor is idle (fewer: a record leaked, e.g. by a kill in a window not yet closed)
+    records_free: int = 0
+    records: int = 0
     busiest_agents: list[AgentStats] = field(default_factory=list)  # by CPU time, top first
 
     def totals(self) -> dict[str, int]:
@@ -115,6 +119,8 @@ class Stats:
             "latency": {tier: {k: h.summary_ms() for k, h in kinds.items()}
                         for tier, kinds in self.latency.items()},
             "agents_live": self.agents_live,
+            "records_free": self.records_free,
+            "records": self.records,
             "busiest_agents": [a.__dict__ for a in self.busiest_agents],
         }
 
@@ -180,7 +186,7 @@ def collect(seg: Segment, queues: Any | None = None) -> Stats:
             state=STATE_NAMES[state] if state < len(STATE_NAMES) else str(state),
             running=bool(cur),
             deque_depth=len(Q.Deque(r, L.deque(k), L.records)),
-            inbox_depth=len(Q.MPMCRing(r, L.inbox(k), L.records)),
+            inbox_depth=len(Q.MPMCRing(r, L.inbox(k), L.inbox_cap)),
             counters=counters,
             current=cur,
         ))
@@ -201,6 +207,8 @@ def collect(seg: Segment, queues: Any | None = None) -> Stats:
         workers=workers,
         injector_depth=len(Q.MPMCRing(r, L.offsets["injector"], L.injector_cap)),
         latency=latency,
+        records_free=len(Q.MPMCRing(r, L.offsets["record_free"], L.records)),
+        records=L.records,
     )
 
 

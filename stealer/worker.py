@@ -56,7 +56,6 @@ from stealer._layout import (
     S_CANCELLED,
     S_DONE,
     S_QUEUED,
-    S_RUNNING,
     ST_ERROR,
     ST_LOST,
     ST_OK,
@@ -73,7 +72,7 @@ from stealer.forkjoin import Child, children_of
 from stealer.idle import Idle
 from stealer.liveness import ProcessWatch
 from stealer.records import Outcome
-from stealer.recovery import Recovery, ping_parent
+from stealer.recovery import Pings, Recovery
 from stealer.shm import (
     H_SHUTDOWN,
     H_STARTED,
@@ -83,11 +82,14 @@ from stealer.shm import (
     W_CURRENT,
     W_LEASE,
     W_PID,
+    W_PING_IN,
+    W_PING_OUT,
     W_STATE,
     Layout,
     Segment,
     unlink_all,
 )
+from stealer.worker_pings import PingHandling
 
 __all__ = ["WorkerArgs", "main", "error_payload", "STATE_READY", "encode_result", "result_value"]
 
@@ -209,7 +211,7 @@ class _Frame:
         self.final: tuple[int, Any] | None = None  # result held until children finish
 
 
-class Worker:
+class Worker(PingHandling):
     def __init__(self, a: WorkerArgs) -> None:
         from stealer import _queues
 
@@ -235,7 +237,7 @@ class Worker:
         n = layout.nworkers
         self.n = n
         self.deques = [Q.Deque(r, layout.deque(i), layout.records) for i in range(n)]
-        self.inboxes = [Q.MPMCRing(r, layout.inbox(i), layout.records) for i in range(n)]
+        self.inboxes = [Q.MPMCRing(r, layout.inbox(i), layout.inbox_cap) for i in range(n)]
         self.deque = self.deques[self.k]
         self.inbox = self.inboxes[self.k]
         self.injector = Q.MPMCRing(r, layout.offsets["injector"], layout.injector_cap)
@@ -252,10 +254,20 @@ class Worker:
         # W_LEASE before the CAS that takes it.
         for q in (*self.deques, self.injector):
             q.set_lease(self.lease_off)
+        self.inbox.set_lease(self.wbase + W_PING_IN)  # a ping taken: read after our death
         self.deque.repair()  # inherited from a predecessor killed inside a pop
         order = a.steal_order or [(self.k + i) % n for i in range(1, n)]
         self.victims = [self.deques[i] for i in order]
-        self.rec = Recovery(self.arena, self.inboxes, self.idle, self.who, self.push_any)
+        self.pings = Pings(self.arena, self.inboxes, self.idle, self.k, self.wbase + W_PING_OUT,
+                           self.inbox_full)
+        self.rec = Recovery(self.arena, self.inboxes, self.idle, self.who, self.push_any,
+                            self.pings)
+        # Work for later, when our inbox is empty: pings for our own frames that found our
+        # inbox full, and frames a dead predecessor held (looked at in one scan, not one per
+        # ping).  Lost with us if we die: all are frames we hold, which our recoverer
+        # looks at anyway.
+        self.held: list[int] = []
+        self.orphans: list[int] = []
         # Metrics (metrics.py): local counters flushed to the shared block every
         # FLUSH_EVERY steps and before parking; histograms recorded per step.
         self.c = [0] * metrics.NCOUNTERS
@@ -303,6 +315,9 @@ class Worker:
             if h >= 0:
                 self.on_ping(h)
                 continue
+            if self.held or self.orphans:
+                self.run_later()
+                continue
             self.tick += 1
             if host.timers or host.blocked:
                 host.poll()
@@ -333,7 +348,8 @@ class Worker:
                 return STATE_RETIRED
 
     def has_work(self) -> bool:
-        if len(self.inbox) or len(self.injector) or len(self.deque) or self.host.has_work():
+        if (len(self.inbox) or len(self.injector) or len(self.deque) or self.host.has_work()
+                or self.held or self.orphans):
             return True
         return any(len(d) for d in self.victims)
 
@@ -383,7 +399,7 @@ class Worker:
         rounds = 0
         while True:
             host = self.host
-            if len(self.inbox) or host.has_work():
+            if len(self.inbox) or host.has_work() or self.held or self.orphans:
                 if searching:
                     idle.stop_search(self.k, False)
                 return -1
@@ -671,13 +687,19 @@ class Worker:
                     raise TimeoutError(f"the children were not all done within {timeout} s")
                 h = inbox.pop()
                 if h >= 0:
-                    # a ping for a task waiting in a join on this stack: dropped (each join
-                    # looks at its children's states itself)
-                    if h not in joining:
-                        if h in self.conts and self._descends(h, top):
+                    if h in joining:
+                        # a ping for a task waiting in a join on this stack: dropped (each
+                        # join looks at its children's states itself, after this clear)
+                        self.pings.clear(h)
+                    elif h in self.conts:
+                        if self._descends(h, top):
                             self._nested(self.on_ping, h, frame, cur)
                         else:
-                            deferred.append(h)  # pinged again after the join
+                            deferred.append(h)  # pinged again after the join (bit still set)
+                    else:
+                        self.pings.clear(h)  # (before pass_on looks, as in on_ping)
+                        if not self.pass_on(h):
+                            deferred.append(h)  # an agent's: after the join
                     continue
                 h = deque.pop()  # leased: killed from here on, a recoverer pushes it again
                 if FP.ON and h >= 0:
@@ -696,8 +718,8 @@ class Worker:
             joining.discard(top)
             self.in_body = True
             for h in deferred:
-                while not inbox.push(h):
-                    time.sleep(0.0001)
+                if not inbox.push(h):  # (room taken meanwhile) our loop runs it instead
+                    self.held.append(h)
             # the join's time is not this task's busy time (the tasks run inside count their own)
             self.joined_ns = joined + time.monotonic_ns() - t0
         frame.waiting = (kids, single)
@@ -741,6 +763,11 @@ class Worker:
         a = self.arena
         if (h & 0xFFFFFFFF) >= a.nrecords:
             return
+        if FP.ON:
+            FP.hit("worker.ping_before_clear")
+        self.pings.clear(h)  # first: a child done after our look below pings again
+        if FP.ON:
+            FP.hit("worker.ping_after_clear")
         if (self.host.agents or self.host.dormant) and self.host.notify(h):
             return  # an agent of ours: messages, a reply, children, a stop
         frame = self.conts.get(h)
@@ -750,14 +777,8 @@ class Worker:
                 self.execute(h)  # an agent a busier peer handed us (Host.balance)
             return
         if frame is None:
-            st = a.tr.state(h)
-            owner, inc = self.rec.frame_owner(h) if st is not None else (0, 0)
-            if (st is not None and st == (S_RUNNING, self.who) and owner == self.k and inc
-                    and inc != self.incarnation):
-                # a frame our dead predecessor held: re-run or fail that task
-                self.rec.orphan(h, self.who, f"worker {self.k} (an earlier incarnation) died "
-                                "while this task waited for its children", self.complete_root)
-            return  # running now, finished, or a stale ping: nothing to do
+            self.pass_on(h)
+            return
         if not self.kids_done(frame):
             return
         del self.conts[h]
@@ -848,7 +869,7 @@ class Worker:
         if kind & K_MASK == K_REPLY:
             self.host.dir.notify(link, self.k)
         else:
-            ping_parent(self.arena, self.inboxes, self.idle, link, self.k)
+            self.pings.ping(link)
 
     def push_any(self, h: int) -> None:
         """Recovery: a QUEUED handle onto the injector, else our own deque (never lost)."""

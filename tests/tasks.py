@@ -250,6 +250,19 @@ def spawn_and_wait(n, seconds):
     return sum(vals)
 
 
+def pid_after(seconds):
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def uneven_kids(short, long):
+    """Two children: the short one (spawned first, so a thief takes it) and the long one
+    (the spawner's own next task); returns the pids that ran them."""
+    kids = [stealer.spawn(pid_after, short), stealer.spawn(pid_after, long)]
+    vals = yield kids
+    return vals
+
+
 def crash_tree(depth, kill=True):
     """A fork-join tree whose left-most leaf kills its own worker (every time it runs)."""
     if depth == 0:

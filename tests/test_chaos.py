@@ -33,13 +33,14 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import probes
 import pytest
 import tasks
 
 import stealer
 from stealer import _queues
 from stealer._layout import R_TRIES, S_QUEUED, S_RUNNING
-from stealer.shm import H_SHUTDOWN, SHM_DIR, W_CURRENT, W_LEASE, W_STATE
+from stealer.shm import SHM_DIR, W_CURRENT, W_LEASE, W_STATE
 from stealer.worker import STATE_READY, STATE_STARTING
 
 FIB = (15, 8)  # fib(15) with a sequential cutoff of 8: a few dozen frames
@@ -181,27 +182,12 @@ def _executor(*args: Any, **kw: Any) -> Iterator[stealer.Executor]:
         yield ex
     finally:
         seen.update(p.pid for p in list(pool.procs) if p is not None)
-        lost = len(pool.futures)  # every test waits for its futures: pending ones are lost
-        ex.shutdown(wait=False, cancel_futures=True)
+        # every test waits for its futures: pending ones are lost. A future that can never
+        # resolve (a lost task, a frame waiting for a child in no queue) keeps the result
+        # thread waiting: force_close gives up on it and kills the workers.
+        probes.force_close(ex)
         t = pool.thread
         assert t is not None
-        t.join(0.5 if lost else 30)
-        if t.is_alive():
-            # A future that can never resolve (a lost task, a frame waiting for a child that
-            # is in no queue) keeps the result thread waiting: give up on it, kill the
-            # workers (one may wait for that child too), let the thread close the pool.
-            pool.region.store32(H_SHUTDOWN, 1)  # seq_cst: no replacements from now on
-            for p in list(pool.procs):
-                if p is not None:
-                    p.kill()
-            pool.futures.clear()
-            pool.wake()
-            deadline = time.monotonic() + 30
-            while t.is_alive() and time.monotonic() < deadline:
-                # a recovery pushing on a full injector spins until there is room
-                # (test_recovery_on_a_full_injector_does_not_spin; a safety net since then): make some
-                pool.injector.pop()
-                t.join(0.05)
         assert not t.is_alive(), "the result thread did not exit"
         left = glob.glob(os.path.join(SHM_DIR, pool.name + "*"))
         assert not left, f"shared-memory files left: {left}"

@@ -23,7 +23,9 @@ from stealer import failpoints
 WORKER_POINTS = [p for p in failpoints.POINTS if p.startswith("worker.")]
 # Points that only fork-join work reaches, and how often they are hit there.
 FORKJOIN_POINTS = {"worker.after_spawn", "worker.in_join", "worker.after_resume",
-                   "worker.in_collect", "worker.join_after_pop", "worker.join_after_nested"}
+                   "worker.in_collect", "worker.join_after_pop", "worker.join_after_nested",
+                   "worker.ping_after_set", "worker.ping_before_clear",
+                   "worker.ping_after_clear"}
 AFTER_BODY = ["worker.after_body", "worker.after_store", "worker.after_finish",
               "worker.after_publish"]
 
@@ -63,6 +65,25 @@ def test_worker_killed_at_failpoint(monkeypatch, tmp_path, method, point):
         assert _crashes_seen(e) == 1
         assert e.stats().client["stray_completions"] == 0
         _run_mixed_load(e)  # still usable
+
+
+@pytest.mark.parametrize("point", ["worker.ping_after_set", "worker.ping_before_clear",
+                                   "worker.ping_after_clear"])
+def test_ping_window_across_workers(monkeypatch, tmp_path, point):
+    """The first ping comes from the worker that stole the short child, for a frame on
+    the other worker.  Killed after setting the frame's ping bit (before the push), the
+    recoverer pings again (else the long child finds the bit set, sends nothing, and the
+    frame waits for ever); the owner killed around its clear: the frame is re-run."""
+    _arm(monkeypatch, tmp_path, f"{point}=kill@1!once")
+    with stealer.Executor(2, retries=5) as e:
+        assert e.wait_ready(30)
+        pids = e.submit(tasks.uneven_kids, 0.3, 1.0).result(timeout=60)
+        assert os.path.exists(tmp_path / point), f"{point} was never reached"
+        assert len(pids) == 2
+        if point == "worker.ping_after_set":
+            assert pids[0] != pids[1], "both children ran on one worker: not the case tested"
+        assert _crashes_seen(e) == 1
+        assert e.submit(tasks.uneven_kids, 0.01, 0.02).result(timeout=60)
 
 
 @pytest.mark.parametrize("action", ["raise", "interrupt", "exit"])

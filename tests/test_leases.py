@@ -379,6 +379,19 @@ def test_leased_freeing_by_the_dead_is_finished(rig, dead):
         assert h & 0xFFFFFFFF not in _free_ring(rig)
 
 
+def test_leased_allocated_never_set_up_is_given_back(rig):
+    """spawn() leases a child's record right after its alloc: killed before setup, the
+    record is FREE, off the free ring and in no queue; its recoverer gives it back."""
+    a = rig.arena
+    h = a.alloc()
+    assert h >= 0
+    assert len(a.rec_free) == a.nrecords - 1
+    rig.recovery.leased(h, 1)
+    assert len(a.rec_free) == a.nrecords
+    assert a.tr.state(h) is None  # the generation moved on
+    assert len(rig.injector) == 0
+
+
 @pytest.mark.parametrize("state,who", [(S_RUNNING, 1), (S_DONE, 1), (S_DONE, 0), (S_RUNNING, 2)])
 def test_leased_running_or_done_left_to_the_scans(rig, state, who):
     a = rig.arena

@@ -83,7 +83,8 @@ class AgentClient:
         self.pool = pool
         self.a = pool.arena
         self.dir = Directory(pool.region, pool.arena, pool.layout.offsets["agents"],
-                             pool.inboxes, pool.idle, pool.layout.worker)
+                             pool.inboxes, pool.idle, pool.defer_ping,
+                             worker_base=pool.layout.worker)
         self.lock = threading.Lock()
         self.futures: dict[int, _Future] = {}  # agent handle -> its final value's Future
         self.finished: dict[int, tuple[int, Any]] = {}  # fid -> (status, value), nobody asked yet

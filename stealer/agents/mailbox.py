@@ -73,13 +73,17 @@ class Directory:
     """The agent directory of one segment (usable from the client and from workers)."""
 
     def __init__(self, region: Any, arena: Any, base: int, inboxes: list, idle: Any,
-                 worker_base: Any = None) -> None:
+                 full: Any = None, worker_base: Any = None) -> None:
         self.r = region
         self.a = arena
         self.mm = arena.mm
         self.base = base
         self.inboxes = inboxes
         self.idle = idle
+        # (owner, h) -> None: a notification found the owner's inbox full.  The client
+        # passes one that queues it for its result thread (it never waits on a worker's
+        # inbox: a worker still starting does not drain it); a worker waits for room.
+        self.full = full
         # Layout.worker: where a worker's words are (a control agent's busy owner is
         # signalled, inline.py); None: never signal
         self.worker_base = worker_base
@@ -151,8 +155,12 @@ class Directory:
         owner = (w >> WHO_SHIFT) - 1
         if not 0 <= owner < len(self.inboxes):
             return
-        while not self.inboxes[owner].push(h):  # one notification per agent at a time
-            time.sleep(0.0001)
+        if not self.inboxes[owner].push(h):  # one notification per agent at a time
+            if self.full is not None:  # the client: never waits on a worker's inbox
+                self.full(owner, h)
+                return
+            while not self.inboxes[owner].push(h):
+                time.sleep(0.0001)
         if owner != me:
             if defer is not None:
                 defer.add(owner)

@@ -231,16 +231,21 @@ def _time_act(iters: int, rounds: int, agents: int = 8) -> float:
 @cache
 def calibrate(target_s: float) -> Calibration:
     """How many iterations make one call cost ``target_s`` of CPU here (once per process:
-    every system of a run gets the same count).  The cost is ``a + b * iters``: two points
-    fix ``a`` and ``b``; the call is then timed at the chosen count."""
+    every system of a run gets the same count).  A call costs ``t(1) + (k - 1) * b`` with
+    ``k`` iterations: ``t(1)`` is timed once, ``b`` from ``t(k)`` at the current guess of
+    ``k``, three times (each guess nearer the target, so the load of the moment weighs less
+    on the slope); the call is then timed at the chosen count."""
     _time_act(4, 3)  # warm the code paths
-    lo, hi = 2, 32
-    t_lo, t_hi = _time_act(lo, 6), _time_act(hi, 6)
-    per_iter = max((t_hi - t_lo) / (hi - lo), 1e-9)
-    fixed = max(t_lo - lo * per_iter, 0.0)
-    iters = max(1, round((target_s - fixed) / per_iter))
-    return Calibration(target_s, iters, _time_act(iters, 12))
-
+    t1 = _time_act(1, 8)
+    iters = 16
+    for _ in range(3):
+        per_iter = max((_time_act(iters, 8) - t1) / (iters - 1), 1e-9)
+        guess = max(1, 1 + round((target_s - t1) / per_iter))
+        if guess in (1, iters):
+            iters = guess
+            break
+        iters = guess
+    return Calibration(target_s, iters, _time_act(iters, 20))
 
 # --------------------------------------------------------------------------- configurations
 

@@ -231,20 +231,25 @@ def _time_act(iters: int, rounds: int, agents: int = 8) -> float:
 @cache
 def calibrate(target_s: float) -> Calibration:
     """How many iterations make one call cost ``target_s`` of CPU here (once per process:
-    every system of a run gets the same count).  A call costs ``t(1) + (k - 1) * b`` with
-    ``k`` iterations: ``t(1)`` is timed once, ``b`` from ``t(k)`` at the current guess of
-    ``k``, three times (each guess nearer the target, so the load of the moment weighs less
-    on the slope); the call is then timed at the chosen count."""
+    every system of a run gets the same count), and what one call then costs.
+
+    A call costs ``t(1) + (k - 1) * b`` with ``k`` iterations: ``t(1)`` and ``t(16)`` give
+    a first guess; then, while the call at the guess is more than 10% off the target (the
+    shared machine's load moves the cost per iteration by up to 1.7x between seconds), the
+    guess is scaled by target / measured, at most four times."""
     _time_act(4, 3)  # warm the code paths
     t1 = _time_act(1, 8)
-    iters = 16
-    for _ in range(3):
-        per_iter = max((_time_act(iters, 8) - t1) / (iters - 1), 1e-9)
-        guess = max(1, 1 + round((target_s - t1) / per_iter))
-        if guess in (1, iters):
-            iters = guess
+    per_iter = max((_time_act(16, 8) - t1) / 15, 1e-9)
+    iters = max(1, 1 + round((target_s - t1) / per_iter))
+    handler_s = _time_act(iters, 8)
+    for _ in range(4):
+        if abs(handler_s / target_s - 1.0) <= 0.1:
+            break
+        guess = max(1, round(iters * target_s / handler_s))
+        if guess == iters:
             break
         iters = guess
+        handler_s = _time_act(iters, 8)
     return Calibration(target_s, iters, _time_act(iters, 20))
 
 # --------------------------------------------------------------------------- configurations

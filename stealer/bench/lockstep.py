@@ -38,8 +38,12 @@ Reported per system (over the measured rounds, after warm-up rounds): ``calls_pe
 process's CPU time, ``getrusage(RUSAGE_SELF)``, all its threads, result thread included,
 minus any handler time it ran itself, per call), ``worker_us`` (the worker processes' CPU
 time, psutil, minus the handlers' own CPU time, per call: what running a call costs beyond
-its handler), ``handler_us`` (handler CPU per call as measured where it ran) and, for
-stealer, ``migrations_per_1k`` (the workers' ``migrations`` counter per 1,000 calls).
+its handler), ``handler_us`` (handler CPU per call as measured where it ran),
+``handler_share`` (the handlers' CPU time over W x the wall time: the share of the W cores
+spent in handlers, 1 at best; unlike ``of_ideal`` it does not move when the machine's load
+makes every handler slower or faster than at calibration, which on the shared 2-core VM
+moves 1.5x within a minute) and, for stealer, ``migrations_per_1k`` (the workers'
+``migrations`` counter per 1,000 calls).
 
 The ideal on W workers: each round takes ``ceil(N / W)`` handler times, so
 ``N / (ceil(N / W) * handler)`` calls/s (about W / handler), no client cost.
@@ -299,6 +303,7 @@ def ideal(cfg: Config, cal: Calibration, workers: int) -> dict[str, Any]:
         "client_us": 0.0,
         "worker_us": 0.0,
         "handler_us": cal.handler_s * 1e6,
+        "handler_share": cfg.agents / workers / math.ceil(cfg.agents / workers),
     }
 
 
@@ -382,6 +387,7 @@ def drive(cfg: Config, cal: Calibration, sysm: System, workers: int,
         "client_us": (cpu - (handler_s if sysm.handlers_in_client else 0.0)) / calls * 1e6,
         "worker_us": None if w0 is None or w1 is None else (w1 - w0 - handler_s) / calls * 1e6,
         "handler_us": handler_s / calls * 1e6,
+        "handler_share": handler_s / (workers * wall),
         "wall_s": wall,
         "finals": [s for s, _ in finals],
         "last_obs": [o.tobytes() for o, _ in replies],
@@ -597,14 +603,16 @@ def check(name: str, got: dict[str, Any], oracle: dict[str, Any]) -> None:
 
 
 #: What ``stealer bench`` keeps of each configuration's result, and of the peers'.
-FIELDS = ("calls_per_s", "of_ideal", "round_p50_ms", "round_p99_ms", "client_us",
-          "worker_us", "handler_us", "migrations_per_1k")
-PEER_FIELDS = ("calls_per_s", "of_ideal", "client_us", "worker_us", "handler_us")
+FIELDS = ("calls_per_s", "of_ideal", "handler_share", "round_p50_ms", "round_p99_ms",
+          "client_us", "worker_us", "handler_us", "migrations_per_1k")
+PEER_FIELDS = ("calls_per_s", "of_ideal", "handler_share", "client_us", "worker_us",
+               "handler_us")
 #: Key prefix of each configuration in a ``stealer bench`` result.
 PREFIXES = {"default": "", "overhead_bound": "ob_"}
 _ROW_FORMATS = [
     ("calls_per_s", "calls/s", ",.0f"),
     ("of_ideal", "of ideal", ".2f"),
+    ("handler_share", "share of W cores in handlers", ".2f"),
     ("round_p50_ms", "round p50 ms", ".2f"),
     ("round_p99_ms", "round p99 ms", ".2f"),
     ("client_us", "client µs/call", ".1f"),

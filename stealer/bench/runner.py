@@ -8,8 +8,8 @@ the same trace on the same number of workers under ``"ideal"`` (see
 no-op result.  ``quick`` is ``False`` (full size), ``True`` (the ``--quick`` size) or one of
 :data:`SIZES` (``"tiny"``: a few hundred tasks, for tests).
 
-Workloads (``--quick`` sizes in brackets; all but ``agent_scale`` together finish in seconds on
-2 cores; the default run leaves ``agent_scale`` out):
+Workloads (``--quick`` sizes in brackets; all but ``agent_scale`` and ``lockstep`` together
+finish in seconds on 2 cores; the default run leaves those two out):
 
 - ``start``: executor ready time (constructor + first no-op result) and shutdown time; the
   median of 5 [3] fresh executors.
@@ -74,6 +74,10 @@ Workloads (``--quick`` sizes in brackets; all but ``agent_scale`` together finis
   Placement is not an API: the pair is respawned (up to 8 times) until the two live on
   different workers (``same_worker`` says if that failed; ``info`` has the tries and the
   workers' park/wake-up counts during the run).
+- ``lockstep``: a client steps 32 agents x 0.5 ms and 256 x 0.05 ms in rounds, one call each
+  per round (the RL vector environment); plain pools ship the state with each call; the
+  one-process and process-per-agent pipe peers run in the stealer row (:mod:`stealer.bench.
+  lockstep`).
 - ``agent_scale`` (stealer only, and only when named in ``--workloads``: heavy):
   1,000,000 [20,000] idle message-only agents, started by one ``spawn_agents`` call, in one
   executor made with ``records=1 << 20`` [``1 << 15``] (the smallest power of two with room
@@ -129,6 +133,7 @@ from functools import cache
 from typing import Any
 
 from stealer.bench import ideal as _ideal
+from stealer.bench import lockstep as _lockstep
 from stealer.bench import peers as _peers
 from stealer.bench import workloads as _wl
 from stealer.bench.progress import Progress
@@ -147,6 +152,7 @@ __all__ = [
     "run_agents",
     "run_tiers",
     "run_agent_overhead",
+    "run_lockstep",
     "run_agent_scale",
     "NotApplicable",
     "run_user",
@@ -1182,6 +1188,11 @@ def _ping_pong(system: System, workers: int, rounds: int) -> dict[str, Any]:
     }
 
 
+def run_lockstep(system: System, workers: int, quick: bool | str) -> dict[str, Any]:
+    """Agents stepped in lockstep rounds by the client (:func:`stealer.bench.lockstep.run`)."""
+    return _lockstep.run(system, workers, _size(quick), _open, _report)
+
+
 #: (agents, records) of ``agent_scale``: every idle agent holds one record.
 SCALE_SIZES = {"full": (1_000_000, 1 << 20), "quick": (20_000, 1 << 15), "tiny": (300, 1 << 12)}
 SCALE_PROBES = 100
@@ -1465,12 +1476,14 @@ WORKLOADS: dict[str, Callable[[System, int, bool | str], dict[str, Any]]] = {
     "agents": run_agents,
     "tiers": run_tiers,
     "agent_overhead": run_agent_overhead,
+    "lockstep": run_lockstep,
     "agent_scale": run_agent_scale,
 }
 
 #: What runs when ``--workloads`` is not given: all but ``agent_scale`` (a million agents:
-#: a minute and several GiB; run it by name).
-DEFAULT_WORKLOADS = tuple(w for w in WORKLOADS if w != "agent_scale")
+#: a minute and several GiB) and ``lockstep`` (10-20 s even at --quick: 256 agents and 256
+#: pipe processes); run them by name.
+DEFAULT_WORKLOADS = tuple(w for w in WORKLOADS if w not in ("agent_scale", "lockstep"))
 
 # What the table shows per workload: (key, label, format).
 _ROWS: dict[str, list[tuple[str, str, str]]] = {
@@ -1528,6 +1541,7 @@ _ROWS: dict[str, list[tuple[str, str, str]]] = {
         ("round_trip_us", "ping-pong µs/round trip", ".1f"),
         ("round_trips_per_s", "round trips/s", ",.0f"),
     ],
+    "lockstep": _lockstep.table_rows(),
     "agent_scale": [
         ("agents", "idle agents", ",.0f"),
         ("create_s", "create s", ".2f"),
@@ -1705,7 +1719,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--workloads",
         default=None,
-        help=f"comma-separated subset of {','.join(WORKLOADS)} (default: all but agent_scale, "
+        help=f"comma-separated subset of {','.join(WORKLOADS)} (default: all but agent_scale "
+        "and lockstep, "
         "or none when --workload is given)",
     )
     p.add_argument(

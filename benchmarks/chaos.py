@@ -50,8 +50,9 @@ import time
 from typing import Any
 
 import stealer
+from stealer.bench.teardown import force_close
 from stealer.bench.workloads import fib, fib_seq
-from stealer.shm import H_SHUTDOWN, W_PID, W_STATE
+from stealer.shm import W_PID, W_STATE
 from stealer.worker import STATE_READY, STATE_STARTING
 
 
@@ -257,7 +258,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     crashes = pool.crashes
     where = where_pending(pool) if counts.get("lost") else {}
     strays = pool.stray  # completions that found no pending future
-    close(ex, 0.5 if counts.get("lost") else 30)  # without hanging on lost futures
+    force_close(ex, 0.5 if counts.get("lost") else 30)  # without hanging on lost futures
     return {
         "workers": a.workers,
         "records": pool.layout.records,
@@ -289,29 +290,6 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "poll_ms": a.poll_ms,
         },
     }
-
-
-def close(ex: stealer.Executor, wait: float) -> bool:
-    """Shut down; if the result thread is still busy after ``wait`` s (a lost future, a
-    push it spins on), kill the workers and make room in the queues until it exits."""
-    pool = ex._pool
-    t = pool.thread
-    assert t is not None
-    ex.shutdown(wait=False, cancel_futures=True)
-    t.join(wait)
-    if t.is_alive():
-        pool.region.store32(H_SHUTDOWN, 1)  # no replacements from now on
-        for p in list(pool.procs):
-            if p is not None:
-                p.kill()
-        pool.futures.clear()
-        pool.wake()
-        deadline = time.monotonic() + 30
-        while t.is_alive() and time.monotonic() < deadline:
-            for q in (pool.injector, *pool.inboxes):
-                q.pop()  # room for a push it spins on
-            t.join(0.05)
-    return not t.is_alive()
 
 
 class Storm(threading.Thread):
@@ -406,7 +384,7 @@ def storm(a: argparse.Namespace) -> dict[str, Any]:
     strays = pool.stray
     t = pool.thread
     assert t is not None
-    exited = close(ex, 30)
+    exited = force_close(ex, 30)
     return {
         "workers": a.workers, "records": pool.layout.records, "retries": a.retries,
         "storm_s": a.storm, "interval_ms": list(a.interval), "tasks": len(jobs), "kills": killer.kills,

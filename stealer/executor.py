@@ -607,17 +607,22 @@ class Executor(_fbase.Executor):
         journal: ``ex.agent(name)`` finds it again, also after a recovery.
         Returns an :class:`~stealer.AgentRef`.  See stealer/agents/ and README.md.
         """
+        r, opts = self._spawn_checks("spawn_agent", cls, retries, options)
+        return self._pool.agents.spawn(cls, args, init_kwargs or {}, opts, r, name)
+
+    def _spawn_checks(self, what: str, cls: type, retries: int | None,
+                      options: dict[str, Any]) -> tuple[int, Any]:
+        """spawn_agent's and spawn_agents' argument checks: (retries, AgentOptions)."""
         from stealer.agents.options import AgentOptions
 
         pool = self._pool
         if pool.shutdown or pool.broken or _poolmod._exiting:
             self._refuse()
         if not isinstance(cls, type) or not hasattr(cls, "__init__"):
-            raise TypeError(f"spawn_agent() takes an agent class, not {cls!r}")
+            raise TypeError(f"{what}() takes an agent class, not {cls!r}")
         r = self._retries if retries is None else retries
         _check_retries(r)
-        opts = AgentOptions.parse(options)
-        return pool.agents.spawn(cls, args, init_kwargs or {}, opts, r, name)
+        return r, AgentOptions.parse(options)
 
     def spawn_agents(self, cls: type, args_list: Iterable[tuple], /, *,
                      init_kwargs: dict | None = None, retries: int | None = None,
@@ -631,17 +636,9 @@ class Executor(_fbase.Executor):
         the agents already started are stopped and the error is raised.  Named agents
         (``name=``) are spawned one by one with :meth:`spawn_agent`."""
         from stealer.agents.batch import spawn_many
-        from stealer.agents.options import AgentOptions
 
-        pool = self._pool
-        if pool.shutdown or pool.broken or _poolmod._exiting:
-            self._refuse()
-        if not isinstance(cls, type) or not hasattr(cls, "__init__"):
-            raise TypeError(f"spawn_agents() takes an agent class, not {cls!r}")
-        r = self._retries if retries is None else retries
-        _check_retries(r)
-        opts = AgentOptions.parse(options)
-        return spawn_many(pool.agents, cls, args_list, init_kwargs, opts, r)
+        r, opts = self._spawn_checks("spawn_agents", cls, retries, options)
+        return spawn_many(self._pool.agents, cls, args_list, init_kwargs, opts, r)
 
     def call_all(self, refs: Iterable[AgentRef], method: str,
                  args: Iterable[tuple] | None = None) -> list[Future[Any]]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import stealer
+from stealer.bench.teardown import force_close as _force_close
 from stealer.recovery import Recovery
 
 
@@ -28,30 +29,10 @@ def records_in_use(e: stealer.Executor, timeout: float = 10.0) -> int:
 
 
 def force_close(ex: stealer.Executor, wait: float = 30.0) -> bool:
-    """Shut ``ex`` down without hanging on futures that can never resolve (a lost task, a
-    result thread stuck in a push): if its result thread does not exit within ``wait``
-    seconds (0.5 if futures are pending), kill the workers and make room in every shared
-    queue until it exits.  Returns whether it exited."""
-    pool = ex._pool
-    t = pool.thread
-    assert t is not None
-    ex.shutdown(wait=False, cancel_futures=True)
-    t.join(0.5 if pool.futures else wait)
-    if t.is_alive():
-        from stealer.shm import H_SHUTDOWN
-
-        pool.region.store32(H_SHUTDOWN, 1)  # seq_cst: no replacements from now on
-        for p in list(pool.procs):
-            if p is not None:
-                p.kill()
-        pool.futures.clear()
-        pool.wake()
-        deadline = time.monotonic() + 30
-        while t.is_alive() and time.monotonic() < deadline:
-            for q in (pool.injector, *pool.inboxes):
-                q.pop()  # room for a push the thread spins on
-            t.join(0.05)
-    return not t.is_alive()
+    """Shut ``ex`` down without hanging on futures that can never resolve
+    (:func:`stealer.bench.teardown.force_close`), waiting only 0.5 s if futures are
+    pending.  Returns whether its result thread exited."""
+    return _force_close(ex, 0.5 if ex._pool.futures else wait)
 
 
 def alive(pid: int) -> bool:

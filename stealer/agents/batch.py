@@ -155,17 +155,10 @@ def _queue(c: Any, datas: list[bytes], big: dict[int, tuple[bytes, list]], dir_o
 
 
 def _one(c: Any, h: int, data: bytes, bufs: list, cap: int, retries: int, hs: array) -> None:
-    """One agent on record ``h`` (a payload that is not inline, or after a wait)."""
-    a = c.a
-    try:
-        c.dir.init(h, cap)  # before the record is QUEUED
-        off = a.setup(h, K_ROOT | F_AGENT, AGENT_FID | h, time.monotonic_ns(), retries)
-        a.put(off, data, bufs)
-    except BaseException:
-        a.free(h)
-        raise
+    """One agent on record ``h`` (a payload that is not inline, or after a wait); never
+    control tier (spawn_many spawns those one by one)."""
+    c.queue_agent(h, data, bufs, cap, 0, retries)
     hs.append(h)
-    c.pool.push(h)
 
 
 def _spawn_each(c: Any, cls: type, args_list: Iterable[tuple], kwargs: dict | None,

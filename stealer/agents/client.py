@@ -157,19 +157,26 @@ class AgentClient:
                                           wopts, deadline_at), what)
         pool.check_open()
         h = self.alloc("a new agent")
+        self.queue_agent(h, data, bufs, opts.mailbox, AF_CONTROL if opts.tier == 0 else 0,
+                         retries)
+        pool.idle.notify_one()
+        if uid is not None:
+            self.by_uid[uid] = h
+        return AgentRef(h, self.name, self, uid)
+
+    def queue_agent(self, h: int, data: bytes, bufs: list, mailbox: int, flags: int,
+                    retries: int) -> None:
+        """Set up agent record ``h`` (its directory entry first, then the record with its
+        spawn payload) and queue it; on an error the record is freed and nothing queued."""
         a = self.a
         try:
-            self.dir.init(h, opts.mailbox, AF_CONTROL if opts.tier == 0 else 0)  # before the record is QUEUED
+            self.dir.init(h, mailbox, flags)  # before the record is QUEUED
             off = a.setup(h, K_ROOT | F_AGENT, AGENT_FID | h, time.monotonic_ns(), retries)
             a.put(off, data, bufs)
         except BaseException:
             a.free(h)
             raise
-        pool.push(h)
-        pool.idle.notify_one()
-        if uid is not None:
-            self.by_uid[uid] = h
-        return AgentRef(h, self.name, self, uid)
+        self.pool.push(h)
 
     # -- the journal ------------------------------------------------------------------
     def recover(self, plan: Any) -> int:

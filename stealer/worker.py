@@ -939,6 +939,10 @@ class Worker(PingHandling):
         return c
 
 
+def _ignore(signum: int, frame: Any) -> None:
+    """A signal the worker loop needs no handler for (main)."""
+
+
 def main(a: WorkerArgs) -> None:
     """Entry point of a worker process."""
     from stealer import affinity
@@ -950,6 +954,12 @@ def main(a: WorkerArgs) -> None:
     if a.thread_limit is not None:
         affinity.apply_thread_limits(a.thread_limit)
     signal.signal(signal.SIGINT, _on_sigint)
+    # A peer's request (SIGUSR1) or a control message's nudge (SIGUSR2, agents/inline.py)
+    # may come before the agent host installs its handlers, or where it installs none
+    # (the reference queues): it must never kill the worker, the loop sees both anyway.
+    # A no-op handler, not SIG_IGN, which the task's own subprocesses would inherit.
+    signal.signal(signal.SIGUSR1, _ignore)
+    signal.signal(signal.SIGUSR2, _ignore)
     spec, fp_dir = getattr(a, "failpoints", (None, None))
     if fp_dir:
         os.environ["STEALER_FAILPOINTS_DIR"] = fp_dir

@@ -261,16 +261,20 @@ def test_runqueue_tiers_edf_round_robin():
 def test_control_call_overtakes_bulk_flood(ex1):
     hogs = [ex1.spawn_agent(L.Hog, 0.005, tier="bulk") for _ in range(6)]
     quick = ex1.spawn_agent(L.Quick, tier="control")
-    time.sleep(0.1)
-    waits = [quick.call("hit", time.monotonic()).result(T) for _ in range(10)]
+    quick.call("hit", time.monotonic()).result(T)  # the worker is up and the hogs spawned
+    deadline = time.monotonic() + T
+    while min(h.call("count").result(T) for h in hogs) < 1:  # every hog has stepped
+        assert time.monotonic() < deadline
+    waits = [quick.call("hit", time.monotonic()).result(T) for _ in range(11)]
     counts = [h.call("count").result(T) for h in hogs]
     for h in [*hogs, quick]:
         h.stop()
     for h in [*hogs, quick]:
         h.result(T)
     # a FIFO would wait behind every hog's step (6 x 5 ms) each time; tiers wait at most
-    # for the step in progress: the total over 10 calls stays below one full round each
-    assert sum(waits) < 10 * 6 * 0.005, (waits, counts)
+    # for the step in progress (5 ms). The median, so that one stall of a shared machine
+    # does not decide it.
+    assert sorted(waits)[5] < 3 * 0.005, (waits, counts)
 
 
 def test_no_starvation_within_a_tier(ex1):

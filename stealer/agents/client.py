@@ -84,7 +84,8 @@ class AgentClient:
         self.a = pool.arena
         self.dir = Directory(pool.region, pool.arena, pool.layout.offsets["agents"],
                              pool.inboxes, pool.idle, pool.defer_ping,
-                             worker_base=pool.layout.worker)
+                             # signal a busy owner only where it handles it (inline.py)
+                             worker_base=pool.layout.worker if pool.native else None)
         self.lock = threading.Lock()
         self.futures: dict[int, _Future] = {}  # agent handle -> its final value's Future
         self.finished: dict[int, tuple[int, Any]] = {}  # fid -> (status, value), nobody asked yet

@@ -289,7 +289,7 @@ class Host:
         self.who = w.who
         self.k = w.k
         self.dir = Directory(w.r, w.arena, w.seg.layout.offsets["agents"], w.inboxes, w.idle,
-                             worker_base=w.seg.layout.worker)
+                             worker_base=w.seg.layout.worker if w.native else None)
         self.agents: dict[int, _Entry] = {}
         self.controls: dict[int, _Entry] = {}  # the control-tier agents of agents (inline.py)
         self.nested = False  # a control agent's turn inside a step runs (inline.py)

@@ -46,6 +46,8 @@ cdef class _Ring:
     cdef char *cons_p        # uint64 consumer position (MPMC: dequeue pos, claimed by CAS; SPSC: head)
     cdef char *cells
     cdef char *lease         # MPMC pops: u64 value+1 being taken, as Deque.lease
+    cdef char *intent        # MPMC: 3 x u64 {ring tag | op, position, a push's value} this process is about to claim (set_intent; NULL: off): this process writes, the client's ring repair reads after its death
+    cdef uint64_t tag        # this ring's offset << 2 (the op is OR-ed in)
     cdef uint64_t mask
     cdef readonly Py_ssize_t capacity
     cdef readonly Py_ssize_t offset

@@ -414,7 +414,20 @@ cdef class _Ring:
         self.cons_p = region.base + offset + (LINE if producer_first else 0)
         self.cells = region.base + offset + 2 * LINE
         self.lease = NULL
+        self.intent = NULL
+        self.tag = (<uint64_t>offset) << 2
         return 0
+
+    def set_intent(self, Py_ssize_t off):
+        """MPMC: record in the three u64 words at ``off`` ({ring offset << 2 | 1 push, 2 pop},
+        position, a push's value) every position this process is about to claim, before the CAS that claims
+        it, so the client can repair a cell left half-done by our death (stealer/ringfix.py).
+        -1: off (the client, which never dies under its own repair)."""
+        if off < 0:
+            self.intent = NULL
+            return
+        self.region._check(off, 24)
+        self.intent = self.region.base + off
 
     def set_lease(self, Py_ssize_t off):
         """MPMC: record in the u64 word at ``off`` (value + 1) every value this process's pop
@@ -474,6 +487,73 @@ cdef class _Ring:
         return <Py_ssize_t>(p - c) if p > c else 0
 
 
+# -- MPMC claims a dead process left half-done (stealer/ringfix.py repairs them) ----------
+# (RING_PUSH / RING_POP, the intent's op bits: _layout.pxi)
+cdef uint64_t RING_SKIP = 0xFFFFFFFFFFFFFFFFULL   # a repaired producer cell's value: pops skip it
+
+
+RING_SKIP_VALUE = RING_SKIP   # stealer/ringfix.py checks its copy against it
+
+
+cdef inline void _say_intent(char *intent, uint64_t tag, uint64_t pos, uint64_t v) noexcept nogil:
+    st_store_relaxed_u64(intent + 16, v)    # a push's value (the repair of a free ring pushes it)
+    st_store_relaxed_u64(intent + 8, pos)   # read by the client's repair after our death, or
+    st_store_relaxed_u64(intent, tag)       # while we live (a claim in flight: it waits)
+    st_fence_release()   # both before the claim's CAS: pairs with the repair's acquire loads
+
+
+cdef inline void _end_intent(char *intent) noexcept nogil:
+    st_store_release_u64(intent, 0)   # our op is over (cell written, or none claimed): read by
+    #                                   the client's repair (acquire), which then re-reads the seq
+
+
+# Test-only failpoints ring.push_after_claim / ring.pop_after_claim (stealer/failpoints.py
+# arms them through arm_ring_failpoint): kill this process between a claim and its store.
+cdef int[2] _fp_ring = [0, 0]         # countdown to the firing hit (0: off); this process only
+cdef char[2][4096] _fp_once_path      # per failpoint: the file whose O_EXCL creation elects one process
+cdef bint[2] _fp_once = [False, False]   # per failpoint: fire only in the process that creates it
+
+from libc.signal cimport SIGKILL
+from posix.fcntl cimport O_CREAT, O_EXCL, O_WRONLY
+from posix.fcntl cimport open as c_open
+from posix.signal cimport kill as c_kill
+from posix.unistd cimport close as c_close
+from posix.unistd cimport getpid as c_getpid
+from libc.string cimport memcpy as _memcpy
+
+
+cdef void _fp_ring_hit(int which) noexcept nogil:
+    cdef int fd
+    _fp_ring[which] -= 1
+    if _fp_ring[which] != 0:
+        return
+    if _fp_once[which]:
+        fd = c_open(_fp_once_path[which], O_CREAT | O_EXCL | O_WRONLY, 0o600)
+        if fd < 0:
+            return   # another process fired it
+        c_close(fd)
+    c_kill(c_getpid(), SIGKILL)
+    while True:
+        pass   # SIGKILL cannot be caught: we never get here for long
+
+
+def arm_ring_failpoint(int which, int nth, once_path=None):
+    """Arm (nth >= 1) or disarm (0) ring failpoint ``which`` (0: after a push's claim,
+    1: after a pop's claim) in this process; with ``once_path``, only the process that
+    creates that file fires.  Tests only (stealer/failpoints.py)."""
+    if which not in (0, 1):
+        raise ValueError("ring failpoint: 0 (push) or 1 (pop)")
+    _fp_ring[which] = nth
+    _fp_once[which] = once_path is not None
+    if _fp_once[which]:
+        import os
+        b = os.fsencode(once_path)
+        if len(b) >= 4096:
+            raise ValueError("failpoint path too long")
+        _memcpy(_fp_once_path[which], <char *>b, len(b))
+        _fp_once_path[which][len(b)] = 0
+
+
 cdef class MPMCRing(_Ring):
     """Vyukov bounded MPMC queue of uint64 values.
 
@@ -508,39 +588,58 @@ cdef class MPMCRing(_Ring):
             seq = st_load_acquire_u64(cell)          # pairs with the consumer's release store of seq
             dif = <int64_t>(seq - pos)
             if dif == 0:
+                if self.intent != NULL:   # our claim, named before it is made (read after our death)
+                    _say_intent(self.intent, self.tag | RING_PUSH, pos, v)
                 if st_cas_weak_relaxed_u64(self.prod_p, pos, pos + 1):   # claim position; ordering via seq
                     break
                 pos = st_load_relaxed_u64(self.prod_p)
             elif dif < 0:
+                if self.intent != NULL:
+                    _end_intent(self.intent)   # a lost CAS may have named a position: not ours
                 return ST_FULL
             else:
                 pos = st_load_relaxed_u64(self.prod_p)
+        if _fp_ring[0] and self.intent != NULL:
+            _fp_ring_hit(0)   # test only (failpoint ring.push_after_claim): die holding the claim
         st_store_relaxed_u64(cell + 8, v)            # published by the release store of seq below
         st_store_release_u64(cell, pos + 1)          # pairs with the consumer's acquire load of seq
+        if self.intent != NULL:
+            _end_intent(self.intent)
         return ST_SUCCESS
 
     cdef int c_pop(self, uint64_t *out) noexcept nogil:
-        cdef uint64_t pos = st_load_relaxed_u64(self.cons_p)
+        cdef uint64_t pos
         cdef char *cell
         cdef uint64_t seq
         cdef int64_t dif
-        while True:
-            cell = self.cells + 16 * (pos & self.mask)
-            seq = st_load_acquire_u64(cell)          # pairs with the producer's release store of seq
-            dif = <int64_t>(seq - (pos + 1))
-            if dif == 0:
-                if self.lease != NULL:   # lease before the claim (read after our death)
-                    st_store_relaxed_u64(self.lease, st_load_relaxed_u64(cell + 8) + 1)
-                if st_cas_weak_relaxed_u64(self.cons_p, pos, pos + 1):   # claim position; ordering via seq
-                    break
-                pos = st_load_relaxed_u64(self.cons_p)
-            elif dif < 0:
-                return ST_EMPTY
-            else:
-                pos = st_load_relaxed_u64(self.cons_p)
-        out[0] = st_load_relaxed_u64(cell + 8)
-        st_store_release_u64(cell, pos + self.mask + 1)  # pairs with the next producer's acquire load
-        return ST_SUCCESS
+        while True:   # again after a RING_SKIP cell (a dead producer's claim, filled by repair)
+            pos = st_load_relaxed_u64(self.cons_p)
+            while True:
+                cell = self.cells + 16 * (pos & self.mask)
+                seq = st_load_acquire_u64(cell)          # pairs with the producer's release store of seq
+                dif = <int64_t>(seq - (pos + 1))
+                if dif == 0:
+                    if self.lease != NULL:   # lease before the claim (read after our death)
+                        st_store_relaxed_u64(self.lease, st_load_relaxed_u64(cell + 8) + 1)
+                    if self.intent != NULL:   # our claim, named before it is made
+                        _say_intent(self.intent, self.tag | RING_POP, pos, 0)
+                    if st_cas_weak_relaxed_u64(self.cons_p, pos, pos + 1):   # claim position; ordering via seq
+                        break
+                    pos = st_load_relaxed_u64(self.cons_p)
+                elif dif < 0:
+                    if self.intent != NULL:
+                        _end_intent(self.intent)   # a lost CAS may have named a position: not ours
+                    return ST_EMPTY
+                else:
+                    pos = st_load_relaxed_u64(self.cons_p)
+            if _fp_ring[1] and self.intent != NULL:
+                _fp_ring_hit(1)   # test only (failpoint ring.pop_after_claim): die holding the claim
+            out[0] = st_load_relaxed_u64(cell + 8)
+            st_store_release_u64(cell, pos + self.mask + 1)  # pairs with the next producer's acquire load
+            if self.intent != NULL:
+                _end_intent(self.intent)
+            if out[0] != RING_SKIP:
+                return ST_SUCCESS
 
 
 cdef class SPSCRing(_Ring):

@@ -64,6 +64,10 @@ ST_OK = 0  # the result is the return value
 ST_ERROR = 1  # the result is (exception, traceback text)
 ST_LOST = 2  # the worker could not store the result; the inline result is a short reason
 
+# -- MPMC ring claims (W_RING_OP in stealer/shm.py; repaired by stealer/ringfix.py) -------
+RING_PUSH = 1  # op bits of an intent: a push about to claim an enqueue position
+RING_POP = 2  # op bits of an intent: a pop about to claim a dequeue position
+
 # -- park words (stealer/idle.py) ---------------------------------------------------
 PARKED = 1
 NOTIFIED = 2

@@ -29,11 +29,14 @@ import threading
 import time
 from typing import Any
 
+from stealer._layout import RING_POP, RING_PUSH
+
 __all__ = ["EMPTY", "RETRY", "NATIVE", "Region", "Deque", "MPMCRing", "SPSCRing"]
 
 EMPTY = -1
 RETRY = -2
 NATIVE = False
+RING_SKIP = (1 << 64) - 1  # a repaired producer cell's value (stealer/ringfix.py): pops skip it
 
 _LINE = 64
 _U32 = struct.Struct("=I")
@@ -462,9 +465,25 @@ class _QueueRing(_Ring):
 
 
 class MPMCRing(_QueueRing):
-    """Vyukov ring layout: [enqueue pos][dequeue pos][{seq, value} cells]."""
+    """Vyukov ring layout: [enqueue pos][dequeue pos][{seq, value} cells].
+
+    Under the region's lock a claim and its store cannot be split by a death; the
+    intent words are written all the same (stealer/ringfix.py reads them the same way)
+    and a RING_SKIP cell (a repair's) is skipped, as by the native ring."""
 
     _cell = 16
+    _intent = -1  # offset of this process's intent words (set_intent), -1: off
+
+    def set_intent(self, off: int) -> None:
+        if off >= 0:
+            self.region._check(off, 24)
+        self._intent = off
+
+    def _say(self, op: int, pos: int, v: int = 0) -> None:
+        if self._intent >= 0:  # op 0: no claim in flight
+            self.region._w64(self._intent + 16, v)
+            self.region._w64(self._intent + 8, pos)
+            self.region._w64(self._intent, (self.offset << 2) | op if op else 0)
 
     def init(self) -> None:
         r = self.region
@@ -481,21 +500,27 @@ class MPMCRing(_QueueRing):
             cell = self._cells + 16 * (pos & self.mask)
             if r._r64(cell) != pos:
                 return False
+            self._say(RING_PUSH, pos, v)
             r._w64(cell + 8, v)
             r._w64(cell, pos + 1)
             r._w64(self._a, pos + 1)
+            self._say(0, pos, v)  # the op is over (as the native ring's _end_intent)
             return True
 
     def _pop_locked(self) -> int:
         r = self.region
-        pos = r._r64(self._b)
-        cell = self._cells + 16 * (pos & self.mask)
-        if r._r64(cell) != pos + 1:
-            return EMPTY
-        v = r._r64(cell + 8)
-        r._w64(cell, pos + self.capacity)
-        r._w64(self._b, pos + 1)
-        return self._leased(v)
+        while True:
+            pos = r._r64(self._b)
+            cell = self._cells + 16 * (pos & self.mask)
+            if r._r64(cell) != pos + 1:
+                return EMPTY
+            v = r._r64(cell + 8)
+            self._say(RING_POP, pos)
+            r._w64(cell, pos + self.capacity)
+            r._w64(self._b, pos + 1)
+            self._say(0, pos)
+            if v != RING_SKIP:
+                return self._leased(v)
 
 
 

@@ -76,7 +76,6 @@ from stealer.shm import (
     W_PARK,
     WORKER_BYTES,
     Segment,
-    _pow2,
     shm_dir,
 )
 
@@ -106,16 +105,17 @@ class Arena:
         self.region = seg.region
         self.nrecords = L.records
         self.rec_base = L.offsets["records"]
-        self.rec_free = Q.MPMCRing(seg.region, L.offsets["record_free"], L.records)
+        self.rec_free = Q.MPMCRing(seg.region, L.offsets["record_free"], L.free_cap(L.records))
         self.classes: list[tuple[int, Any, int]] = []
         for i, (size, count) in enumerate(L.block_classes):
-            ring = Q.MPMCRing(seg.region, L.offsets[f"block_free{i}"], _pow2(count))
+            ring = Q.MPMCRing(seg.region, L.offsets[f"block_free{i}"], L.free_cap(count))
             self.classes.append((size, ring, L.offsets[f"blocks{i}"]))
         self._counts = [count for _, count in L.block_classes]
         self._ov_prefix = seg.path + "-x"  # overflow files live beside the segment
         self.injector = (injector if injector is not None
                          else Q.MPMCRing(seg.region, L.offsets["injector"], L.injector_cap))
         self.tr = Transitions(seg.region, self.off)
+        self.ring_caps = {q.offset: q.capacity for q in self.mpmc_rings()}  # (ringfix.py)
         self._idle: Any = None
         self.hot: Any = None  # the native HotPath, when it is used
         if getattr(Q, "HotPath", None) is not None and os.environ.get("STEALER_PY_HOTPATH") != "1":
@@ -133,6 +133,19 @@ class Arena:
             self.finish_value = hot.finish_value
             self.end_task = hot.end_task
             self.free = self._native_free(hot)
+
+    def mpmc_rings(self, *more: Any) -> list[Any]:
+        """Every MPMC ring object of this arena (free records, free blocks, injector),
+        plus ``more`` (rings or lists of rings: the inboxes)."""
+        out = [self.rec_free, self.injector, *(ring for _, ring, _ in self.classes)]
+        for m in more:
+            out.extend(m if isinstance(m, list) else [m])
+        return out
+
+    def free_ring_offsets(self) -> frozenset[int]:
+        """The rings that hold free record and block indices (a dead push to one of them
+        is finished by stealer/ringfix.py: nothing else would give the index back)."""
+        return frozenset([self.rec_free.offset, *(ring.offset for _, ring, _ in self.classes)])
 
     def _native_free(self, hot: Any) -> Any:
         drop = self.drop_payload
@@ -471,13 +484,16 @@ class Arena:
             return serialize.load_call(src)
         return serialize.loads_frame(src, has_bufs)
 
-    def _drop(self, cls: int, ref: int) -> None:
+    def _drop(self, cls: int, ref: int, n: int) -> None:
         if cls == OVERFLOW:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._ov_path(ref))
         elif cls and cls != LOST:
-            if cls > len(self.classes) or ref >= self._counts[cls - 1]:
-                return  # a corrupt word: never put a foreign index on a free ring (leak it)
+            if (cls > len(self.classes) or ref >= self._counts[cls - 1]
+                    or n > self.classes[cls - 1][0]):
+                # a corrupt descriptor (one _check rejects): never put an index on a free ring
+                # for it (leak it; a free ring has room for duplicates, Layout.free_cap)
+                return
             self.classes[cls - 1][1].push(ref)
 
     def put(self, off: int, data: bytes, bufs: list) -> None:
@@ -518,21 +534,21 @@ class Arena:
         """Release the result's storage (before a re-run, or a new result)."""
         mm = self.mm
         rclass = _U32.unpack_from(mm, off + R_RCLASS)[0]
-        rref, _n = _RES.unpack_from(mm, off + R_RREF)
+        rref, n = _RES.unpack_from(mm, off + R_RREF)
         _U32.pack_into(mm, off + R_RCLASS, 0)
         _RES.pack_into(mm, off + R_RREF, 0, 0)
-        self._drop(rclass, rref)
+        self._drop(rclass, rref, n)
 
     def drop_payload(self, off: int) -> None:
         """Release both payloads' storage without reading them (fields zeroed first, so a
         release interrupted by a kill never pushes a block twice)."""
         mm = self.mm
-        pclass, rclass, pref, _n = _PCALL.unpack_from(mm, off + R_PCLASS)
-        rref, _rn = _RES.unpack_from(mm, off + R_RREF)
+        pclass, rclass, pref, n = _PCALL.unpack_from(mm, off + R_PCLASS)
+        rref, rn = _RES.unpack_from(mm, off + R_RREF)
         _PCALL.pack_into(mm, off + R_PCLASS, 0, 0, 0, 0)
         _RES.pack_into(mm, off + R_RREF, 0, 0)
-        self._drop(pclass, pref)
-        self._drop(rclass, rref)
+        self._drop(pclass, pref, n)
+        self._drop(rclass, rref, rn)
 
 
 def _ov_token() -> int:

@@ -697,6 +697,7 @@ class Executor(_fbase.Executor):
             "crashes": pool.crashes,
             "stray_completions": pool.stray,
             "replacements": sum(pool.incarnations) - pool.n,
+            "rings_repaired": pool.rings_repaired,  # cells a dead worker left half-done
         }
         return s
 

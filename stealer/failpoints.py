@@ -61,6 +61,10 @@ POINTS = {
     "journal.after_reply_logged": "a call's reply is logged, before it is stored for the caller",
     "journal.before_snap_logged": "a checkpoint is in shared memory, before its snapshot row",
     "journal.after_end_logged": "an agent's end is logged, before its final value is published",
+    # native MPMC rings (native/_cqueues.pyx; kill only; no window in the reference queues,
+    # whose ops hold a lock): the claim's CAS done, before the cell is written
+    "ring.push_after_claim": "a push claimed a ring position, before the value and seq stores",
+    "ring.pop_after_claim": "a pop claimed a ring position, before the cell is released",
     # client side
     "client.result_thread": "the result thread, each loop",
     "client.after_drain": "worker death handling, after draining its completion ring",
@@ -90,7 +94,34 @@ def configure(spec: str | None) -> None:
         if name not in POINTS:
             raise ValueError(f"unknown failpoint {name!r}; known: {', '.join(POINTS)}")
         _spec[name] = (action, int(nth or 1), once)
+    _arm_native()
     ON = bool(_spec)
+
+
+_NATIVE = ("ring.push_after_claim", "ring.pop_after_claim")  # fired inside native code
+_native_armed = False
+
+
+def _arm_native() -> None:
+    """Hand the native failpoints to native/_cqueues.pyx (a countdown in C: the window is
+    a few instructions inside one ring op, where no Python code runs)."""
+    global _native_armed
+    armed = [name for name in _NATIVE if name in _spec]
+    if not armed and not _native_armed:
+        return  # (nothing to disarm: the extension is not even imported)
+    _native_armed = bool(armed)
+    try:
+        from stealer import _cqueues  # type: ignore[attr-defined]
+    except ImportError:
+        if armed:  # said once, where it is armed: it would silently never fire
+            raise ValueError(f"failpoints {armed} need stealer's native extension") from None
+        return
+    for which, name in enumerate(_NATIVE):
+        action, nth, once = _spec.get(name, ("kill", 0, False))
+        if action != "kill":
+            raise ValueError(f"failpoint {name} only supports the action kill")
+        d = os.environ.get("STEALER_FAILPOINTS_DIR") if once else None
+        _cqueues.arm_ring_failpoint(which, nth, os.path.join(d, name) if d else None)
 
 
 def hit(name: str) -> None:

@@ -27,7 +27,7 @@ from concurrent.futures import _base as _fbase
 from typing import Any
 
 from stealer import failpoints as FP
-from stealer import liveness, serialize
+from stealer import liveness, ringfix, serialize
 from stealer._layout import (
     F_AGENT,
     F_RBUFFERS,
@@ -66,6 +66,9 @@ from stealer.shm import (
     W_LEASE,
     W_PING_IN,
     W_PING_OUT,
+    W_RING_OP,
+    W_RING_POS,
+    W_RING_VAL,
     W_STATE,
     W_STEP_DEADLINE,
     Layout,
@@ -253,6 +256,12 @@ class _Pool:
             self.help_complete = hot.help_complete  # type: ignore[method-assign]
         else:
             self.consume_lock = threading.Lock()
+        # every MPMC ring (offset -> capacity) and the claims a dead worker left that a live
+        # one's intent also names (ringfix.py): asked again at each check_workers
+        self.ring_caps = {**self.arena.ring_caps, **{q.offset: q.capacity for q in self.inboxes}}
+        self.ring_fill = self.arena.free_ring_offsets()  # dead pushes finished, not skipped
+        self.ring_pending: list[tuple[int, int, int]] = []
+        self.rings_repaired = 0
         for k in range(n):
             self.start_worker(k)
         self.thread: threading.Thread | None = threading.Thread(
@@ -270,6 +279,7 @@ class _Pool:
         r.store64(base + W_CURRENT, 0)
         for i in range(LEASE_SLOTS):
             r.store64(base + W_LEASE + 8 * i, 0)
+        r.store64(base + W_RING_OP, 0)  # no claim named (ringfix.py)
         r.store32(base + W_STATE, STATE_STARTING)
         args = WorkerArgs(
             index=k, incarnation=self.incarnations[k], name=self.name,
@@ -299,6 +309,8 @@ class _Pool:
         sentinels, registered once each (the thread checks whenever it goes idle: with
         multiprocessing.connection.wait that was a selector built per call, ~25 us taken
         from a worker's CPU per completion on a machine with as many workers as cores)."""
+        if self.ring_pending:
+            self.repair_rings()
         if not self.live_fds:
             return
         for fd, events in self.live_poll.poll(0):
@@ -370,6 +382,34 @@ class _Pool:
         if not r.load32(H_SHUTDOWN):
             self.start_worker(k)
 
+    def repair_rings(self, k: int = -1) -> None:
+        """Dead worker ``k``'s half-done ring claim (and any still pending) repaired, unless
+        a live worker's intent names the same claim: then it waits for the next call."""
+        r = self.region
+        L = self.layout
+        claims = self.ring_pending
+        if k >= 0:
+            base = L.worker(k)
+            claims.append((r.load64(base + W_RING_OP), r.load64(base + W_RING_POS),
+                           r.load64(base + W_RING_VAL)))
+        live = [(r.load64(L.worker(j) + W_RING_OP), r.load64(L.worker(j) + W_RING_POS))
+                for j, p in enumerate(self.procs) if p is not None and j != k]
+        self.ring_pending = []
+        for c in claims:
+            done = ringfix.repair(r, self.ring_caps, c[0], c[1], live, c[2], self.ring_fill,
+                                  self._give_back)
+            if done == ringfix.PENDING:
+                self.ring_pending.append(c)
+            self.rings_repaired += done == ringfix.DONE
+
+    def _give_back(self, ring: int, value: int) -> None:
+        """A free record or block index a dead worker's pop took and never returned."""
+        for q in self.arena.mpmc_rings():
+            if q.offset == ring:
+                if not q.push(value):  # capacity == count: full means the segment is corrupt
+                    raise RuntimeError(f"free ring at {ring:#x} is full; shared memory is corrupt")
+                return
+
     def drain(self, k: int) -> None:
         with self.consume_lock:
             hs = self.completions[k].pop_many(1 << 30)
@@ -387,6 +427,7 @@ class _Pool:
         rec = self.rec
         who = k + 1
         base = self.layout.worker(k)
+        self.repair_rings(k)  # first: a ring it stopped must flow for what follows
         words = [r.load64(base + W_CURRENT)]
         words += [r.load64(base + W_LEASE + 8 * i) for i in range(LEASE_SLOTS)]
         for h in dict.fromkeys(v - 1 for v in words if v):

@@ -80,6 +80,7 @@ _CLIENT = {  # client field -> (type, help)
     "backlog": ("gauge", "Submitted tasks waiting in the client for a free record"),
     "crashes": ("counter", "Worker processes that died unexpectedly"),
     "replacements": ("counter", "Worker processes started to replace others"),
+    "rings_repaired": ("counter", "Shared ring cells a killed worker left half-done, repaired"),
 }
 
 

@@ -112,7 +112,15 @@ W_LEASE = 128  # 16 x u64 handle+1 a worker is taking off a queue (records.py): 
 #               takes, slot i for the i-th of an injector batch; the worker writes each before the
 #               CAS that takes the handle (relaxed), the client reads them after the worker's death
 LEASE_SLOTS = 16
-WORKER_BYTES = 256
+W_RING_OP = 256  # u64 {MPMC ring offset << 2 | 1 push, 2 pop} this worker is about to claim,
+#                 then W_RING_POS the position: the ring op writes both (relaxed, then a release
+#                 fence) before its claiming CAS; the client reads them after the worker's death
+#                 (acquire) to repair a cell left half-done (stealer/ringfix.py), and while it
+#                 lives to tell its claim in flight from a dead one's
+W_RING_POS = 264  # u64: see W_RING_OP
+W_RING_VAL = 272  # u64 the value a push is about to store (written with W_RING_POS, same rules):
+#                  a dead worker's claim on a free-record or free-block ring is completed with it
+WORKER_BYTES = 320
 
 # Record (task) layout: RECORD_BYTES each (stealer/_layout.py has the fields).
 
@@ -166,11 +174,11 @@ class Layout:
         take("inboxes", Q.MPMCRing.nbytes(self.inbox_cap) * n)
         take("completions", Q.SPSCRing.nbytes(cap) * n)
         take("injector", Q.MPMCRing.nbytes(2 * cap))  # see injector_cap
-        take("record_free", Q.MPMCRing.nbytes(cap))
+        take("record_free", Q.MPMCRing.nbytes(self.free_cap(cap)))
         take("records", RECORD_BYTES * cap)
         take("agents", DIR_BYTES * cap)  # the agent directory: one entry per record slot
         for i, (size, count) in enumerate(self.block_classes):
-            take(f"block_free{i}", Q.MPMCRing.nbytes(_pow2(count)))
+            take(f"block_free{i}", Q.MPMCRing.nbytes(self.free_cap(count)))
             take(f"blocks{i}", size * count)
         from stealer.metrics import BLOCK_BYTES
 
@@ -185,6 +193,16 @@ class Layout:
         """The injector's capacity: every record once, plus room for the duplicate handles a
         recovery may push (a re-pushed lease whose first copy was still queued)."""
         return 2 * self.records
+
+    @staticmethod
+    def free_cap(count: int) -> int:
+        """A free ring's capacity for ``count`` records or blocks: twice their number.  A
+        worker killed inside a pop leaves its cell claimed and unreleased; pushes meet it one
+        lap later, and a ring of ``count`` cells (always almost full) is one lap ahead after
+        a few pops: its frees would find it full until the client's recovery repairs the
+        cell (stealer/ringfix.py).  With two laps of room they meet it only after ``count``
+        more pops, far more than happen before a death is handled."""
+        return 2 * _pow2(count)
 
     @property
     def total(self) -> int:

@@ -207,7 +207,7 @@ def collect(seg: Segment, queues: Any | None = None) -> Stats:
         workers=workers,
         injector_depth=len(Q.MPMCRing(r, L.offsets["injector"], L.injector_cap)),
         latency=latency,
-        records_free=len(Q.MPMCRing(r, L.offsets["record_free"], L.records)),
+        records_free=len(Q.MPMCRing(r, L.offsets["record_free"], L.free_cap(L.records))),
         records=L.records,
     )
 

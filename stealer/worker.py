@@ -84,6 +84,7 @@ from stealer.shm import (
     W_PID,
     W_PING_IN,
     W_PING_OUT,
+    W_RING_OP,
     W_STATE,
     Layout,
     Segment,
@@ -255,6 +256,9 @@ class Worker(PingHandling):
         for q in (*self.deques, self.injector):
             q.set_lease(self.lease_off)
         self.inbox.set_lease(self.wbase + W_PING_IN)  # a ping taken: read after our death
+        # Every claim on an MPMC ring is named first: repaired if we die holding it (ringfix.py)
+        for q in self.arena.mpmc_rings(self.inboxes, self.injector):
+            q.set_intent(self.wbase + W_RING_OP)
         self.deque.repair()  # inherited from a predecessor killed inside a pop
         order = a.steal_order or [(self.k + i) % n for i in range(1, n)]
         self.victims = [self.deques[i] for i in order]

@@ -388,7 +388,7 @@ def storm(a: argparse.Namespace) -> dict[str, Any]:
     return {
         "workers": a.workers, "records": pool.layout.records, "retries": a.retries,
         "storm_s": a.storm, "interval_ms": list(a.interval), "tasks": len(jobs), "kills": killer.kills,
-        "crashes_seen_by_pool": pool.crashes,
+        "crashes_seen_by_pool": pool.crashes, "rings_repaired": pool.rings_repaired,
         "pending_at_storm_end": at_storm_end,
         "ok": counts.pop("ok", 0), "lost": counts.pop("lost", 0), "duplicated": strays,
         "wrong": counts.pop("wrong", 0), "crashed": counts.pop("crashed", 0),
@@ -413,6 +413,7 @@ def print_storm(res: dict[str, Any]) -> bool:
     print(f"tasks       {res['tasks']} (20 fork-join trees of 256 leaves + plain tasks)")
     print(f"kills       {res['kills']} (the pool saw {res['crashes_seen_by_pool']} deaths); "
           f"{res['pending_at_storm_end']} futures pending at the last kill")
+    print(f"rings       {res['rings_repaired']} cells a killed worker left half-done, repaired")
     print(f"lost        {res['lost']} (hung: not resolved --stall s after the last kill)")
     print(f"duplicated  {res['duplicated']} (stray completions)")
     print(f"wrong       {res['wrong']}")

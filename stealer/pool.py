@@ -146,6 +146,24 @@ def describe_start_failure(k: int, pid: int | None, code: int | None) -> str:
             "`if __name__ == '__main__':`")
 
 
+#: Imported by the forkserver that starts replacement workers, before it forks them.
+FORKSERVER_PRELOAD = ("stealer.worker", "stealer.agents.host")
+
+
+def _forkserver() -> Any:
+    """The 'forkserver' context, with the worker's modules added to the server's preload
+    list if the server has not started yet (it is shared with every forkserver user of
+    the process: modules they preload stay, ours are added)."""
+    from multiprocessing import forkserver
+
+    fs = getattr(forkserver, "_forkserver", None)
+    mods = list(getattr(fs, "_preload_modules", None) or ["__main__"])
+    want = [m for m in FORKSERVER_PRELOAD if m not in mods]
+    if want and fs is not None and getattr(fs, "_forkserver_pid", 0) is None:
+        forkserver.set_forkserver_preload(mods + want)
+    return mp.get_context("forkserver")
+
+
 class _Pool:
     """Client-side state shared by the Executor facade and its result thread."""
 
@@ -158,13 +176,17 @@ class _Pool:
         self.journal = journal  # agents.journal.ClientJournal or None
         self.retries = retries
         self.ctx = ctx
-        # Replacements start from the result thread. Forking a process that runs other
-        # threads can copy a lock some thread holds (a deadlock in the child), so with
-        # the 'fork' start method replacements come from a forkserver instead (not with
-        # the pure-Python queues: their fork-context lock cannot travel to a forkserver).
-        self.replace_ctx = (mp.get_context("forkserver")
-                            if ctx.get_start_method() == "fork" and _default_queues.NATIVE
-                            else ctx)
+        # Replacements start from the result thread, while the other workers run. Forking
+        # a process that runs other threads can copy a lock some thread holds (a deadlock
+        # in the child), and a spawned interpreter imports stealer again (150-350 ms on a
+        # loaded 2-core VM: most of a kill's recovery time), so with 'fork' and 'spawn'
+        # replacements come from a forkserver that has the worker's modules imported
+        # (not with the pure-Python queues: their fork-context lock cannot travel to it).
+        # Its children inherit the server's environment: the client's travels in the
+        # WorkerArgs (env), as a spawned process would have inherited it.
+        self.replace_ctx = (_forkserver()
+                            if ctx.get_start_method() in ("fork", "spawn")
+                            and _default_queues.NATIVE else ctx)
         self.cpus = cpus
         self.steal = steal
         self.initializer = initializer
@@ -299,6 +321,8 @@ class _Pool:
         if in_thread and self.rpolicy is not None:
             self.rpolicy.restore()  # the new process inherits this thread's CPUs
         ctx = self.replace_ctx if in_thread else self.ctx
+        if ctx is not self.ctx:
+            args.env = dict(os.environ)  # what the worker would have inherited
         p = ctx.Process(target=worker_main, args=(args,), name=f"stealer-worker-{k}")
         p.start()
         self.procs[k] = p

@@ -951,6 +951,11 @@ def main(a: WorkerArgs) -> None:
     """Entry point of a worker process."""
     from stealer import affinity
 
+    env = getattr(a, "env", None)
+    if env is not None:  # a forkserver's child: the client's environment, not the server's
+        os.environ.clear()
+        os.environ.update(env)
+
     client = ProcessWatch(a.ppid, getattr(a, "client_start", None))
     if client.gone():  # died (or its pid was reused) before we got here: nobody else cleans up
         unlink_all(a.name)

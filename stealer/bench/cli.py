@@ -24,7 +24,7 @@ from typing import Any
 
 from stealer.bench.harness import _progress_to
 from stealer.bench.progress import Progress
-from stealer.bench.report import _for_json, _median_dicts, _meta, dumps_compact, format_table
+from stealer.bench.report import _median_dicts, print_summary, write_json
 from stealer.bench.systems import _LOADERS, NotApplicable, System, auto_systems, load_systems
 from stealer.bench.wl_agents import (
     run_agent_overhead,
@@ -280,42 +280,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             results[workload] = {"systems": medians, "ideal": ideal, "runs": runs}
         bar.set_detail("done")
     names = [s.name for s in systems] + list(skipped)  # skipped systems: columns of "—"
-    print(
-        f"workers={args.workers} size={args.size} repeat={args.repeat} "
-        f"python={sys.version.split()[0]} cpus={os.cpu_count()}"
-    )
-    if user is not None:
-        print(f"user workload: {user.describe()} x {user.tasks:,}, inflight="
-              f"{user.inflight or 'all'}, {user.task_s * 1e3:.3f} ms per call here")
-    print(format_table(results, names))
-    for name, reason in skipped.items():
-        print(f"({name}: skipped — {reason})")
-    for name, na in not_applicable.items():
-        by_msg = {}
-        for workload, msg in na.items():
-            by_msg.setdefault(msg, []).append(workload)
-        for msg, workloads in by_msg.items():
-            print(f"({name}: {', '.join(workloads)} n/a — {msg})")
-    for name, failed in errors.items():
-        by_msg: dict[str, list[str]] = {}
-        for workload, msg in failed.items():
-            by_msg.setdefault(msg, []).append(workload)
-        for msg, workloads in by_msg.items():
-            print(f"({name}: {', '.join(workloads)} skipped — failed: {msg})")
-    if args.not_installed:
-        print(f"(not installed: {', '.join(args.not_installed)})")
+    print_summary(args, results, names, skipped, errors, not_applicable)
 
     json_path, plots_dir = _output_paths(args)
-    written: list[str] = []
-    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
-    doc = {
-        "meta": _meta(args, skipped, errors, args.not_installed, not_applicable),
-        "results": _for_json(results),
-    }
-    with open(json_path, "w", encoding="utf-8") as fh:
-        fh.write(dumps_compact(doc))
-        fh.write("\n")
-    written.append(json_path)
+    written = [write_json(json_path, args, results, skipped, errors, not_applicable)]
     if not args.no_plots:
         try:
             _plots = _load_plots()

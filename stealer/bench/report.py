@@ -1,6 +1,7 @@
 """What ``stealer bench`` reports: the medians of repeated runs (:func:`_median_dicts`), the
 rows each workload shows and the aligned table (:func:`format_table`), and the JSON document
-(:func:`_for_json`, :func:`_meta`, :func:`dumps_compact`).  Called by :mod:`stealer.bench.cli`;
+(:func:`_for_json`, :func:`_meta`, :func:`dumps_compact`), and what a run prints and writes
+(:func:`print_summary`, :func:`write_json`).  Called by :mod:`stealer.bench.cli`;
 :mod:`stealer.tune` uses the medians, ``_strip_samples`` and ``dumps_compact`` too.
 
 The table has a row per metric of :data:`_ROWS` and a column per system, then the ideal
@@ -24,7 +25,7 @@ from typing import Any
 
 from stealer.bench import lockstep as _lockstep
 
-__all__ = ["format_table", "dumps_compact"]
+__all__ = ["format_table", "dumps_compact", "print_summary", "write_json"]
 
 
 def _median_dicts(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -225,3 +226,63 @@ def _meta(
         }
     return meta
 
+
+
+def _by_message(failed: dict[str, str]) -> dict[str, list[str]]:
+    """``{workload: message}`` regrouped as ``{message: [workloads]}`` (one note per reason)."""
+    by_msg: dict[str, list[str]] = {}
+    for workload, msg in failed.items():
+        by_msg.setdefault(msg, []).append(workload)
+    return by_msg
+
+
+def print_summary(
+    args: argparse.Namespace,
+    results: dict[str, dict[str, Any]],
+    names: Sequence[str],
+    skipped: dict[str, str],
+    errors: dict[str, dict[str, str]],
+    not_applicable: dict[str, dict[str, str]],
+) -> None:
+    """What a run prints on stdout: the run's settings, the user workload (if any), the table
+    and a note per skipped system, n/a workload, failure and peer not installed."""
+    print(
+        f"workers={args.workers} size={args.size} repeat={args.repeat} "
+        f"python={sys.version.split()[0]} cpus={os.cpu_count()}"
+    )
+    user = args.user
+    if user is not None:
+        print(f"user workload: {user.describe()} x {user.tasks:,}, inflight="
+              f"{user.inflight or 'all'}, {user.task_s * 1e3:.3f} ms per call here")
+    print(format_table(results, names))
+    for name, reason in skipped.items():
+        print(f"({name}: skipped — {reason})")
+    for name, na in not_applicable.items():
+        for msg, workloads in _by_message(na).items():
+            print(f"({name}: {', '.join(workloads)} n/a — {msg})")
+    for name, failed in errors.items():
+        for msg, workloads in _by_message(failed).items():
+            print(f"({name}: {', '.join(workloads)} skipped — failed: {msg})")
+    if args.not_installed:
+        print(f"(not installed: {', '.join(args.not_installed)})")
+
+
+def write_json(
+    json_path: str,
+    args: argparse.Namespace,
+    results: dict[str, dict[str, Any]],
+    skipped: dict[str, str],
+    errors: dict[str, dict[str, str]],
+    not_applicable: dict[str, dict[str, str]],
+) -> str:
+    """Write the run's JSON document (``meta`` and ``results``) to ``json_path``, making its
+    directory; returns the path."""
+    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+    doc = {
+        "meta": _meta(args, skipped, errors, args.not_installed, not_applicable),
+        "results": _for_json(results),
+    }
+    with open(json_path, "w", encoding="utf-8") as fh:
+        fh.write(dumps_compact(doc))
+        fh.write("\n")
+    return json_path

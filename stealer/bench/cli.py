@@ -191,107 +191,162 @@ def _output_paths(args: argparse.Namespace) -> tuple[str, str]:
     return os.path.join(plots_dir, "bench.json"), plots_dir
 
 
+#: ``{system name: {workload: message}}``: the failures and the n/a workloads of a run.
+Outcomes = dict[str, dict[str, str]]
+
+
+def _plots_import_ok() -> bool:
+    """Whether the plots import; prints how to get them when not (asked for with ``--plots``:
+    said before spending minutes on the run)."""
+    try:
+        _load_plots()
+    except ImportError as exc:
+        print(f"error: --plots needs matplotlib, which does not import here ({exc}). "
+              f"Install it with: {PLOTS_HINT} (or run without --plots)", file=sys.stderr)
+        return False
+    return True
+
+
+def _calibrated(user: UserWorkload) -> UserWorkload:
+    """``user`` with ``task_s``: one call timed in this process (raises what the call raises)."""
+    return UserWorkload(
+        user.target, user.fn, user.args, user.kwargs, user.tasks, user.inflight,
+        task_s=calibrate(user),
+    )
+
+
+def _workload_fn(
+    name: str, user: UserWorkload | None
+) -> Callable[[System, int, bool | str], dict[str, Any]]:
+    """The run function of workload ``name`` (``"user"``: :func:`run_user` of ``user``)."""
+    if name == "user":
+        assert user is not None
+        return lambda system, workers, _size: run_user(system, workers, user)
+    return WORKLOADS[name]
+
+
+def _run_once(
+    args: argparse.Namespace,
+    bar: Progress,
+    workload: str,
+    system: System,
+    r: int,
+    errors: Outcomes,
+    not_applicable: Outcomes,
+) -> dict[str, Any] | None:
+    """Run ``r`` of ``workload`` on ``system``: its result, or None when it is left out (the
+    system failed it or it does not apply, recorded in ``errors`` / ``not_applicable``)."""
+    step = f"{workload}/{system.name}"
+    if args.repeat > 1:
+        step += f" run {r + 1}/{args.repeat}"
+    if workload in errors.get(system.name, {}) or workload in (
+        not_applicable.get(system.name, {})
+    ):
+        bar.update()
+        return None
+    bar.set_detail(step)
+
+    def hook(frac: float) -> None:
+        bar.set_detail(f"{step} {frac:.0%}")
+
+    t0 = time.perf_counter()
+    try:
+        with _progress_to(hook):
+            res = _workload_fn(workload, args.user)(system, args.workers, args.size)
+    except NotApplicable as exc:
+        not_applicable.setdefault(system.name, {})[workload] = str(exc)
+        bar.set_detail(step)
+        bar.update()
+        return None
+    except Exception as exc:
+        msg = f"{type(exc).__name__}: {exc}"
+        errors.setdefault(system.name, {})[workload] = msg
+        bar.set_detail(step)
+        bar.update()
+        bar.write(f"  {workload:<9} {system.name:<8} FAILED: {msg}")
+        return None
+    bar.set_detail(step)
+    bar.update()
+    bar.write(
+        f"  {workload:<9} {system.name:<8} run {r + 1}/{args.repeat}"
+        f" {time.perf_counter() - t0:6.2f} s"
+    )
+    return res
+
+
+def _run_all(
+    args: argparse.Namespace, systems: Sequence[System]
+) -> tuple[dict[str, dict[str, Any]], Outcomes, Outcomes]:
+    """Every workload on every system, ``--repeat`` times with the systems' order rotated
+    each run, under one progress bar: ``(results, errors, not_applicable)``, where
+    ``results[workload]`` holds each system's medians, the ideal and every run."""
+    results: dict[str, dict[str, Any]] = {}
+    errors: Outcomes = {}
+    not_applicable: Outcomes = {}
+    steps = len(args.workloads) * len(systems) * args.repeat
+    bar = Progress(steps, label="bench", enabled=args.progress)
+    with bar:
+        for workload in args.workloads:
+            runs: dict[str, list[dict[str, Any]]] = {s.name: [] for s in systems}
+            for r in range(args.repeat):
+                order = [*systems[r % len(systems) :], *systems[: r % len(systems)]]
+                for system in order:
+                    res = _run_once(args, bar, workload, system, r, errors, not_applicable)
+                    if res is not None:
+                        runs[system.name].append(res)
+            medians = {name: _median_dicts(rs) for name, rs in runs.items() if rs}
+            ideal = next(iter(medians.values()), {}).get("ideal", {})
+            results[workload] = {"systems": medians, "ideal": ideal, "runs": runs}
+        bar.set_detail("done")
+    return results, errors, not_applicable
+
+
+def _write_plots(
+    args: argparse.Namespace, results: dict[str, dict[str, Any]], names: Sequence[str],
+    plots_dir: str,
+) -> list[str]:
+    """The PNG plots (unless ``--no-plots``); the files written.  A plot that fails, or
+    matplotlib missing, is a note on stderr: it must not lose the run's numbers."""
+    if args.no_plots:
+        return []
+    try:
+        _plots = _load_plots()
+        return _plots.write_plots(results, names, plots_dir, workers=args.workers)
+    except ImportError as exc:  # plots were not asked for (no --plots): a note is enough
+        print(f"(no plots: {exc}; for plots: {PLOTS_HINT})", file=sys.stderr)
+    except Exception as exc:  # a plot must not lose the run's numbers
+        print(f"(plots failed: {type(exc).__name__}: {exc})", file=sys.stderr)
+    return []
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry: run, print the table, write JSON and plots. Returns an exit code:
     0, or 1 when the first system failed a workload (or nothing ran), 2 for bad usage (and
     for ``--plots DIR`` without matplotlib, checked before anything runs)."""
     args = _parse(argv)
     LATENCY_HEAPS[:] = ["small", "large"] + (["frozen"] if args.frozen_latency else [])
-    if args.plots and not args.no_plots:
-        try:  # asked for plots: say how to get them before spending minutes on the run
-            _load_plots()
-        except ImportError as exc:
-            print(f"error: --plots needs matplotlib, which does not import here ({exc}). "
-                  f"Install it with: {PLOTS_HINT} (or run without --plots)", file=sys.stderr)
-            return 2
+    if args.plots and not args.no_plots and not _plots_import_ok():
+        return 2
     systems, skipped = load_systems(args.systems)
     for name, reason in skipped.items():
         print(f"note: system {name!r} skipped: {reason}", file=sys.stderr)
     if not systems:
         print("error: no system to run", file=sys.stderr)
         return 2
-    user: UserWorkload | None = args.user
-    if user is not None:
+    if args.user is not None:
         try:
-            user = args.user = UserWorkload(
-                user.target, user.fn, user.args, user.kwargs, user.tasks, user.inflight,
-                task_s=calibrate(user),
-            )
+            args.user = _calibrated(args.user)
         except Exception as exc:
-            print(f"error: {user.describe()} raised {exc!r} when called here", file=sys.stderr)
+            print(f"error: {args.user.describe()} raised {exc!r} when called here",
+                  file=sys.stderr)
             return 2
-
-    def workload_fn(name: str) -> Callable[[System, int, bool | str], dict[str, Any]]:
-        if name == "user":
-            assert user is not None
-            return lambda system, workers, _size: run_user(system, workers, user)
-        return WORKLOADS[name]
-
-    results: dict[str, dict[str, Any]] = {}
-    errors: dict[str, dict[str, str]] = {}
-    not_applicable: dict[str, dict[str, str]] = {}
-    steps = len(args.workloads) * len(systems) * args.repeat
-    bar = Progress(steps, label="bench", enabled=args.progress)
-    with bar:
-        for workload in args.workloads:
-            fn = workload_fn(workload)
-            runs: dict[str, list[dict[str, Any]]] = {s.name: [] for s in systems}
-            for r in range(args.repeat):
-                order = systems[r % len(systems) :] + systems[: r % len(systems)]
-                for system in order:
-                    step = f"{workload}/{system.name}"
-                    if args.repeat > 1:
-                        step += f" run {r + 1}/{args.repeat}"
-                    if workload in errors.get(system.name, {}) or workload in (
-                        not_applicable.get(system.name, {})
-                    ):
-                        bar.update()
-                        continue
-                    bar.set_detail(step)
-
-                    def hook(frac: float, step: str = step) -> None:
-                        bar.set_detail(f"{step} {frac:.0%}")
-
-                    t0 = time.perf_counter()
-                    try:
-                        with _progress_to(hook):
-                            res = fn(system, args.workers, args.size)
-                    except NotApplicable as exc:
-                        not_applicable.setdefault(system.name, {})[workload] = str(exc)
-                        bar.set_detail(step)
-                        bar.update()
-                        continue
-                    except Exception as exc:
-                        msg = f"{type(exc).__name__}: {exc}"
-                        errors.setdefault(system.name, {})[workload] = msg
-                        bar.set_detail(step)
-                        bar.update()
-                        bar.write(f"  {workload:<9} {system.name:<8} FAILED: {msg}")
-                        continue
-                    bar.set_detail(step)
-                    bar.update()
-                    bar.write(
-                        f"  {workload:<9} {system.name:<8} run {r + 1}/{args.repeat}"
-                        f" {time.perf_counter() - t0:6.2f} s"
-                    )
-                    runs[system.name].append(res)
-            medians = {name: _median_dicts(rs) for name, rs in runs.items() if rs}
-            ideal = next(iter(medians.values()), {}).get("ideal", {})
-            results[workload] = {"systems": medians, "ideal": ideal, "runs": runs}
-        bar.set_detail("done")
+    results, errors, not_applicable = _run_all(args, systems)
     names = [s.name for s in systems] + list(skipped)  # skipped systems: columns of "—"
     print_summary(args, results, names, skipped, errors, not_applicable)
 
     json_path, plots_dir = _output_paths(args)
     written = [write_json(json_path, args, results, skipped, errors, not_applicable)]
-    if not args.no_plots:
-        try:
-            _plots = _load_plots()
-            written += _plots.write_plots(results, names, plots_dir, workers=args.workers)
-        except ImportError as exc:  # plots were not asked for (no --plots): a note is enough
-            print(f"(no plots: {exc}; for plots: {PLOTS_HINT})", file=sys.stderr)
-        except Exception as exc:  # a plot must not lose the run's numbers
-            print(f"(plots failed: {type(exc).__name__}: {exc})", file=sys.stderr)
+    written += _write_plots(args, results, names, plots_dir)
     print("wrote " + ", ".join(written))
     first = systems[0].name
     if errors.get(first) or not any(r["systems"] for r in results.values()):

@@ -37,6 +37,8 @@ the Host's state and run on its hot paths, so no indirection is added):
 * host_generators.py: steps and handlers that are generators;
 * host_calls.py: sends, calls and spawns from inside a worker;
 * host_leaving.py: leaving, checkpoints and migration.
+
+A message's payload has one format, message.py's, which the client shares.
 """
 
 from __future__ import annotations

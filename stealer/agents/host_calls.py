@@ -29,9 +29,9 @@ from stealer._layout import (
     ST_OK,
 )
 from stealer.agents.api import AgentRef, Pending, PendingAll
-from stealer.agents.client import AGENT_FID, encode_message
 from stealer.agents.host_entry import FINISHED, CallPending, _Entry
 from stealer.agents.jblob import pack as journal_pack
+from stealer.agents.message import AGENT_FID, encode_message
 from stealer.agents.options import DEFAULT_OPTIONS, AgentOptions
 from stealer.errors import AgentStopped, MailboxFull, NotInTaskError, result_value, with_remote_tb
 from stealer.shm import H_STOP_AGENTS

@@ -46,6 +46,7 @@ from stealer.agents.host_entry import (
     _Entry,
 )
 from stealer.agents.jblob import pack as journal_pack
+from stealer.agents.message import message_reply
 from stealer.agents.placement import COOLDOWN_NS, move_cost_ns, moves_to_busy, pays_to_idle
 from stealer.errors import AgentStopped, JournalError, WorkerCrashedError
 from stealer.records import Outcome
@@ -167,9 +168,9 @@ class Leaving:
                                "handling this message", h, e.gen)
         for m in list(e.pending or ()) + new:
             try:
-                msg = a.read_call(a.off(m))
-                if not (suspend and self._agent_reply(msg[4])):
-                    self.reply(msg[4], ST_ERROR, stopped)
+                reply = message_reply(a.read_call(a.off(m)))
+                if not (suspend and self._agent_reply(reply)):
+                    self.reply(reply, ST_ERROR, stopped)
             except BaseException:
                 pass
         if e.it_msg is not None and not (suspend and self._agent_reply(e.it_msg[1])):

@@ -19,6 +19,7 @@ from stealer._layout import R_TSTART, S_CANCELLED, S_QUEUED, S_RUNNING, ST_ERROR
 from stealer.agents.host_entry import _U64, C_MSGS, WAITING, _Entry
 from stealer.agents.jblob import pack as journal_pack
 from stealer.agents.jblob import sender_is_agent
+from stealer.agents.message import decode_message
 from stealer.errors import AgentError, AgentStopped, DeadlineExceeded, JournalError
 from stealer.records import Outcome
 
@@ -43,8 +44,8 @@ class Messages:
             e.replay -= 1
         e.handled += 1
         try:
-            msg = a.read_call(a.off(m))
-            target, method, args, kwargs, reply, deadline, sender, seq = msg[:8]
+            target, method, args, kwargs, reply, deadline, sender, seq, ack = decode_message(
+                a.read_call(a.off(m)))
         except BaseException:  # a message that does not unpickle here: nobody to answer
             self.handled(e, m, replay)
             return
@@ -53,8 +54,7 @@ class Messages:
             if a.kind_link(a.off(m))[2] == 1:  # replayed from the journal by a recovery
                 target, reply, deadline = e.h, -1, None
             rc = e.rcache
-            if rc and len(msg) > 8 and sender in rc:  # replies its checkpoint covers now
-                ack = msg[8]
+            if rc and sender in rc:  # replies its checkpoint covers now (ack 0: none)
                 # in seq order: answered() adds a sender's calls as they come (were one
                 # ever out of order, pruning stops at it: a reply kept longer, not lost)
                 kept = rc[sender]

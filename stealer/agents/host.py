@@ -62,7 +62,6 @@ from stealer.agents.host_entry import (
     C_PREEMPT,
     C_STEPS,
     FINISHED,
-    READY,
     RUNNABLE,
     SLEEPING,
     SUSPENDED,
@@ -80,6 +79,7 @@ from stealer.shm import (
     H_PARKED,
     H_SEARCHING,
     H_STOP_AGENTS,
+    STATE_READY,
     W_CURRENT,
     W_PID,
     W_RUNNABLE,
@@ -385,7 +385,8 @@ class Host(Adoption, Messages, Generators, Calls, Leaving):
             base = w.seg.layout.worker(j)
             if not r.load32(base + W_RUNNABLE) or not r.load64(base + W_CURRENT):
                 continue
-            if r.load32(base + W_STATE) != READY or now - self.poked.get(j, 0) < 2_000_000:
+            if (r.load32(base + W_STATE) != STATE_READY
+                    or now - self.poked.get(j, 0) < 2_000_000):
                 continue
             pid = r.load32(base + W_PID)
             if pid:

@@ -24,7 +24,6 @@ _C = {name: i for i, name in enumerate(metrics.COUNTERS)}  # the worker's counte
 C_BUSY_NS, C_STEPS, C_MSGS = _C["busy_ns"], _C["agent_steps"], _C["agent_messages"]
 C_MIGRATIONS, C_THROTTLED, C_RESUMES = _C["migrations"], _C["throttled"], _C["resumes"]
 C_PREEMPT, C_INLINE = _C["preempt_publishes"], _C["inline_controls"]
-READY = 1  # stealer.worker.STATE_READY
 
 # what an entry is doing
 RUNNABLE, WAITING, SLEEPING, SUSPENDED, FINISHED = range(5)

@@ -38,7 +38,6 @@ from stealer.agents.api import PendingAll
 from stealer.agents.host_entry import (
     C_MIGRATIONS,
     FINISHED,
-    READY,
     RUNNABLE,
     SUSPENDED,
     WAITING,
@@ -50,7 +49,7 @@ from stealer.agents.message import message_reply
 from stealer.agents.placement import COOLDOWN_NS, move_cost_ns, moves_to_busy, pays_to_idle
 from stealer.errors import AgentStopped, JournalError, WorkerCrashedError
 from stealer.records import Outcome
-from stealer.shm import H_STOP_AGENTS, W_RUNNABLE, W_STATE
+from stealer.shm import H_STOP_AGENTS, STATE_READY, W_RUNNABLE, W_STATE
 
 
 def _unpicklable(obj: Any) -> str:
@@ -296,7 +295,7 @@ class Leaving:
             if j == w.k:
                 continue
             base = w.seg.layout.worker(j)
-            if r.load32(base + W_STATE) != READY:
+            if r.load32(base + W_STATE) != STATE_READY:
                 continue
             # relaxed: a hint, re-read at every check
             v = r.load32(base + W_RUNNABLE) + len(w.inboxes[j])

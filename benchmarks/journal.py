@@ -29,7 +29,8 @@ from typing import Any
 import stealer
 from stealer.agents import journal as J
 from stealer.agents.client import encode_message
-from stealer.bench import runner as R
+from stealer.bench.systems import System
+from stealer.bench.wl_agents import run_agents
 
 
 class Counter(stealer.Agent):
@@ -59,8 +60,8 @@ def overhead(repeat: int, workers: int) -> dict[str, Any]:
                         return stealer.Executor(w, **options)
                     return stealer.Executor(w, journal=_d, durability=_m, **options)
 
-                system = R.System("stealer", make, forkjoin="native", agents="native")
-                runs[str(mode)].append(R.run_agents(system, workers, False))
+                system = System("stealer", make, forkjoin="native", agents="native")
+                runs[str(mode)].append(run_agents(system, workers, False))
             finally:
                 shutil.rmtree(d, ignore_errors=True)
     out = {}

@@ -22,7 +22,9 @@ from typing import Any
 
 import pytest
 
-from stealer.bench.runner import WORKLOADS, NotApplicable, _strip_samples, load_systems
+from stealer.bench.cli import WORKLOADS
+from stealer.bench.report import _strip_samples
+from stealer.bench.systems import NotApplicable, load_systems
 
 WORKERS = 2
 SYSTEMS = ("stealer", "process", "loky", "mpire", "dask", "ray")

@@ -60,8 +60,8 @@ def _topo(args: argparse.Namespace) -> int:
 
 
 def _bench(argv: Sequence[str]) -> int:
-    """``stealer bench ARGS``: :func:`stealer.bench.runner.main` (it parses its own options)."""
-    from stealer.bench.runner import main as bench_main
+    """``stealer bench ARGS``: :func:`stealer.bench.cli.main` (it parses its own options)."""
+    from stealer.bench.cli import main as bench_main
 
     return bench_main(argv)
 

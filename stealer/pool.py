@@ -62,6 +62,11 @@ from stealer.shm import (
     H_SHUTDOWN,
     H_STOP_AGENTS,
     LEASE_SLOTS,
+    STATE_EXITING,
+    STATE_INIT_FAILED,
+    STATE_READY,
+    STATE_RETIRED,
+    STATE_STARTING,
     W_CURRENT,
     W_LEASE,
     W_PING_IN,
@@ -75,15 +80,7 @@ from stealer.shm import (
     Segment,
     cleanup_stale,
 )
-from stealer.worker import (
-    STATE_EXITING,
-    STATE_INIT_FAILED,
-    STATE_READY,
-    STATE_RETIRED,
-    STATE_STARTING,
-    WorkerArgs,
-    result_value,
-)
+from stealer.worker import WorkerArgs, result_value
 from stealer.worker import main as worker_main
 
 __all__ = ["_Pool", "describe_exit", "describe_start_failure"]

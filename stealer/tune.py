@@ -3,7 +3,7 @@
 For every policy (``compact``, ``scatter``, ``physical``, ``none``; :mod:`stealer.affinity`)
 and every worker count (default ``1..usable CPUs``), a fresh :class:`stealer.Executor`
 ``(workers, cpus=policy)`` runs the workload, and one row records p50 and p99 latency and
-throughput.  The default workload is the benchmark's (:mod:`stealer.bench.runner`):
+throughput.  The default workload is the benchmark's (:mod:`stealer.bench.wl_tasks`):
 
 - latency: Poisson arrivals of 1 ms tasks at 70% of the configuration's capacity (quick size,
   2,000 tasks): p50 and p99 of arrival to result, beside the zero-overhead ideal's p99;
@@ -31,7 +31,11 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from stealer.bench import runner as _runner
+from stealer.bench import harness as _harness
+from stealer.bench import report as _bench_report
+from stealer.bench import systems as _systems
+from stealer.bench import wl_tasks as _tasks
+from stealer.bench import wl_user as _user
 from stealer.bench.progress import Progress
 
 __all__ = ["DEFAULT_POLICIES", "Row", "sweep", "best", "format_rows", "main"]
@@ -70,7 +74,7 @@ def _cpus_text(cpus: Sequence[int | None] | None) -> str:
     return ",".join("-" if c is None else str(c) for c in cpus)
 
 
-def _system(policy: str, notes: list[str]) -> _runner.System:
+def _system(policy: str, notes: list[str]) -> _systems.System:
     import stealer
 
     def make(workers: int) -> Any:
@@ -83,7 +87,7 @@ def _system(policy: str, notes: list[str]) -> _runner.System:
                 notes.append(text)
         return ex
 
-    return _runner.System(f"stealer[{policy}]", make, forkjoin="native")
+    return _systems.System(f"stealer[{policy}]", make, forkjoin="native")
 
 
 def _short(note: str) -> str:
@@ -91,37 +95,37 @@ def _short(note: str) -> str:
     return "oversubscribed" if note.startswith("oversubscription") else note
 
 
-Workload = Callable[[_runner.System, int], dict[str, Any]]
+Workload = Callable[[_systems.System, int], dict[str, Any]]
 
 
 def _default_workload(size: str) -> Workload:
-    def run(system: _runner.System, workers: int) -> dict[str, Any]:
-        lat = _runner.run_latency(system, workers, size)
-        _runner._report(0.8)
-        ovh = _runner.run_overhead(system, workers, size)
+    def run(system: _systems.System, workers: int) -> dict[str, Any]:
+        lat = _tasks.run_latency(system, workers, size)
+        _harness._report(0.8)
+        ovh = _tasks.run_overhead(system, workers, size)
         return {
             "p50_ms": lat["p50_ms"],
             "p99_ms": lat["p99_ms"],
             "ideal_p99_ms": lat["ideal"]["p99_ms"],
             "tasks_per_s": ovh["submit_tasks_per_s"],
             "detail": {
-                "latency": _runner._strip_samples(lat),
-                "overhead": _runner._strip_samples(ovh),
+                "latency": _bench_report._strip_samples(lat),
+                "overhead": _bench_report._strip_samples(ovh),
             },
         }
 
     return run
 
 
-def _user_workload(spec: _runner.UserWorkload) -> Workload:
-    def run(system: _runner.System, workers: int) -> dict[str, Any]:
-        res = _runner.run_user(system, workers, spec)
+def _user_workload(spec: _user.UserWorkload) -> Workload:
+    def run(system: _systems.System, workers: int) -> dict[str, Any]:
+        res = _user.run_user(system, workers, spec)
         return {
             "p50_ms": res["p50_ms"],
             "p99_ms": res["p99_ms"],
             "ideal_p99_ms": res["ideal"]["p99_ms"],
             "tasks_per_s": res["tasks_per_s"],
-            "detail": {"user": _runner._strip_samples(res)},
+            "detail": {"user": _bench_report._strip_samples(res)},
         }
 
     return run
@@ -166,7 +170,7 @@ def sweep(
                     hook = _detail_hook(progress, label)
                 t0 = time.perf_counter()
                 try:
-                    with _runner._progress_to(hook):
+                    with _harness._progress_to(hook):
                         runs.append(workload(_system(policy, notes), workers))
                 except Exception as exc:
                     row["status"] = "failed"
@@ -181,7 +185,7 @@ def sweep(
                     progress.write(f"  {label:<14} {time.perf_counter() - t0:6.2f} s")
             row["notes"] = list(dict.fromkeys(notes))
             if runs and row["status"] == "ok":
-                med = _runner._median_dicts(runs)
+                med = _bench_report._median_dicts(runs)
                 row.update({k: med[k] for k in ("p50_ms", "p99_ms", "ideal_p99_ms",
                                                  "tasks_per_s")})
                 row["detail"] = med["detail"]
@@ -314,16 +318,16 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--repeat must be >= 1")
     args.user = None
     if args.workload:
-        tasks = _runner.USER_TASKS[args.size] if args.tasks is None else args.tasks
+        tasks = _user.USER_TASKS[args.size] if args.tasks is None else args.tasks
         if tasks < 1 or args.inflight < 0:
             p.error("--tasks must be >= 1 and --inflight >= 0")
         try:
-            fn = _runner.resolve_function(args.workload)
-            fargs = _runner._json_value(args.args, "--args", list)
-            fkwargs = _runner._json_value(args.kwargs, "--kwargs", dict)
+            fn = _user.resolve_function(args.workload)
+            fargs = _user._json_value(args.args, "--args", list)
+            fkwargs = _user._json_value(args.kwargs, "--kwargs", dict)
         except ValueError as exc:
             p.error(str(exc))
-        args.user = _runner.UserWorkload(args.workload, fn, tuple(fargs), fkwargs, tasks=tasks,
+        args.user = _user.UserWorkload(args.workload, fn, tuple(fargs), fkwargs, tasks=tasks,
                                          inflight=args.inflight)
     return args
 
@@ -338,9 +342,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     if args.user is not None:
         try:
-            spec = _runner.UserWorkload(
+            spec = _user.UserWorkload(
                 args.user.target, args.user.fn, args.user.args, args.user.kwargs,
-                args.user.tasks, args.user.inflight, task_s=_runner.calibrate(args.user),
+                args.user.tasks, args.user.inflight, task_s=_user.calibrate(args.user),
             )
         except Exception as exc:
             print(f"error: {args.user.describe()} raised {exc!r} when called here",
@@ -350,8 +354,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         what = f"{spec.describe()} x {spec.tasks:,} (inflight {spec.inflight or 'all'})"
     else:
         workload = _default_workload(args.size)
-        what = (f"latency: 1 ms tasks at 70% load x {_runner.LATENCY_TASKS[args.size]:,}; "
-                f"throughput: {_runner.OVERHEAD_TASKS[args.size]:,} no-op submits")
+        what = (f"latency: 1 ms tasks at 70% load x {_tasks.LATENCY_TASKS[args.size]:,}; "
+                f"throughput: {_tasks.OVERHEAD_TASKS[args.size]:,} no-op submits")
     steps = len(args.policies) * len(args.workers) * args.repeat
     with Progress(steps, label="tune", enabled=args.progress) as bar:
         rows = sweep(workload, args.policies, args.workers, args.repeat, bar)
@@ -387,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             },
         }
         with open(args.json, "w", encoding="utf-8") as fh:
-            fh.write(_runner.dumps_compact(doc))
+            fh.write(_bench_report.dumps_compact(doc))
             fh.write("\n")
         print(f"wrote {args.json}")
     return 0 if any(r is not None for r in picks.values()) else 1

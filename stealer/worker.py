@@ -78,6 +78,11 @@ from stealer.shm import (
     H_STARTED,
     H_STOP_AGENTS,
     LEASE_SLOTS,
+    STATE_EXITING,
+    STATE_INIT_FAILED,
+    STATE_READY,
+    STATE_RETIRED,
+    STATE_STARTING,
     W_CPU,
     W_CURRENT,
     W_LEASE,
@@ -92,9 +97,10 @@ from stealer.shm import (
 )
 from stealer.worker_pings import PingHandling
 
-__all__ = ["WorkerArgs", "main", "error_payload", "STATE_READY", "encode_result", "result_value"]
+# (the W_STATE values live in shm.py, next to the word; still importable from here)
+__all__ = ["WorkerArgs", "main", "error_payload", "encode_result", "result_value",
+           "STATE_STARTING", "STATE_READY", "STATE_EXITING", "STATE_RETIRED", "STATE_INIT_FAILED"]
 
-STATE_STARTING, STATE_READY, STATE_EXITING, STATE_RETIRED, STATE_INIT_FAILED = range(5)
 EXIT_INIT_FAILED = 3
 
 _OWNER = struct.Struct("=II")  # R_OWNER, R_INCARNATION

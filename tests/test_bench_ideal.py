@@ -20,7 +20,7 @@ import pytest
 
 from stealer.bench import ideal
 from stealer.bench import workloads as wl
-from stealer.bench.runner import _median_dicts, format_table
+from stealer.bench.report import _median_dicts, format_table
 
 # --------------------------------------------------------------------------- ideal simulation
 
@@ -398,7 +398,7 @@ def test_agent_classes_step_and_answer_without_an_executor() -> None:
     assert kind == "done" and value == 3 and seconds >= 0
 
 
-# --------------------------------------------------------------------------- runner helpers
+# --------------------------------------------------------------------------- report helpers
 
 
 def test_median_dicts_and_table() -> None:

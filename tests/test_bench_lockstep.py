@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 import stealer
+from stealer.bench import cli as bench_cli
 from stealer.bench import lockstep as L
-from stealer.bench import runner
 from stealer.cli import main
 
 WORKERS = 2
@@ -167,4 +167,4 @@ def test_bench_cli_lockstep(tmp_path: Path, capsys: Any) -> None:
         assert res["ideal"][prefix + "of_ideal"] == 1.0
     assert st["info"]["default"]["mode"] == "agents"
     assert pp["info"]["default"]["mode"] == "shipped state"
-    assert "lockstep" not in runner.DEFAULT_WORKLOADS  # 10-20 s at --quick: run by name
+    assert "lockstep" not in bench_cli.DEFAULT_WORKLOADS  # 10-20 s at --quick: run by name

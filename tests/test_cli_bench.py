@@ -19,7 +19,9 @@ from typing import Any
 import pytest
 
 from stealer import affinity
-from stealer.bench import peers, runner
+from stealer.bench import cli as bench_cli
+from stealer.bench import harness, peers, wl_agents, wl_user
+from stealer.bench import systems as bench_systems
 from stealer.bench.progress import Progress, render_bar
 from stealer.cli import main
 
@@ -44,7 +46,7 @@ def test_bench_tiny_writes_table_json_and_plots(tmp_path: Path, capsys: Any) -> 
     assert rc == 0, text
     header = text.splitlines()[1].split()
     assert header[:5] == ["workload", "metric", "stealer", "process", "ideal"]
-    for workload in runner.DEFAULT_WORKLOADS:
+    for workload in bench_cli.DEFAULT_WORKLOADS:
         assert any(line.startswith(workload) for line in text.splitlines()), workload
     assert "samples" not in text
     assert "process: agent_overhead n/a" in text
@@ -54,7 +56,7 @@ def test_bench_tiny_writes_table_json_and_plots(tmp_path: Path, capsys: Any) -> 
     assert doc["meta"]["errors"] == {}
     assert set(doc["meta"]["not_applicable"]["process"]) == {"agent_overhead"}
     results = doc["results"]
-    assert set(results) == set(runner.DEFAULT_WORKLOADS)  # agent_scale only when named
+    assert set(results) == set(bench_cli.DEFAULT_WORKLOADS)  # agent_scale only when named
     assert "agent_scale" not in results
     for workload, res in results.items():
         expected = {"stealer"} if workload == "agent_overhead" else {"stealer", "process"}
@@ -65,7 +67,7 @@ def test_bench_tiny_writes_table_json_and_plots(tmp_path: Path, capsys: Any) -> 
         r = lat["systems"][name]
         assert 0 < r["p50_ms"] <= r["p99_ms"] <= r["max_ms"]
         samples = r["samples_ms"]
-        assert 0 < len(samples) <= runner.MAX_SAMPLES
+        assert 0 < len(samples) <= harness.MAX_SAMPLES
         assert samples == sorted(samples)
         assert "samples_ms" not in lat["runs"][name][0]  # per-run copies are stripped
     assert lat["ideal"]["p99_ms"] > 0 and lat["ideal"]["samples_ms"]
@@ -82,12 +84,12 @@ def test_bench_tiny_writes_table_json_and_plots(tmp_path: Path, capsys: Any) -> 
 
 def _check_agent_results(results: dict[str, Any]) -> None:
     """The agent workloads of a tiny run: every agent did its steps, every call came back."""
-    n, steps = runner.AGENTS_SIZES["tiny"]
+    n, steps = wl_agents.AGENTS_SIZES["tiny"]
     agents = results["agents"]
     for name in ("stealer", "process"):
         r = agents["systems"][name]
         assert (r["agents"], r["steps"]) == (n, steps)
-        assert r["work_s"] == pytest.approx(n * steps * runner.AGENT_STEP_S)
+        assert r["work_s"] == pytest.approx(n * steps * wl_agents.AGENT_STEP_S)
         assert r["efficiency"] > 0 and r["makespan_s"] > 0
         assert 0 < r["step_p50_ms"] <= r["step_p99_ms"] <= r["step_max_ms"]
         assert 0 < r["step_p99_later_ms"] <= r["step_max_ms"]
@@ -99,15 +101,15 @@ def _check_agent_results(results: dict[str, Any]) -> None:
     tiers = results["tiers"]
     for name in ("stealer", "process"):
         r = tiers["systems"][name]
-        assert r["calls"] == runner.TIERS_CALLS["tiny"] == len(r["samples_ms"])
+        assert r["calls"] == wl_agents.TIERS_CALLS["tiny"] == len(r["samples_ms"])
         assert 0 < r["p50_ms"] <= r["p99_ms"] <= r["max_ms"]
         assert r["bulk_busy"] > 0 and r["info"]["bulk_steps"] > 0
     assert tiers["ideal"]["max_ms"] <= tiers["ideal"]["bound_ms"]
 
     over = results["agent_overhead"]["systems"]["stealer"]
-    n_noop, noop_steps = runner.NOOP_AGENT_SIZES["tiny"]
+    n_noop, noop_steps = wl_agents.NOOP_AGENT_SIZES["tiny"]
     assert over["info"]["noop_counted_steps"] == n_noop * noop_steps
-    assert over["round_trips"] == runner.PINGPONG_ROUNDS["tiny"]
+    assert over["round_trips"] == wl_agents.PINGPONG_ROUNDS["tiny"]
     assert over["step_us"] > 0 and over["round_trip_us"] > 0
     assert isinstance(over["same_worker"], bool)
 
@@ -125,7 +127,7 @@ def test_bench_agent_scale_only_when_named(tmp_path: Path, capsys: Any) -> None:
     res = doc["results"]["agent_scale"]
     assert set(res["systems"]) == {"stealer"}
     r = res["systems"]["stealer"]
-    n, records = runner.SCALE_SIZES["tiny"]
+    n, records = wl_agents.SCALE_SIZES["tiny"]
     assert (r["agents"], r["records"]) == (n, records)
     assert r["create_s"] > 0 and r["segment_bytes"] > 0
     assert r["overflow_files"] >= 0 and r["overflow_bytes"] >= 0
@@ -199,10 +201,10 @@ class _FlakyExecutor(cf.ThreadPoolExecutor):
 def test_bench_failing_peer_is_reported_not_fatal(
     tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def load_flaky() -> runner.System:
-        return runner.System("flaky", lambda w: _FlakyExecutor(w, good=20))
+    def load_flaky() -> bench_systems.System:
+        return bench_systems.System("flaky", lambda w: _FlakyExecutor(w, good=20))
 
-    monkeypatch.setitem(runner._LOADERS, "flaky", load_flaky)
+    monkeypatch.setitem(bench_systems._LOADERS, "flaky", load_flaky)
     monkeypatch.chdir(tmp_path)
     rc = main(["bench", "--tiny", "--systems", "process,flaky,absent_xyz",
                "--workloads", "overhead", "--no-plots"])
@@ -291,12 +293,12 @@ def test_progress_bar_silent_when_not_a_tty() -> None:
 
 
 def test_downsample_and_closed_loop_ideal() -> None:
-    xs = runner.downsample([float(x) for x in range(10_000, 0, -1)], k=2_000)
+    xs = harness.downsample([float(x) for x in range(10_000, 0, -1)], k=2_000)
     assert len(xs) == 2_000 and xs[0] == 1.0 and xs[-1] == 10_000.0 and xs == sorted(xs)
-    assert runner.downsample([3.0, 1.0, 2.0]) == [1.0, 2.0, 3.0]
-    lat, makespan = runner.closed_loop_ideal(4, 0, 1.0, 2)  # all at once on 2 workers
+    assert harness.downsample([3.0, 1.0, 2.0]) == [1.0, 2.0, 3.0]
+    lat, makespan = wl_user.closed_loop_ideal(4, 0, 1.0, 2)  # all at once on 2 workers
     assert lat == [1.0, 1.0, 2.0, 2.0] and makespan == 2.0
-    lat, makespan = runner.closed_loop_ideal(4, 1, 1.0, 2)  # one at a time
+    lat, makespan = wl_user.closed_loop_ideal(4, 1, 1.0, 2)  # one at a time
     assert lat == [1.0] * 4 and makespan == 4.0
 
 
@@ -379,8 +381,8 @@ def test_peer_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(peers.PEERS, "ghost", lambda: peers._import("ghost_lib_xyz", "ghost"))
     with pytest.raises(peers.PeerUnavailable, match="ghost is not installed"):
         peers.load("ghost")
-    monkeypatch.setitem(runner._LOADERS, "ghost", runner._peer_loader("ghost"))
-    systems, skipped = runner.load_systems(["process", "ghost"])
+    monkeypatch.setitem(bench_systems._LOADERS, "ghost", bench_systems._peer_loader("ghost"))
+    systems, skipped = bench_systems.load_systems(["process", "ghost"])
     assert [s.name for s in systems] == ["process"]
     assert "not installed" in skipped["ghost"]
 

@@ -30,7 +30,7 @@ from typing import Any, overload
 from stealer import serialize
 from stealer._layout import F_AGENT, INLINE, K_ROOT
 from stealer.agents.api import AgentRef
-from stealer.agents.client import AGENT_FID
+from stealer.agents.message import AGENT_FID
 from stealer.agents.options import DEFAULT_OPTIONS, AgentOptions
 
 __all__ = ["AgentRefs", "spawn_many", "CHUNK"]

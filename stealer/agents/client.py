@@ -34,6 +34,7 @@ from stealer._layout import (
 from stealer.agents.api import AgentRef, _clients
 from stealer.agents.jblob import pack as journal_pack
 from stealer.agents.mailbox import CLOSED, Directory
+from stealer.agents.message import AGENT_FID, encode_message, message_reply
 from stealer.agents.options import DEFAULT_OPTIONS, AgentOptions
 from stealer.errors import (
     AgentStopped,
@@ -47,7 +48,6 @@ from stealer.records import Outcome
 
 __all__ = ["AgentClient", "AGENT_FID", "lookup", "encode_message"]
 
-AGENT_FID = 1 << 63  # future ids of agents' final values: AGENT_FID | agent handle
 RECORD_WAIT = 30.0  # seconds a send or spawn waits for a free record before giving up
 
 
@@ -55,18 +55,6 @@ RECORD_WAIT = 30.0  # seconds a send or spawn waits for a free record before giv
 def lookup(seg: str) -> AgentClient | None:
     ref = _clients.get(seg)
     return ref() if ref is not None else None
-
-
-def encode_message(target: int, method: str, args: tuple, kwargs: dict | None, reply: int,
-                   deadline: float | None, sender: str | None = None,
-                   seq: int = 0, ack: int = 0) -> tuple[bytes, list]:
-    """A message record's payload.  ``sender``/``seq`` (journaled executors only) name it
-    for the receiver's deduplication (see journal.py); ``ack``: the sender's messages up to
-    this seq are covered by its latest checkpoint (the receiver forgets their replies)."""
-    if not isinstance(method, str) or not method or method.startswith("_"):
-        raise ValueError(f"a message names a public method of the agent, not {method!r}")
-    return serialize.dumps((target, method, args, kwargs or None, reply, deadline, sender, seq,
-                            ack), f"message {method!r}")
 
 
 class _AgentFuture(_Future):
@@ -490,7 +478,7 @@ class AgentClient:
         mark = a.kind_link(a.off(ck - 1))[2] if ck else 0
         for m in d.older(head, mark) if head else []:
             try:
-                reply = a.read_call(a.off(m))[4]
+                reply = message_reply(a.read_call(a.off(m)))
             except BaseException:
                 reply = -1
             if reply >= 0:

@@ -1,7 +1,7 @@
 """Dormant agents: an idle agent held by its object alone until its first message.
 
-A worker keeps each agent it runs in an ``_Entry`` (stealer/agents/host.py): about fifty
-fields of scheduling, placement, checkpoint and journal state, some 700 bytes with the
+A worker keeps each agent it runs in an ``_Entry`` (stealer/agents/host_entry.py): about
+fifty fields of scheduling, placement, checkpoint and journal state, some 700 bytes with the
 numbers they hold.  A million spawned agents that wait for messages they may never get
 would cost the worker more for that bookkeeping than for the agents themselves.
 
@@ -116,7 +116,7 @@ def adopt(host: Any, h: int, link: int, entry: Any) -> tuple | None:
 
 
 def thaw(host: Any, h: int, entry: Any) -> Any:
-    """The entry of dormant agent ``h`` (``entry``: host.py's ``_Entry``), made now as
+    """The entry of dormant agent ``h`` (``entry``: host_entry.py's ``_Entry``), made now as
     adopting it made it; None if ``h`` is not dormant here.
     ``host.agents`` holds it from now on."""
     obj = host.dormant.pop(h, _MISSING)

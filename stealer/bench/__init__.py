@@ -1,12 +1,17 @@
-"""Yardstick benchmarks of DESIGN.md section 7: workloads, the ideal simulation, the runner.
+"""Yardstick benchmarks of DESIGN.md section 7: workloads, the ideal simulation, the command.
 
 - :mod:`stealer.bench.workloads` -- module-level task functions (busy-wait CPU work, no-op,
   fork-join fib and a UTS-like binomial tree), importable by reference in worker processes.
 - :mod:`stealer.bench.ideal` -- seeded trace generators (Poisson arrivals, capped Pareto
   durations), percentiles, and the zero-overhead greedy FIFO simulation every result is
   reported next to.
-- :mod:`stealer.bench.runner` -- runs each workload on each executor ("system") side by side
-  and prints a table; ``python benchmarks/run.py --quick``.
+- :mod:`stealer.bench.cli` -- ``stealer bench``: runs each workload on each executor
+  ("system") side by side and prints a table; ``python benchmarks/run.py --quick``.  The
+  workloads are in :mod:`~stealer.bench.wl_tasks` (start, overhead, latency, skew),
+  :mod:`~stealer.bench.wl_forkjoin`, :mod:`~stealer.bench.wl_agents` (agents, tiers,
+  agent_overhead, lockstep, agent_scale) and :mod:`~stealer.bench.wl_user` (``--workload``),
+  on what :mod:`~stealer.bench.harness` shares; the systems in :mod:`~stealer.bench.systems`
+  (peers: :mod:`~stealer.bench.peers`); the table and JSON in :mod:`~stealer.bench.report`.
 
 Nothing here is imported by ``stealer`` itself; importing this package does not import the
 executor.

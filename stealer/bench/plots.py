@@ -1,6 +1,6 @@
 """PNG plots of a ``stealer bench`` run (matplotlib, Agg backend, no pyplot state).
 
-:func:`write_plots` takes the results dict of :func:`stealer.bench.runner.main`
+:func:`write_plots` takes the results dict of :func:`stealer.bench.cli.main`
 (``results[workload]["systems"][name]`` and ``results[workload]["ideal"]``) and writes, for
 what the run contains:
 

@@ -1,0 +1,332 @@
+"""The Host's sends and calls from inside a worker: what an agent (or a plain task) does
+with an AgentRef, and the spawns and blocking calls it makes.
+
+:class:`Calls` is a mixin of :class:`stealer.agents.host.Host`: the Host is the runtime
+of every AgentRef used on a worker (api.py calls ``send``, ``call``, ``call_all``,
+``stop``, ``future``), and of an agent's Ctx (``spawn_agent``, ``run_blocking``); the
+worker loop calls ``flush_outboxes`` (through ``Host.poll``).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import time
+from typing import Any
+
+from stealer import failpoints as FP
+from stealer import serialize
+from stealer._layout import (
+    AF_CONTROL,
+    AF_STOP,
+    D_FLAGS,
+    F_AGENT,
+    K_MSG,
+    K_REPLY,
+    K_ROOT,
+    S_DONE,
+    ST_ERROR,
+    ST_OK,
+)
+from stealer.agents.api import AgentRef, Pending, PendingAll
+from stealer.agents.host_entry import FINISHED, CallPending, _Entry
+from stealer.agents.jblob import pack as journal_pack
+from stealer.agents.message import AGENT_FID, encode_message
+from stealer.agents.options import DEFAULT_OPTIONS, AgentOptions
+from stealer.errors import AgentStopped, MailboxFull, NotInTaskError, result_value, with_remote_tb
+from stealer.shm import H_STOP_AGENTS
+
+
+def _api(fn: Any) -> Any:
+    """A Host method a step may call: the preemption signal handler leaves it alone."""
+
+    @functools.wraps(fn)
+    def call(self: Any, *args: Any) -> Any:
+        self.in_api += 1
+        try:
+            return fn(self, *args)
+        finally:
+            self.in_api -= 1
+
+    return call
+
+
+class Calls:
+    """Sends, calls, stops and spawns made on a worker, the outboxes of sends waiting for
+    room, the journal's write-ahead of messages and spawns, and run_blocking's threads.
+
+    Owns: ``blocked`` (the entries whose sends wait for room), ``task_sends`` (the outbox
+    of plain tasks' sends), ``blocking`` (the thread pool, made on first use) and
+    ``in_api`` (raised by :func:`_api` while a step calls in).  Relies on the Host's
+    ``w``, ``a``, ``r``, ``dir``, ``k``, ``name``, ``current`` and ``journal``, and on
+    ``after_turn`` (host.py).  A mixin: the preemption signal handler (host.py) reads
+    ``in_api``, and the hot sends use the Host's state directly.
+    """
+
+    # -- sends and calls from inside a worker ------------------------------------------
+    @_api
+    def send(self, h: int, method: str, args: tuple, kwargs: dict, block: bool,
+             timeout: float | None, uid: str | None = None) -> None:
+        if h < 0:
+            raise AgentStopped(f"agent {uid!r} had finished before the recovery", h)
+        e = self.current
+        j = self.journal
+        if j is None or uid is None:
+            data, bufs = encode_message(h, method, args, kwargs, -1, None)
+        else:
+            sender, seq = self._next_seq(e)
+            data, bufs = encode_message(h, method, args, kwargs, -1, None, sender, seq,
+                                        self._ack(e))
+            self._log_msg(uid, sender, seq, False, data, bufs)
+            self._send(h, data, bufs, block, True)
+            return
+        self._send(h, data, bufs, block)
+
+    @staticmethod
+    def _ack(e: _Entry | None) -> int:
+        """What our messages up to this seq need no longer: our checkpoint covers them."""
+        return e.jacked if e is not None and e.uid is not None else 0
+
+    def _next_seq(self, e: _Entry | None) -> tuple[str, int]:
+        if e is not None and e.uid is not None:
+            e.jsent += 1
+            return e.uid, e.jsent
+        j = self.journal
+        j.task_seq += 1
+        return j.task_key, j.task_seq
+
+    def _log_msg(self, target: str, sender: str, seq: int, call: bool, data: bytes,
+                 bufs: list) -> None:
+        """Write-ahead: the message is in the journal before any mailbox has it."""
+        body, oob = journal_pack((data, bufs))
+        self.journal.shard.msg(target, sender, seq, call, body, oob)
+        if FP.ON:
+            FP.hit("journal.after_msg_logged")
+
+    def _send(self, h: int, data: bytes, bufs: list, block: bool,
+              logged: bool = False) -> None:
+        a = self.a
+        st = a.tr.state(h)
+        if st is None or st[0] == S_DONE:
+            if logged and self.r.load32(H_STOP_AGENTS):  # seq_cst: begin_shutdown's store
+                # shutting down: the receiver was suspended (journal), not ended; the
+                # message is in the journal, so the recovered receiver gets it
+                return
+            raise AgentStopped(f"agent {h:#x} was stopped, finished or failed", h)
+        m = self.alloc()
+        off = a.setup(m, K_MSG, 0, time.monotonic_ns())
+        a.put(off, data, bufs)
+        # A plain task's sends queue like an agent's: waiting here could wait forever for
+        # an agent that lives on this very worker.
+        e = self.current or self.task_sends
+        if e.outbox or not self.dir.reserve(h):
+            if not block and not e.outbox:
+                a.free(m)
+                raise MailboxFull(f"the mailbox of agent {h:#x} is full", h)
+            if e.outbox is None:
+                e.outbox = collections.deque()
+            e.outbox.append((h, m))  # sent when there is room; an agent waits for it
+            if e is self.task_sends and not e.blocked:
+                e.blocked = True
+                self.blocked.append(e)
+            return
+        self.deliver_to(h, m)
+
+    def deliver_to(self, h: int, m: int) -> None:
+        if not self.dir.push(h, m):
+            self.a.free(m)  # closed: the agent is gone (the send is dropped, as to a dead pid)
+            self.dir.give_back(h)
+            return
+        self.dir.notify(h, self.k)
+
+    def flush_outboxes(self) -> None:
+        still = []
+        for e in self.blocked:
+            ob = e.outbox
+            while ob:
+                h, m = ob[0]
+                st = self.a.tr.state(h)
+                if st is None or st[0] == S_DONE:
+                    ob.popleft()
+                    self.a.free(m)
+                    continue
+                if not self.dir.reserve(h):
+                    break
+                ob.popleft()
+                self.deliver_to(h, m)
+            if ob:
+                still.append(e)
+            else:
+                e.blocked = False
+                if e.state != FINISHED:
+                    self.after_turn(e)
+        self.blocked = still
+
+    @_api
+    def call(self, h: int, method: str, args: tuple, kwargs: dict,
+             deadline: float | None, uid: str | None = None) -> CallPending:
+        e = self.current
+        if e is None:
+            raise NotInTaskError("ref.call() on a worker must be made from inside an agent "
+                                 "(and yielded); a plain task can ref.send()")
+        j = self.journal if uid is not None and e.uid is not None else None
+        if j is not None:
+            sender, seq = self._next_seq(e)
+            logged = e.jreplies.pop(seq, None) if e.jreplies else None
+            if logged is not None and h >= 0:
+                # replaying after a recovery, and the reply is in the journal: the call goes
+                # again as a one-way message (in order with the sender's others; the callee
+                # drops it if its snapshot has it) and the logged reply is the answer
+                data, bufs = encode_message(h, method, args, kwargs, -1, deadline, sender, seq,
+                                            e.jacked)
+                self._log_msg(uid, sender, seq, True, data, bufs)
+                self._send(h, data, bufs, True, True)
+                return self._logged_reply(logged)
+        if h < 0:
+            p = CallPending(-1)
+            p.done, p.exc = True, AgentStopped(f"agent {uid!r} had finished before the "
+                                               "recovery", h)
+            return p
+        a = self.a
+        rh = self.alloc()
+        a.setup(rh, K_REPLY, e.h, time.monotonic_ns())  # QUEUED on no queue: the reply slot
+        if j is None:
+            data, bufs = encode_message(h, method, args, kwargs, rh, deadline)
+        else:
+            data, bufs = encode_message(h, method, args, kwargs, rh, deadline, sender, seq,
+                                        e.jacked)
+            try:
+                self._log_msg(uid, sender, seq, True, data, bufs)
+            except BaseException:
+                a.free(rh)
+                raise
+        try:
+            self._send(h, data, bufs, True, j is not None)
+        except AgentStopped as exc:
+            a.free(rh)
+            p = CallPending(-1)
+            p.done, p.exc = True, exc
+            return p
+        return CallPending(rh)
+
+    def call_all(self, targets: list[tuple[int, str | None, float | None]], method: str,
+                 arglists: list[tuple]) -> PendingAll:
+        """api.call_all inside an agent: ``yield`` it for the list of replies."""
+        return PendingAll([self.call(h, method, args, {}, dl, uid)
+                           for (h, uid, dl), args in zip(targets, arglists)])
+
+    @_api
+    def stop(self, h: int) -> None:
+        if self.a.tr.state(h) is None:
+            return
+        self.r.or64(self.dir.entry(h) + D_FLAGS, AF_STOP)  # seq_cst; read by the owner after it clears NOTIFIED
+        self.dir.notify(h, self.k)
+
+    @staticmethod
+    def _logged_reply(logged: tuple) -> CallPending:
+        from stealer.agents.jblob import loads
+
+        status, body, oob = logged
+        p = CallPending(-1)
+        p.done = True
+        try:
+            status, value = result_value(status, loads(body, oob))
+        except BaseException as exc:
+            status, value = ST_ERROR, (exc, "")
+        if status == ST_OK:
+            p.value = value
+        else:
+            p.exc = with_remote_tb(value)
+        return p
+
+    def _remap(self, uid: str) -> tuple[str, int] | None:
+        """api._rebuild: the handle of agent ``uid`` recovered into this executor."""
+        h = self.journal.handle(uid)
+        return None if h is None else (self.name, h)
+
+    def future(self, h: int, uid: str | None = None) -> Any:
+        raise NotInTaskError("ref.result() is for the client; inside an agent, call() the "
+                             "agent and yield the reply")
+
+    def alloc(self) -> int:
+        a = self.a
+        h = a.alloc()
+        delay = 0.0001
+        while h < 0:  # every record in use: wait for one (the client frees results)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+            h = a.alloc()
+        return h
+
+    @_api
+    def spawn_agent(self, cls: type, args: tuple, options: dict) -> AgentRef:
+        opts = dict(options)
+        retries = opts.pop("retries", 3)
+        if opts.pop("name", None) is not None:
+            raise ValueError("agents are named by the client (Executor.spawn_agent(..., "
+                             "name=...)); an agent's children are found through the refs "
+                             "spawn_agent returns")
+        ao = AgentOptions.parse(opts)
+        deadline_at = None if ao.deadline is None else time.monotonic() + ao.deadline
+        wopts = None if ao == DEFAULT_OPTIONS else ao.to_worker()
+        what = f"agent {getattr(cls, '__qualname__', cls)!r}"
+        j = self.journal
+        uid = None
+        if j is None:
+            data, bufs = serialize.dumps((cls, args, None, wopts, deadline_at), what)
+        else:
+            e = self.current
+            if e is not None and e.uid is not None:
+                e.jspawned += 1
+                uid, parent = f"{e.uid}/{e.jspawned}", e.uid
+            else:
+                j.task_spawned += 1
+                uid, parent = f"{j.task_key}.{j.task_spawned}", None
+            old = j.handle(uid)
+            if old is not None:  # a replay spawns it again: it was recovered already
+                return AgentRef(old, self.name, self, uid)
+            body, oob = journal_pack(serialize.dumps((cls, args, None, wopts), what))
+            j.shard.spawn(uid, None, parent, f"{cls.__module__}.{cls.__qualname__}", body, oob)
+            data, bufs = serialize.dumps((cls, args, None, wopts, deadline_at,
+                                          (uid, None, None, 0)), what)
+        a = self.a
+        h = self.alloc()
+        w = self.w
+        # before the record is QUEUED (a recoverer may push it)
+        self.dir.init(h, ao.mailbox, AF_CONTROL if ao.tier == 0 else 0)
+        self.r.store64(w.lease_off, h + 1)  # leased: killed before the push, it is pushed again
+        off = a.setup(h, K_ROOT | F_AGENT, AGENT_FID | h, time.monotonic_ns(), retries)
+        a.put(off, data, bufs)
+        if not w.deque.push(h):
+            w.push_any(h)
+        a.notify_one()
+        return AgentRef(h, self.name, self, uid)
+
+    @_api
+    def run_blocking(self, fn: Any, args: tuple, kwargs: dict) -> Pending:
+        e = self.current
+        if e is None:
+            raise NotInTaskError("ctx.run_blocking() is for agents")
+        if self.blocking is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.blocking = ThreadPoolExecutor(4, thread_name_prefix="stealer-blocking")
+        p = Pending()
+        h = e.h
+        inbox = self.w.inbox
+        idle = self.w.idle
+        k = self.k
+
+        def done(f: Any) -> None:
+            exc = f.exception()
+            if exc is None:
+                p.value = f.result()
+            else:
+                p.exc = exc
+            p.done = True
+            while not inbox.push(h):  # our own inbox: the loop wakes and resumes the agent
+                time.sleep(0.0001)
+            idle.notify_worker(k)
+
+        self.blocking.submit(fn, *args, **kwargs).add_done_callback(done)
+        return p

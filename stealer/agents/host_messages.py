@@ -1,0 +1,190 @@
+"""The Host's messages: handling one, marking it done, and the replies (journal included).
+
+:class:`Messages` is a mixin of :class:`stealer.agents.host.Host`: the turn
+(``Host.deliver_batch``, and inline.py's nested control turns) calls ``deliver`` for
+each message; generator handlers finish through ``it_done`` (host_generators.py), which
+calls ``handled``, ``answered`` and ``reply``; ``finish`` (host_leaving.py) replies to
+what is left.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from types import GeneratorType
+from typing import Any
+
+from stealer import failpoints as FP
+from stealer._layout import R_TSTART, S_CANCELLED, S_QUEUED, S_RUNNING, ST_ERROR, ST_OK
+from stealer.agents.host_entry import _U64, C_MSGS, WAITING, _Entry
+from stealer.agents.jblob import pack as journal_pack
+from stealer.agents.jblob import sender_is_agent
+from stealer.agents.message import decode_message
+from stealer.errors import AgentError, AgentStopped, DeadlineExceeded, JournalError
+from stealer.records import Outcome
+
+
+class Messages:
+    """A message handled (``deliver``, ``handled``), and its reply (``reply``), with the
+    journal's deduplication by (sender, seq) and its cache of replies (``answered``,
+    ``duplicate``).
+
+    Owns no Host attribute: its state is each entry's (``jseen``, ``rcache``,
+    ``applied``, ``replay``).  Relies on the Host's ``w``, ``a``, ``dir``, ``who`` and
+    ``journal``, and on ``drive`` (host_generators.py).  A mixin, not an object: it runs
+    once per message, on the Host's state.
+    """
+
+    # -- messages --------------------------------------------------------------------------
+    def deliver(self, e: _Entry, m: int) -> None:
+        a = self.a
+        w = self.w
+        replay = e.replay > 0
+        if replay:
+            e.replay -= 1
+        e.handled += 1
+        try:
+            target, method, args, kwargs, reply, deadline, sender, seq, ack = decode_message(
+                a.read_call(a.off(m)))
+        except BaseException:  # a message that does not unpickle here: nobody to answer
+            self.handled(e, m, replay)
+            return
+        call = reply >= 0
+        if sender is not None:  # journaled: deduplicated by (sender, seq)
+            if a.kind_link(a.off(m))[2] == 1:  # replayed from the journal by a recovery
+                target, reply, deadline = e.h, -1, None
+            rc = e.rcache
+            if rc and sender in rc:  # replies its checkpoint covers now (ack 0: none)
+                # in seq order: answered() adds a sender's calls as they come (were one
+                # ever out of order, pruning stops at it: a reply kept longer, not lost)
+                kept = rc[sender]
+                while kept:
+                    first = next(iter(kept))
+                    if first > ack:
+                        break
+                    del kept[first]
+                if not kept:
+                    del rc[sender]
+            seen = e.jseen
+            if seen is None:
+                seen = e.jseen = {}
+            if seq <= seen.get(sender, 0):
+                self.handled(e, m, replay)
+                self.duplicate(e, sender, seq, reply)
+                return
+            if target == e.h:
+                seen[sender] = seq
+        if target != e.h:  # pushed into a recycled slot's mailbox by a stale ref
+            self.handled(e, m, replay)
+            self.reply(reply, ST_ERROR, AgentStopped(
+                f"agent {target:#x} was stopped, finished or failed", target, 0))
+            return
+        if deadline is not None and time.monotonic() > deadline:
+            self.handled(e, m, replay)
+            self.reply(reply, ST_ERROR, DeadlineExceeded(
+                f"the call {method!r} to agent {e.h:#x} waited past its deadline", e.h, e.gen))
+            return
+        if not replay:  # for an exact replay: how many steps came before this message
+            _U64.pack_into(a.mm, a.off(m) + R_TSTART, e.steps)
+        fn = None if method in ("step", "on_stop") else getattr(e.obj, method, None)
+        if fn is None or not callable(fn):
+            self.handled(e, m, replay)
+            self.reply(reply, ST_ERROR, AttributeError(
+                f"{type(e.obj).__qualname__} has no message handler {method!r} (handlers are "
+                "its public methods)"))
+            return
+        e.msgs += 1
+        e.events += 1
+        w.c[C_MSGS] += 1
+        w.in_body = True
+        try:
+            res = fn(*args, **kwargs) if kwargs else fn(*args)
+        except BaseException as exc:
+            w.in_body = False
+            self.handled(e, m, replay)
+            enc = (self.answered(e, sender, seq, call, reply, ST_ERROR, exc)
+                   if sender is not None and self.journal is not None else None)
+            self.reply(reply, ST_ERROR, exc, enc)  # the caller gets it; the agent goes on
+            return
+        w.in_body = False
+        if type(res) is GeneratorType:
+            e.it = res
+            e.it_msg = (m, -1 if replay else reply, replay, sender, seq, call)
+            self.drive(e, None, None)
+            return
+        self.handled(e, m, replay)
+        enc = (self.answered(e, sender, seq, call, reply, ST_OK, res)
+               if sender is not None and self.journal is not None else None)
+        self.reply(reply, ST_OK, res, enc)
+        if e.state == WAITING and e.want_step is False and hasattr(e.obj, "step"):
+            e.want_step = True  # ctx.wait(): step again once a message was handled
+
+    def handled(self, e: _Entry, m: int, replay: bool) -> None:
+        if FP.ON:
+            FP.hit("agent.after_handler")
+        e.applied = m + 1  # its effect is in the state now (a checkpoint may cover it)
+        if replay:
+            return  # D_DONE is already past it (never move it back) and its slot was returned
+        self.dir.mark_done(e.h, m)
+        if FP.ON:
+            FP.hit("agent.after_mark_done")
+        self.dir.give_back(e.h)
+
+    # -- the journal: replies and duplicates ------------------------------------------------
+    def answered(self, e: _Entry, sender: str, seq: int, call: bool, reply: int, status: int,
+                 value: Any) -> tuple | None:
+        """Message #seq from ``sender`` was handled.  If it was a call from an agent: keep
+        the reply until the caller's checkpoint covers the call (a caller restarted from an
+        older checkpoint calls again and gets it from here, see deliver's ``ack``), and log
+        it (a caller replaying after a recovery takes it instead of calling again).
+        Returns the encoded reply (encode_result), which :meth:`reply` stores as is."""
+        if not call or not sender_is_agent(sender):
+            return None
+        if e.rcache is None:
+            e.rcache = {}
+        kept = e.rcache.get(sender)
+        if kept is None:
+            kept = e.rcache[sender] = {}
+        kept[seq] = (status, value)
+        if reply < 0:
+            return None  # a one-way send, or a call replayed from the journal (logged before)
+        enc = self.w.encode_result(status, value)
+        body, oob = journal_pack(enc[1:])
+        try:
+            self.journal.shard.reply(sender, seq, enc[0], body, oob)
+        except JournalError as exc:
+            print(f"stealer: {exc}", file=sys.stderr)
+        if FP.ON:
+            FP.hit("journal.after_reply_logged")
+        return enc
+
+    def duplicate(self, e: _Entry, sender: str, seq: int, reply: int) -> None:
+        """Message #seq of ``sender`` was applied before (a replay sent it again)."""
+        if reply < 0:
+            return
+        kept = e.rcache.get(sender) if e.rcache else None
+        c = kept.get(seq) if kept else None
+        if c is not None:
+            self.reply(reply, c[0], c[1])
+            return
+        self.reply(reply, ST_ERROR, AgentError(
+            f"call #{seq} from {sender} to agent {e.h:#x} was made again by a replay after "
+            "a crash, and its first reply is gone: it is not run twice", e.h, e.gen))
+
+    def reply(self, rh: int, status: int, value: Any, enc: tuple | None = None) -> None:
+        """Store a reply in slot ``rh`` (QUEUED, made by the caller) and publish it
+        (``enc``: the reply already encoded by :meth:`answered`)."""
+        if rh < 0:
+            return
+        a = self.a
+        tr = a.tr
+        if tr.cas(rh, S_QUEUED, 0, S_RUNNING, self.who) is not Outcome.OK:
+            st = tr.state(rh)
+            if st is not None and st[0] == S_CANCELLED:
+                a.release(rh, S_CANCELLED, 0, self.who)  # the caller gave up on it
+            return  # stale: a replayed message whose reply was sent before
+        kind, _status, link = a.kind_link(a.off(rh))
+        if enc is None:
+            self.w.report(rh, kind, link, status, value)
+        else:
+            self.w.report_encoded(rh, kind, link, *enc)

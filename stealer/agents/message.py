@@ -1,0 +1,53 @@
+"""An agent message's payload, one format for whoever writes it and whoever reads it.
+
+A message record (``K_MSG``) holds one pickled tuple with the fields below, in this
+order.  Senders write it with :func:`encode_message`: the client (client.py) and the
+agents and tasks on a worker (host_calls.py).  The agent's owner reads it back
+(``Arena.read_call``) with :func:`decode_message` (host_messages.py), or only its reply
+slot with :func:`message_reply` (host_leaving.py, and client.py when an agent is
+abandoned).  ``AGENT_FID`` lives here too: the future id of an agent's final value,
+which the client and the Host both write into agent records.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stealer import serialize
+
+__all__ = ["AGENT_FID", "decode_message", "encode_message", "message_reply"]
+
+AGENT_FID = 1 << 63  # future ids of agents' final values: AGENT_FID | agent handle
+
+# the payload's fields by position: the agent it is for, the handler, its arguments, the
+# reply slot (-1: a one-way send), the deadline (monotonic seconds or None), and for a
+# journaled executor the sender's id, its seq and its ack (see encode_message)
+TARGET, METHOD, ARGS, KWARGS, REPLY, DEADLINE, SENDER, SEQ, ACK = range(9)
+FIELDS = 9
+
+
+def encode_message(target: int, method: str, args: tuple, kwargs: dict | None, reply: int,
+                   deadline: float | None, sender: str | None = None,
+                   seq: int = 0, ack: int = 0) -> tuple[bytes, list]:
+    """A message record's payload.  ``sender``/``seq`` (journaled executors only) name it
+    for the receiver's deduplication (see journal.py); ``ack``: the sender's messages up to
+    this seq are covered by its latest checkpoint (the receiver forgets their replies)."""
+    if not isinstance(method, str) or not method or method.startswith("_"):
+        raise ValueError(f"a message names a public method of the agent, not {method!r}")
+    return serialize.dumps((target, method, args, kwargs or None, reply, deadline, sender, seq,
+                            ack), f"message {method!r}")
+
+
+def decode_message(msg: Any) -> tuple:
+    """``(target, method, args, kwargs, reply, deadline, sender, seq, ack)`` of a payload
+    read back.  One without ``ack`` (8 fields: a journal may hold such older messages)
+    reads with ack 0, nothing acked.  Raises for anything that is not a payload."""
+    n = len(msg)
+    if n == FIELDS:
+        return msg
+    return msg[:FIELDS] if n > FIELDS else (*msg, 0)
+
+
+def message_reply(msg: Any) -> int:
+    """The reply slot of a payload read back (-1: a one-way send)."""
+    return msg[REPLY]

@@ -49,6 +49,7 @@ import struct
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from types import GeneratorType
 from typing import Any
 
@@ -120,16 +121,37 @@ C_ERRORS, C_BUSY_NS = _C["errors"], _C["busy_ns"]  # (spawns, resumes: worker_jo
 FP = failpoints  # `if FP.ON:` costs one attribute load when no failpoint is armed
 
 
+@dataclass
 class WorkerArgs:
     """Everything a worker process needs; pickled by multiprocessing at start.
 
+    Built by stealer/pool.py's ``_Pool.start_worker``, one field per argument it passes.
     ``ppid`` is the client's pid (not necessarily the worker's parent: with
     forkserver that is the fork server) and ``client_start`` the client's
     start time (liveness.start_time), which together name the client.
     """
 
-    def __init__(self, **kw: Any) -> None:
-        self.__dict__.update(kw)
+    index: int  # the worker's slot k (holder id k + 1 in record state words)
+    incarnation: int  # how many processes slot k has had, this one included
+    name: str  # the shared segment's name (Segment.attach)
+    layout: tuple  # Layout.to_args()
+    lock: Any  # the reference queues' shared lock; None with the native queues
+    native: bool  # the client's queues are the native ones (every process must agree)
+    cpu: int | None  # pin to this CPU (affinity.pin_current_process), or not at all
+    metrics: bool  # record counters and histograms (metrics.py)
+    steal_order: list[int] | None  # victims in steal order; None: the next peers in turn
+    initializer: bytes | None  # pickled (serialize.loads_frame), run once at start
+    initargs: tuple
+    max_tasks: int | None  # retire after this many tasks (max_tasks_per_child)
+    ppid: int
+    thread_limit: int | None  # affinity.apply_thread_limits
+    client_start: int | None = None
+    # (STEALER_FAILPOINTS, STEALER_FAILPOINTS_DIR): a forkserver's children inherit *its*
+    # environment, so they travel here
+    failpoints: tuple[str | None, str | None] = (None, None)
+    journal: tuple | None = None  # (path, mode, epoch) of the agents' journal, or None
+    # the client's environment, for a process started by a forkserver (start_worker sets it)
+    env: dict[str, str] | None = None
 
 
 def _on_sigint(signum: int, frame: Any) -> None:
@@ -236,7 +258,7 @@ class Worker(ForkJoinHandling, PingHandling):
         self.tick = 0
         self.flushed_ns = 0  # monotonic ns of the last flush() of the counters
         self.journal: Any = None  # the agents' journal (Executor(journal=PATH)): our shard
-        jcfg = getattr(a, "journal", None)
+        jcfg = a.journal
         if jcfg is not None:
             from stealer.agents.journal import WorkerJournal
 
@@ -581,12 +603,12 @@ def main(a: WorkerArgs) -> None:
     """Entry point of a worker process."""
     from stealer import affinity
 
-    env = getattr(a, "env", None)
+    env = a.env
     if env is not None:  # a forkserver's child: the client's environment, not the server's
         os.environ.clear()
         os.environ.update(env)
 
-    client = ProcessWatch(a.ppid, getattr(a, "client_start", None))
+    client = ProcessWatch(a.ppid, a.client_start)
     if client.gone():  # died (or its pid was reused) before we got here: nobody else cleans up
         unlink_all(a.name)
         os._exit(0)
@@ -599,7 +621,7 @@ def main(a: WorkerArgs) -> None:
     # A no-op handler, not SIG_IGN, which the task's own subprocesses would inherit.
     signal.signal(signal.SIGUSR1, _ignore)
     signal.signal(signal.SIGUSR2, _ignore)
-    spec, fp_dir = getattr(a, "failpoints", (None, None))
+    spec, fp_dir = a.failpoints
     if fp_dir:
         os.environ["STEALER_FAILPOINTS_DIR"] = fp_dir
     failpoints.configure(spec)

@@ -166,6 +166,11 @@ def where_pending(pool: Any) -> dict[str, int]:
            "free_ring": len(pool.arena.rec_free)}
     for s, name in STATE_NAMES.items():
         out[f"records_{name}"] = int((states == s).sum())
+    a = pool.arena
+    for i in [int(i) for i in (states != 0).nonzero()[0]][:50]:  # what holds them (kind, who)
+        kind = a.kind_link(a.off(i))[0] & 0xFF
+        key = f"{STATE_NAMES.get(int(states[i]), states[i])}/kind{kind}/who{int(w[i]) >> 40}"
+        out[key] = out.get(key, 0) + 1
     return out
 
 
@@ -375,7 +380,7 @@ def storm(a: argparse.Namespace) -> dict[str, Any]:
     time.sleep(0.2)  # the last frees of records whose futures just resolved
     free_end = len(pool.arena.rec_free)
     stats = None
-    if pending:
+    if pending or free_end != free_start:
         st = ex.stats()
         stats = {"states": [w.state for w in st.workers],
                  "inbox_depths": [w.inbox_depth for w in st.workers],
@@ -426,7 +431,7 @@ def print_storm(res: dict[str, Any]) -> bool:
     print(f"records     {res['records_free_start']} free at the start, "
           f"{res['records_free_end']} at the end")
     if res["stats_when_hung"]:
-        print(f"when hung   {res['stats_when_hung']}")
+        print(f"when hung   {res['stats_when_hung']} (or records missing)")
     print(f"/dev/shm    {'clean' if res['shm_clean_after_shutdown'] else 'NOT CLEAN'} after "
           f"shutdown (result thread exited: {res['result_thread_exited']})")
     done = res["all_done_after_last_kill_s"]

@@ -24,19 +24,16 @@ from stealer import pool as pool_mod
 pytestmark = pytest.mark.kills_workers
 
 
-def _replaced(ex: stealer.Executor, old: int, timeout: float = 30.0) -> int:
-    """Kill worker pid ``old`` and return its replacement's pid once it runs tasks."""
+def _replaced(ex: stealer.Executor, old: int, seen: set[int], timeout: float = 30.0) -> int:
+    """Kill worker pid ``old``; its replacement's pid (not in ``seen``) once it runs tasks."""
     os.kill(old, signal.SIGKILL)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         pids = ex.worker_pids()
         if old not in pids and all(pids) and ex.wait_ready(0.05):
-            return next(p for p in pids if p not in (old,) and p not in _replaced.seen)
+            return next(p for p in pids if p not in seen)
         time.sleep(0.01)
     raise AssertionError("no replacement started")
-
-
-_replaced.seen = set()  # type: ignore[attr-defined]
 
 
 def test_a_replacement_is_forked_by_a_forkserver_with_the_clients_environment(monkeypatch):
@@ -45,15 +42,15 @@ def test_a_replacement_is_forked_by_a_forkserver_with_the_clients_environment(mo
         assert ex.wait_ready(30)
         (first,) = ex.worker_pids()
         assert psutil.Process(first).ppid() == os.getpid()  # started workers: spawned here
-        _replaced.seen = {first}
-        second = _replaced(ex, first)
+        seen = {first}
+        second = _replaced(ex, first, seen)
         server = psutil.Process(second).ppid()
         assert server != os.getpid(), "the replacement was not forked by a forkserver"
         # set after the server started: only the arguments can carry it to the next one
         mark = uuid.uuid4().hex
         monkeypatch.setenv("STEALER_TEST_REPLACEMENT_MARK", mark)
-        _replaced.seen.add(second)
-        third = _replaced(ex, second)
+        seen.add(second)
+        third = _replaced(ex, second, seen)
         assert psutil.Process(third).ppid() == server  # the same server, started once
         assert ex.submit(tasks.getenv, "STEALER_TEST_REPLACEMENT_MARK").result(30) == mark
         monkeypatch.delenv("STEALER_TEST_REPLACEMENT_MARK")

@@ -1025,7 +1025,19 @@ cdef class HotPath:
             pass                                       # capacity == records: cannot stay full
         st_fence_seqcst()                              # pairs with the client's park store + recheck
         cdef char *w = self.region.base + self.client_park_off
-        cdef uint32_t v = st_load_relaxed_u32(w)     # ordered by the fence above
+        # A client thread waiting on a future settles completions itself (_Pool.wait_for):
+        # wake it instead of the result thread, one wake per completion and no hand-off.
+        # In throughput mode (PARKED_BATCH) it polls, and the wake is owed as below.
+        cdef char *ww = w + WAITER_PARK_AT
+        cdef uint32_t v = st_load_relaxed_u32(ww)    # ordered by the fence above
+        # seq_cst CAS: pairs with the waiter's store of PARKED (Idle.waiter_park) + re-check
+        if v == PARKED and st_cas_seqcst_u32(ww, v, NOTIFIED):
+            st_futex_wake(ww, 1)
+            return 1
+        if v == PARKED_BATCH:
+            self.owed = True
+            return 1
+        v = st_load_relaxed_u32(w)                   # ordered by the fence above
         if v == PARKED_BATCH:
             # Throughput mode (idle.ResultPolicy): no wake per completion.  The thread
             # polls every BATCH_POLL, and this worker wakes it before it idles

@@ -76,6 +76,7 @@ PARKED_BATCH = 3  # the client's result thread parked in throughput mode (idle.R
 # native hand-off reaches them from the park word: HotPath.c_finish's _hand_over)
 CLIENT_TID_AT = 4  # u32 the result thread's id while workers may move it (0: they must not)
 CLIENT_MOVED_AT = 8  # u32 1: a worker moved it onto its CPU; it takes its CPUs back
+WAITER_PARK_AT = 12  # u32 park word of the client thread waiting on a future (_Pool.wait_for)
 
 # -- agent directory (stealer/agents/mailbox.py): one entry per record slot ---------
 DIR_BYTES = 64  # one cache line per agent: senders of different agents never share a line

@@ -246,6 +246,10 @@ class _Future(Future):
         cbs = self._st_cb
         if not cbs:
             return
+        pool = self._st_pool
+        if pool is not None and pool.cb_owner == threading.get_ident():
+            pool.cb_later.append(self)  # settled under the pool's consume lock: run after it
+            return
         with _CB_LOCK:
             todo = cbs[:]
             cbs.clear()
@@ -262,7 +266,16 @@ class _Future(Future):
     def result(self, timeout: float | None = None) -> Any:
         if self._state == _fbase.FINISHED and self._exception is None:
             return self._result  # fast path: no lock needed once finished
+        pool = self._st_pool
+        if pool is not None and self._state == _fbase.PENDING:
+            timeout = pool.wait_for(self, timeout)  # settles completions while it waits
         return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        pool = self._st_pool
+        if pool is not None and self._state == _fbase.PENDING:
+            timeout = pool.wait_for(self, timeout)
+        return super().exception(timeout)
 
     def done(self) -> bool:
         return self._state in (_fbase.CANCELLED, _fbase.CANCELLED_AND_NOTIFIED, _fbase.FINISHED)
@@ -291,6 +304,8 @@ class _Future(Future):
             for waiter in self._waiters:
                 waiter.add_cancelled(self)
             cond.notify_all()
+        if pool is not None:
+            pool.idle.poke_waiter()  # a thread in wait_for may wait on this one
         self._invoke_callbacks()  # outside the lock, as the stdlib does
         return True
 

@@ -50,6 +50,7 @@ from stealer.shm import (
     H_CLIENT_TID,
     H_PARKED,
     H_SEARCHING,
+    H_WAITER_PARK,
     MAX_WORKERS,
     W_PARK,
     Layout,
@@ -214,7 +215,16 @@ class Idle:
         worker pays it once, before it idles (:meth:`flush_client`), and the result
         thread polls every ``BATCH_POLL`` meanwhile (HotPath.c_finish does the same)."""
         r = self.r
-        r.fence()  # seq_cst: the completion push before reading the park word
+        r.fence()  # seq_cst: the completion push before reading the park words
+        # a client thread waiting on a future settles completions itself: it, not the result
+        # thread (seq_cst load and CAS: pair with waiter_park's store and its re-check)
+        v = r.load32(H_WAITER_PARK)
+        if v == PARKED and r.cas32(H_WAITER_PARK, v, NOTIFIED):
+            r.futex_wake(H_WAITER_PARK, 1)
+            return
+        if v == PARKED_BATCH:  # it polls in throughput mode: the wake is owed
+            self.owed = True
+            return
         v = r.load32(H_CLIENT_PARK)  # seq_cst: pairs with client_park's store
         if v == PARKED_BATCH:
             self.owed = True
@@ -227,10 +237,38 @@ class Idle:
         here or in its HotPath): wake the result thread from either park."""
         self.owed = False
         r = self.r
-        r.fence()  # seq_cst: the completion pushes before reading the park word
+        r.fence()  # seq_cst: the completion pushes before reading the park words
+        v = r.load32(H_WAITER_PARK)  # seq_cst: pairs with waiter_park's store
+        if v in (PARKED, PARKED_BATCH) and r.cas32(H_WAITER_PARK, v, NOTIFIED):
+            r.futex_wake(H_WAITER_PARK, 1)
+            return
         v = r.load32(H_CLIENT_PARK)  # seq_cst: pairs with client_park's store
         if v in (PARKED, PARKED_BATCH) and r.cas32(H_CLIENT_PARK, v, NOTIFIED):
             r.futex_wake(H_CLIENT_PARK, 1)
+
+    def waiter_park(self, has_work: Any, timeout: float, batch: bool = False) -> bool:
+        """The client thread that waits on a future (``_Pool.wait_for``): sleep until a
+        worker publishes a completion, another client thread pokes it (:meth:`poke_waiter`),
+        or ``timeout``.  ``batch``: throughput mode, as the result thread's (workers owe the
+        wake and pay it before they idle; it polls)."""
+        r = self.r
+        v = PARKED_BATCH if batch else PARKED
+        r.store32(H_WAITER_PARK, v)  # seq_cst: pairs with wake_client's fence and CAS
+        try:
+            if has_work():
+                return True
+            return r.futex_wait(H_WAITER_PARK, v, timeout)
+        finally:
+            r.store32(H_WAITER_PARK, RUNNING)  # seq_cst: overwrites NOTIFIED; later CAS fails
+
+    def poke_waiter(self) -> None:
+        """Client: wake the thread parked in :meth:`waiter_park` (a future it may wait on was
+        settled or cancelled by another thread); one load when none is parked."""
+        r = self.r
+        # seq_cst load and CAS: pair with waiter_park's store of PARKED and its re-check
+        v = r.load32(H_WAITER_PARK)
+        if v in (PARKED, PARKED_BATCH) and r.cas32(H_WAITER_PARK, v, NOTIFIED):
+            r.futex_wake(H_WAITER_PARK, 1)
 
     def client_park(self, has_work: Any, timeout: float, batch: bool = False) -> bool:
         """The result thread: sleep until a worker or the API wakes it, or ``timeout``;

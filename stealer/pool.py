@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import atexit
 import collections
-import contextlib
 import functools
 import itertools
 import multiprocessing as mp
 import os
 import pickle
 import select
+import signal
 import threading
 import time
 import weakref
@@ -45,7 +45,7 @@ from stealer.errors import (
 )
 from stealer.futures import _Future
 from stealer.hang import HangWatch, hang_message
-from stealer.idle import BATCH_POLL, NOTIFIED, Idle, ResultPolicy
+from stealer.idle import BATCH_ENTER, BATCH_LEAVE, BATCH_POLL, NOTIFIED, Idle, ResultPolicy
 from stealer.pool_deaths import (
     WorkerDeaths,
     describe_exit,
@@ -74,7 +74,9 @@ from stealer.worker import main as worker_main
 
 __all__ = ["_Pool", "describe_exit", "describe_start_failure", "exited_by_itself"]
 
-MONITOR_INTERVAL = 0.05  # seconds between checks of worker liveness
+MONITOR_INTERVAL = 0.05
+# what a thread in _Pool.wait_for holds while it settles a batch (SIGKILL/SIGSTOP excepted)
+_ALL_SIGNALS = signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}  # seconds between checks of worker liveness
 
 _live: weakref.WeakSet[_Pool] = weakref.WeakSet()
 _exiting = False
@@ -206,10 +208,20 @@ class _Pool(WorkerDeaths):
         # Handles set up (QUEUED) that found the injector full: pushed by the result thread
         # as room appears (deque append/popleft are atomic under the GIL).
         self.requeue: collections.deque[int] = collections.deque()
-        # help(): the reference's look at a ring head and its pop are two calls, between which
-        # Python may switch threads; the result thread pops under the same lock then
-        # (the native help is one call, under the GIL alone: no lock)
-        self.consume_lock: Any = contextlib.nullcontext()
+        # Completions are popped and settled under this lock, by the result thread and by a
+        # client thread waiting on a future (wait_for), so a recovery that drains a dead
+        # worker's ring sees every completion either on the ring or settled; the reference's
+        # help() pops under it too (its look at a ring head and its pop are two calls; the
+        # native help is one call under the GIL alone, with no lock)
+        self.consume_lock = threading.Lock()
+        # Done callbacks of futures settled under consume_lock run after it is released
+        # (user code never runs under it): the holder's thread id, and the futures waiting
+        # for their callbacks (_Future._invoke_callbacks defers to it)
+        self.cb_owner = 0
+        self.cb_later: collections.deque[_Future] = collections.deque()
+        # held by the one client thread that waits on a future and settles completions
+        # itself meanwhile (wait_for); the others wait on their futures' conditions
+        self.waiter_role = threading.Lock()
         self.futures: dict[int, _Future] = {}
         self.rpolicy: ResultPolicy | None = None  # the result thread's, made when it starts
         self.ids = itertools.count()
@@ -229,8 +241,6 @@ class _Pool(WorkerDeaths):
                 hot.complete_batch, futures=self.futures, loads=pickle.loads,
                 slow=self.complete_taken, other=self.settle_other)
             self.help_complete = hot.help_complete  # type: ignore[method-assign]
-        else:
-            self.consume_lock = threading.Lock()
         # every MPMC ring (offset -> capacity) and the claims a dead worker left that a live
         # one's intent also names (ringfix.py): asked again at each check_workers
         self.ring_caps = {**self.arena.ring_caps, **{q.offset: q.capacity for q in self.inboxes}}
@@ -321,6 +331,7 @@ class _Pool(WorkerDeaths):
         while self.backlog:
             f = self.backlog.popleft()[0]
             self.resolve(f, ST_ERROR, (exc, ""))
+        self.idle.poke_waiter()
 
     # -- results -------------------------------------------------------------
     def resolve(self, f: _Future, status: int, value: Any) -> None:
@@ -350,6 +361,98 @@ class _Pool(WorkerDeaths):
                 self.complete_taken(h, kind, status, fid, data)
                 continue
             self.settle(fid, value)
+
+    def consume(self, ring: Any, limit: int) -> int:
+        """Pop up to ``limit`` completions from ``ring`` and settle them (the result thread
+        and a thread in :meth:`wait_for`).  Popped and settled under ``consume_lock``; the
+        done callbacks of the futures settled run after it is released, in the result
+        thread (as before: a waiting thread never runs other futures' callbacks, which may
+        need a lock it holds)."""
+        with self.consume_lock:
+            hs = ring.pop_many(limit)
+            if not hs:
+                return 0
+            self.cb_owner = threading.get_ident()
+            try:
+                self.complete_batch(hs)
+            finally:
+                self.cb_owner = 0
+        if self.cb_later:
+            if threading.current_thread() is self.thread:
+                self.run_callbacks()
+            else:
+                self.wake()  # the result thread runs them (_loop)
+        return len(hs)
+
+    def run_callbacks(self) -> None:
+        """The done callbacks deferred while their futures were settled (:meth:`consume`)."""
+        q = self.cb_later
+        while q:
+            try:
+                f = q.popleft()
+            except IndexError:  # another thread took the last one
+                return
+            f._invoke_callbacks()
+
+    def wait_for(self, f: _Future, timeout: float | None) -> float | None:
+        """A client thread about to block on ``f`` (``result()``, ``exception()``): unless
+        another thread already does, settle completions here until ``f`` is settled,
+        parking on the waiter word that workers wake first (Idle.waiter_park).
+
+        The result thread would otherwise be woken for each completion and then wake this
+        thread through the future's condition: two context switches per reply, which on a
+        machine with as many busy workers as cores cost the workers' CPU (a lockstep client
+        stepping agents waits on one reply after another).  Returns the time left of
+        ``timeout`` (None: no limit); the caller then waits as the stdlib does, which
+        returns at once if ``f`` is settled."""
+        end = None if timeout is None else time.monotonic() + timeout
+        if (self.closed or threading.current_thread() is self.thread
+                or not self.waiter_role.acquire(blocking=False)):
+            return timeout
+        rings = self.completions
+        idle = self.idle
+        pending = _fbase.PENDING
+        enter, leave = BATCH_ENTER * self.n, BATCH_LEAVE * self.n
+        batch = False
+        # In the main thread a signal handler (Ctrl-C's KeyboardInterrupt) could raise in
+        # the middle of a batch it popped: completions lost. Signals are held while it
+        # consumes and handled right after (two system calls per batch, main thread only).
+        main = threading.current_thread() is threading.main_thread()
+        try:
+            while f._state == pending and not self.closed:
+                got = 0
+                for ring in rings:
+                    if not len(ring):
+                        continue
+                    if main:
+                        old = signal.pthread_sigmask(signal.SIG_BLOCK, _ALL_SIGNALS)
+                    try:
+                        got += self.consume(ring, 1024)
+                    except BaseException as exc:  # as in the result thread: a bug, reported
+                        self.internal_error(exc)
+                        return timeout
+                    finally:
+                        if main:
+                            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+                if got and (self.backlog or self.requeue or self.ping_backlog):
+                    self.wake()  # records freed here: the result thread moves backlogs in
+                if f._state != pending:
+                    break
+                if got:
+                    continue
+                # throughput mode as the result thread's (ResultPolicy's thresholds): with
+                # many calls outstanding a batch is announced once, not reply by reply
+                batch = len(self.futures) >= (leave if batch else enter)
+                left = BATCH_POLL if batch else MONITOR_INTERVAL
+                if end is not None:
+                    left = min(left, end - time.monotonic())
+                    if left <= 0:
+                        break
+                idle.waiter_park(lambda: f._state != pending or self.has_completions(), left,
+                                 batch)
+        finally:
+            self.waiter_role.release()
+        return None if end is None else max(0.0, end - time.monotonic())
 
     def settle(self, fid: int, value: Any) -> None:
         """Result thread: the plain result of task ``fid`` (or an agent's reply)."""
@@ -511,6 +614,11 @@ class _Pool(WorkerDeaths):
     def has_completions(self) -> bool:
         return any(len(c) for c in self.completions)
 
+    def has_result_work(self) -> bool:
+        """Whether the result thread must not park: completions, or done callbacks that a
+        thread in :meth:`wait_for` left to it."""
+        return bool(self.cb_later) or any(len(c) for c in self.completions)
+
     def run(self) -> None:
         """The result thread, supervised: whatever goes wrong in it, no future hangs."""
         try:
@@ -551,13 +659,11 @@ class _Pool(WorkerDeaths):
             if FP.ON:
                 FP.hit("client.result_thread")
             policy.unmove()
+            if self.cb_later:  # callbacks of futures a thread in wait_for settled
+                self.run_callbacks()
             got = 0
             for ring in rings:
-                with self.consume_lock:
-                    hs = ring.pop_many(1024)
-                if hs:
-                    got += len(hs)
-                    self.complete_batch(hs)
+                got += self.consume(ring, 1024)
             if self.requeue:
                 self.drain_requeue()
             if self.ping_backlog:
@@ -572,6 +678,9 @@ class _Pool(WorkerDeaths):
                 self.check_hangs()
             elif not got:
                 self.check_workers()  # a death is handled before parking: one poll(2)
+            # a thread in wait_for may have parked after we popped its completion, or wait
+            # on a future recovery settled here: it looks again (one load if none parks)
+            self.idle.poke_waiter()
             # (the scan of every record only once the rings are empty: while a million
             # agents' final values stream in it would cost more than reading them)
             if (self.shutdown and not got and not self.futures and not self.backlog
@@ -579,7 +688,7 @@ class _Pool(WorkerDeaths):
                 return
             if not got:
                 batch = policy.update(len(self.futures))
-                self.idle.client_park(self.has_completions,
+                self.idle.client_park(self.has_result_work,
                                       BATCH_POLL if batch else MONITOR_INTERVAL, batch)
 
     def check_steps(self) -> None:

@@ -104,7 +104,6 @@ class WorkerDeaths:
     agents: Any
     procs: list[Any]
     completions: list[Any]
-    consume_lock: Any
     futures: dict[int, Any]
     hung: dict[int, str]
     crashes: int
@@ -125,6 +124,9 @@ class WorkerDeaths:
         raise NotImplementedError
 
     def complete_batch(self, hs: list[int]) -> None:  # (_Pool's, or its native twin)
+        raise NotImplementedError
+
+    def consume(self, ring: Any, limit: int) -> int:  # (_Pool's)
         raise NotImplementedError
 
     def complete_taken(self, h: int, kind: int, status: int, fid: int, data: Any) -> None:
@@ -211,10 +213,7 @@ class WorkerDeaths:
                 return
 
     def drain(self, k: int) -> None:
-        with self.consume_lock:
-            hs = self.completions[k].pop_many(1 << 30)
-        if hs:
-            self.complete_batch(hs)
+        self.consume(self.completions[k], 1 << 30)
 
     def recover(self, k: int, desc: str) -> None:
         """Worker ``k`` is dead and its ring drained: settle every record it held.

@@ -7,6 +7,7 @@ back once awake (and before it starts a process)."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import mmap
 import os
 import threading
@@ -201,7 +202,10 @@ def test_a_waking_worker_hands_its_cpu_to_the_result_thread(monkeypatch):
         assert p.region.load32(H_CLIENT_TID) == tid
         for _ in range(3):  # each: the result thread parked (normal), the worker wakes it
             _wait_until(lambda: p.region.load32(H_CLIENT_PARK) == PARKED, "it parks")
-            assert e.submit(tasks.sleep_then, 0.05, 7).result(timeout=20) == 7
+            # (cf.wait, not result(): a thread in result() settles it itself, woken on its
+            # own park word, and the result thread sleeps on)
+            f = e.submit(tasks.sleep_then, 0.05, 7)
+            assert not cf.wait([f], timeout=20).not_done and f.result(0) == 7
         assert {cpu} in seen  # it ran on the worker's CPU when it woke
         _wait_until(lambda: p.region.load32(H_CLIENT_MOVED) == 0, "it took its CPUs back")
         assert os.sched_getaffinity(tid) == own

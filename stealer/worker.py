@@ -223,6 +223,7 @@ class Worker(ForkJoinHandling, PingHandling):
         # Every claim on an MPMC ring is named first: repaired if we die holding it (ringfix.py)
         for q in self.arena.mpmc_rings(self.inboxes, self.injector):
             q.set_intent(self.wbase + W_RING_OP)
+        self.arena.set_worker(self.wbase)  # records taken off the free ring: named in W_ALLOC
         self.deque.repair()  # inherited from a predecessor killed inside a pop
         order = a.steal_order or [(self.k + i) % n for i in range(1, n)]
         self.victims = [self.deques[i] for i in order]

@@ -279,11 +279,14 @@ class Worker(ForkJoinHandling, PingHandling):
         deque_pop = self.deque.pop
         host = self.host
         rq = host.rq
+        notes = host.dir  # its ``held``: notifications that found a peer's inbox full
         while True:
             h = inbox_pop()
             if h >= 0:
                 self.on_ping(h)
                 continue
+            if notes.held:
+                notes.deliver_held(self.k)  # where there is room now; the rest next time
             if self.held or self.orphans:
                 self.run_later()
                 continue
@@ -401,11 +404,15 @@ class Worker(ForkJoinHandling, PingHandling):
             timeout = PARK_TIMEOUT if not poked else 0.002
             if host.timers:
                 timeout = min(timeout, max(0.0, host.timers[0][0] - time.monotonic()))
-            if host.blocked:
-                timeout = min(timeout, 0.001)  # sends waiting for room in a peer's mailbox
+            if host.blocked or host.dir.held:
+                # sends waiting for room in a peer's mailbox, notifications for room in a
+                # peer's inbox (mailbox.py deliver_held)
+                timeout = min(timeout, 0.001)
             woke = idle.park(self.k, self.has_work, timeout)
             if woke:
                 self.c[C_WAKEUPS] += 1
+            if host.dir.held:
+                host.dir.deliver_held(self.k)
             if host.timers or host.blocked:
                 host.poll()
             if not woke and self.client.gone():  # the client itself, not our parent (forkserver)

@@ -47,6 +47,9 @@ cdef class _Ring:
     cdef char *cells
     cdef char *lease         # MPMC pops: u64 value+1 being taken, as Deque.lease
     cdef char *intent        # MPMC: 3 x u64 {ring tag | op, position, a push's value} this process is about to claim (set_intent; NULL: off): this process writes, the client's ring repair reads after its death
+    cdef char *took          # MPMC pops of the free-record ring: u64 handle+1 of the record just claimed (set_take; NULL: off): this process writes (relaxed) after its claim's CAS, the client reads after its death (records.py, W_ALLOC)
+    cdef char *took_rec      # the records (their gen|state words, RECORD_BYTES apart) whose indices this ring holds (set_take)
+    cdef uint64_t took_n     # how many records: a value >= it is not a record (a corrupt cell: not named)
     cdef uint64_t tag        # this ring's offset << 2 (the op is OR-ed in)
     cdef uint64_t mask
     cdef readonly Py_ssize_t capacity

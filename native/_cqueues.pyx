@@ -415,6 +415,9 @@ cdef class _Ring:
         self.cells = region.base + offset + 2 * LINE
         self.lease = NULL
         self.intent = NULL
+        self.took = NULL
+        self.took_rec = NULL
+        self.took_n = 0
         self.tag = (<uint64_t>offset) << 2
         return 0
 
@@ -437,6 +440,22 @@ cdef class _Ring:
             return
         self.region._check(off, 8)
         self.lease = self.region.base + off
+
+    def set_take(self, Py_ssize_t off, Py_ssize_t rec_base=0, uint64_t nrecords=0):
+        """MPMC, the free-record ring of a worker: record in the u64 word at ``off``
+        (W_ALLOC) the handle + 1 of every record index this process's pop takes, *after* the
+        CAS that claims it and before the cell is released (the generation from the record's
+        word at ``rec_base``, RECORD_BYTES apart), so a recoverer finds a record taken off
+        the ring and not yet set up (records.py, recovery.py ``allocated``).  -1: off."""
+        if off < 0:
+            self.took = NULL
+            return
+        self.region._check(off, 8)
+        if rec_base < 0 or rec_base % 64 or rec_base + <Py_ssize_t>(nrecords * RECORD_BYTES) > self.region.size:
+            raise ValueError("records do not fit the region")
+        self.took = self.region.base + off
+        self.took_rec = self.region.base + rec_base
+        self.took_n = nrecords
 
     cdef int c_push(self, uint64_t v) noexcept nogil:
         return ST_FULL
@@ -490,9 +509,12 @@ cdef class _Ring:
 # -- MPMC claims a dead process left half-done (stealer/ringfix.py repairs them) ----------
 # (RING_PUSH / RING_POP, the intent's op bits: _layout.pxi)
 cdef uint64_t RING_SKIP = 0xFFFFFFFFFFFFFFFFULL   # a repaired producer cell's value: pops skip it
+cdef uint64_t POS_UNKNOWN = 0xFFFFFFFFFFFFFFFFULL   # an intent's position before the push names
+#   one (MPMCRing.pre_push: a free's, named before the record is marked FREE)
 
 
 RING_SKIP_VALUE = RING_SKIP   # stealer/ringfix.py checks its copy against it
+POS_UNKNOWN_VALUE = POS_UNKNOWN   # (and this one)
 
 
 cdef inline void _say_intent(char *intent, uint64_t tag, uint64_t pos, uint64_t v) noexcept nogil:
@@ -508,10 +530,11 @@ cdef inline void _end_intent(char *intent) noexcept nogil:
 
 
 # Test-only failpoints ring.push_after_claim / ring.pop_after_claim (stealer/failpoints.py
-# arms them through arm_ring_failpoint): kill this process between a claim and its store.
-cdef int[2] _fp_ring = [0, 0]         # countdown to the firing hit (0: off); this process only
-cdef char[2][4096] _fp_once_path      # per failpoint: the file whose O_EXCL creation elects one process
-cdef bint[2] _fp_once = [False, False]   # per failpoint: fire only in the process that creates it
+# arms them through arm_ring_failpoint): kill this process between a claim and its store;
+# record.free_after_state (2): between a free's FREE store and its push (HotPath.c_free).
+cdef int[3] _fp_ring = [0, 0, 0]      # countdown to the firing hit (0: off); this process only
+cdef char[3][4096] _fp_once_path      # per failpoint: the file whose O_EXCL creation elects one process
+cdef bint[3] _fp_once = [False, False, False]   # per failpoint: fire only in the process that creates it
 
 from libc.signal cimport SIGKILL
 from posix.fcntl cimport O_CREAT, O_EXCL, O_WRONLY
@@ -538,11 +561,12 @@ cdef void _fp_ring_hit(int which) noexcept nogil:
 
 
 def arm_ring_failpoint(int which, int nth, once_path=None):
-    """Arm (nth >= 1) or disarm (0) ring failpoint ``which`` (0: after a push's claim,
-    1: after a pop's claim) in this process; with ``once_path``, only the process that
-    creates that file fires.  Tests only (stealer/failpoints.py)."""
-    if which not in (0, 1):
-        raise ValueError("ring failpoint: 0 (push) or 1 (pop)")
+    """Arm (nth >= 1) or disarm (0) native failpoint ``which`` (0: after a push's claim,
+    1: after a pop's claim, 2: after a free's FREE store) in this process; with
+    ``once_path``, only the process that creates that file fires.  Tests only
+    (stealer/failpoints.py)."""
+    if which not in (0, 1, 2):
+        raise ValueError("native failpoint: 0 (push), 1 (pop) or 2 (free)")
     _fp_ring[which] = nth
     _fp_once[which] = once_path is not None
     if _fp_once[which]:
@@ -569,6 +593,15 @@ cdef class MPMCRing(_Ring):
 
     def __cinit__(self, Region region, Py_ssize_t offset, Py_ssize_t capacity):
         self._setup(region, offset, capacity, 16, True)
+
+    def pre_push(self, uint64_t v):
+        """Name a push of ``v`` whose position is not known yet (ringfix.POS_UNKNOWN), before
+        the caller makes ``v`` its to give back (a free: before the record's FREE store):
+        the push names its position when it claims one.  Killed in between, the client's
+        repair gives ``v`` back if the caller had made it so (stealer/ringfix.py).  No-op
+        without an intent (set_intent)."""
+        if self.intent != NULL:
+            _say_intent(self.intent, self.tag | RING_PUSH, POS_UNKNOWN, v)
 
     def init(self):
         """Reset to empty; only before any other process uses it."""
@@ -635,6 +668,14 @@ cdef class MPMCRing(_Ring):
             if _fp_ring[1] and self.intent != NULL:
                 _fp_ring_hit(1)   # test only (failpoint ring.pop_after_claim): die holding the claim
             out[0] = st_load_relaxed_u64(cell + 8)
+            if self.took != NULL and out[0] < self.took_n:
+                # the record is ours now (claimed): its handle, before the cell is released
+                # (killed before this store, the repair of the claim gives it back; after
+                # it, the recoverer reads W_ALLOC). Relaxed: read after our death. The gen
+                # (relaxed load) was stored by the free before its push, which our acquire
+                # load of seq ordered before this load.
+                st_store_relaxed_u64(self.took, ((st_load_relaxed_u64(
+                    self.took_rec + RECORD_BYTES * out[0]) & 0xFFFFFFFFU) << 32 | out[0]) + 1)
             st_store_release_u64(cell, pos + self.mask + 1)  # pairs with the next producer's acquire load
             if self.intent != NULL:
                 _end_intent(self.intent)
@@ -796,11 +837,19 @@ cdef class HotPath:
         # Release (exclusive holder; payload storage already dropped by the caller).
         cdef char *r = self.rec(h)
         cdef uint64_t gen = (st_load_relaxed_u64(r) + 1) & 0x7FFFFFFF
+        cdef char *intent = self.free_ring.intent
+        if intent != NULL:
+            # a worker: the push named before the FREE store (its position unknown yet:
+            # MPMCRing.pre_push), so a death between the store and the push's claim leaves
+            # an intent the client's repair completes (ringfix.py: FREE and on no ring)
+            _say_intent(intent, self.free_ring.tag | RING_PUSH, POS_UNKNOWN, h & 0xFFFFFFFFU)
         (<uint32_t *>(r + R_PCLASS))[0] = 0
         (<uint32_t *>(r + R_RCLASS))[0] = 0
         (<uint64_t *>(r + R_PLEN))[0] = 0
         (<uint64_t *>(r + R_RLEN))[0] = 0
         st_store_release_u64(r, gen | (<uint64_t>S_FREE << STATE_SHIFT))  # stale handles now fail their CAS
+        if _fp_ring[2] and intent != NULL:
+            _fp_ring_hit(2)   # test only (failpoint record.free_after_state): FREE, on no ring
         self.free_ring.c_push(h & 0xFFFFFFFFU)                             # release: next owner sees the new gen
 
     def free(self, uint64_t h):

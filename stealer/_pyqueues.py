@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any
 
-from stealer._layout import RING_POP, RING_PUSH
+from stealer._layout import RECORD_BYTES, RING_POP, RING_PUSH
 
 __all__ = ["EMPTY", "RETRY", "NATIVE", "Region", "Deque", "MPMCRing", "SPSCRing"]
 
@@ -37,6 +37,7 @@ EMPTY = -1
 RETRY = -2
 NATIVE = False
 RING_SKIP = (1 << 64) - 1  # a repaired producer cell's value (stealer/ringfix.py): pops skip it
+POS_UNKNOWN = (1 << 64) - 1  # an intent's position before its push names one (pre_push)
 
 _LINE = 64
 _U32 = struct.Struct("=I")
@@ -473,11 +474,32 @@ class MPMCRing(_QueueRing):
 
     _cell = 16
     _intent = -1  # offset of this process's intent words (set_intent), -1: off
+    _take = -1  # offset of this process's W_ALLOC word (set_take), -1: off
+    _take_rec = 0
+    _take_n = 0
 
     def set_intent(self, off: int) -> None:
         if off >= 0:
             self.region._check(off, 24)
         self._intent = off
+
+    def set_take(self, off: int, rec_base: int = 0, nrecords: int = 0) -> None:
+        """The free-record ring of a worker: every record index a pop takes is named as a
+        handle + 1 at ``off`` (W_ALLOC) in the same locked step (native: after the claim,
+        before the cell is released); -1 turns it off."""
+        if off >= 0:
+            self.region._check(off, 8)
+            if rec_base < 0 or rec_base % _LINE or rec_base + nrecords * RECORD_BYTES > self.region.nbytes:
+                raise ValueError("records do not fit the region")
+        self._take, self._take_rec, self._take_n = off, rec_base, nrecords
+
+    def pre_push(self, v: int) -> None:
+        """Name a push of ``v`` whose position is not known yet (POS_UNKNOWN), before the
+        caller makes ``v`` its to give back (a free: before the FREE store); see the native
+        twin.  No-op without an intent."""
+        if self._intent >= 0:
+            with self.region.lock:
+                self._say(RING_PUSH, POS_UNKNOWN, v)
 
     def _say(self, op: int, pos: int, v: int = 0) -> None:
         if self._intent >= 0:  # op 0: no claim in flight
@@ -516,6 +538,9 @@ class MPMCRing(_QueueRing):
                 return EMPTY
             v = r._r64(cell + 8)
             self._say(RING_POP, pos)
+            if self._take >= 0 and v < self._take_n:  # the record taken (see set_take)
+                gen = r._r64(self._take_rec + RECORD_BYTES * v) & _M32
+                r._w64(self._take, ((gen << 32) | v) + 1)
             r._w64(cell, pos + self.capacity)
             r._w64(self._b, pos + 1)
             self._say(0, pos)

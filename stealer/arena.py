@@ -37,7 +37,7 @@ import struct
 import time
 from typing import Any
 
-from stealer import serialize
+from stealer import failpoints, serialize
 from stealer._layout import (
     D_CAP,
     DIR_BYTES,
@@ -73,6 +73,7 @@ from stealer.shm import (
     H_OVERFLOW_SEQ,
     H_PARKED,
     H_SEARCHING,
+    W_ALLOC,
     W_PARK,
     WORKER_BYTES,
     Segment,
@@ -117,6 +118,7 @@ class Arena:
         self.tr = Transitions(seg.region, self.off)
         self.ring_caps = {q.offset: q.capacity for q in self.mpmc_rings()}  # (ringfix.py)
         self._idle: Any = None
+        self.worker = False  # a worker's arena (set_worker): its failpoints fire
         self.hot: Any = None  # the native HotPath, when it is used
         if getattr(Q, "HotPath", None) is not None and os.environ.get("STEALER_PY_HOTPATH") != "1":
             hot = Q.HotPath(seg.region, self.rec_base, self.nrecords, self.rec_free,
@@ -141,6 +143,13 @@ class Arena:
         for m in more:
             out.extend(m if isinstance(m, list) else [m])
         return out
+
+    def set_worker(self, wbase: int) -> None:
+        """A worker's arena (worker block at ``wbase``): every record its pops take off the
+        free ring is named at ``wbase + W_ALLOC`` (recovery.py ``allocated``), and its
+        record failpoints fire.  (Its ring intents are set by the worker, worker.py.)"""
+        self.worker = True
+        self.rec_free.set_take(wbase + W_ALLOC, self.rec_base, self.nrecords)
 
     def free_ring_offsets(self) -> frozenset[int]:
         """The rings that hold free record and block indices (a dead push to one of them
@@ -185,20 +194,34 @@ class Arena:
         return self.rec_base + RECORD_BYTES * idx
 
     def alloc(self) -> int:
-        """A free record's handle, or -1 when all are in use."""
+        """A free record's handle, or -1 when all are in use.
+
+        In a worker the pop names the record's handle in W_ALLOC (set_worker) before it
+        releases its cell: killed from there until the record is set up, its recoverer
+        frees it (FREE in that generation: never set up)."""
         idx = self.rec_free.pop()
         if idx < 0:
             return -1
+        if failpoints.ON and self.worker:
+            failpoints.hit("record.alloc_after_pop")
         gen = _U32.unpack_from(self.mm, self.rec_base + RECORD_BYTES * idx)[0]
         return (gen << 32) | idx
 
     def free(self, h: int) -> None:
-        """Release the record (its exclusive holder only) and both payloads; ``h`` goes stale."""
+        """Release the record (its exclusive holder only) and both payloads; ``h`` goes stale.
+
+        A worker names the push before the FREE store (pre_push: the native HotPath.c_free
+        does the same): killed between the store and the push's claim, the record is FREE
+        and on no ring, and the client's repair of that intent gives it back (ringfix.py)."""
         off = self.off(h)
         self.drop_payload(off)
         gen = (_U32.unpack_from(self.mm, off)[0] + 1) & 0x7FFFFFFF
+        idx = h & 0xFFFFFFFF
+        self.rec_free.pre_push(idx)  # (a worker's intent words; read after its death)
         self.region.store64(off, word(gen, S_FREE))  # release: stale CASes fail now
-        self.rec_free.push(h & 0xFFFFFFFF)  # release: the next owner sees gen and the cleared fields
+        if failpoints.ON and self.worker:
+            failpoints.hit("record.free_after_state")
+        self.rec_free.push(idx)  # release: the next owner sees gen and the cleared fields
 
     def release(self, h: int, state: int, who: int, me: int) -> Outcome:
         """Claim ``h`` (in ``state`` held by ``who``) and free it; only one claimer wins."""

@@ -60,6 +60,7 @@ from stealer.shm import (
     LEASE_SLOTS,
     STATE_READY,
     STATE_STARTING,
+    W_ALLOC,
     W_CURRENT,
     W_LEASE,
     W_RING_OP,
@@ -265,6 +266,7 @@ class _Pool(WorkerDeaths):
         for i in range(LEASE_SLOTS):
             r.store64(base + W_LEASE + 8 * i, 0)
         r.store64(base + W_RING_OP, 0)  # no claim named (ringfix.py)
+        r.store64(base + W_ALLOC, 0)  # no record taken off the free ring (recovery.py)
         r.store32(base + W_STATE, STATE_STARTING)
         args = WorkerArgs(
             index=k, incarnation=self.incarnations[k], name=self.name,

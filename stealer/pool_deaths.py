@@ -38,6 +38,7 @@ from stealer.shm import (
     STATE_INIT_FAILED,
     STATE_RETIRED,
     STATE_STARTING,
+    W_ALLOC,
     W_CURRENT,
     W_LEASE,
     W_PING_IN,
@@ -199,18 +200,10 @@ class WorkerDeaths:
         self.ring_pending = []
         for c in claims:
             done = ringfix.repair(r, self.ring_caps, c[0], c[1], live, c[2], self.ring_fill,
-                                  self._give_back)
+                                  self.rec.give_back, self.rec.owned)
             if done == ringfix.PENDING:
                 self.ring_pending.append(c)
             self.rings_repaired += done == ringfix.DONE
-
-    def _give_back(self, ring: int, value: int) -> None:
-        """A free record or block index a dead worker's pop took and never returned."""
-        for q in self.arena.mpmc_rings():
-            if q.offset == ring:
-                if not q.push(value):  # capacity == count: full means the segment is corrupt
-                    raise RuntimeError(f"free ring at {ring:#x} is full; shared memory is corrupt")
-                return
 
     def drain(self, k: int) -> None:
         self.consume(self.completions[k], 1 << 30)
@@ -233,6 +226,9 @@ class WorkerDeaths:
             if FP.ON:
                 FP.hit("client.recovery")
             rec.leased(h, who)  # QUEUED: again on the injector; CANCELLED/FREEING: freed
+        took = r.load64(base + W_ALLOC)  # acquire; the dead worker's last free-ring pop
+        if took:
+            rec.allocated(took - 1)  # FREE in that generation: never set up, freed
         # Pings it held (its inbox, its last pop) or half-sent (recovery.py Pings)
         rec.dead_pings(k, r.load64(base + W_PING_IN), r.load64(base + W_PING_OUT))
         # Tasks it was running and fork-join frames it held: their ping bits cleared before
@@ -275,6 +271,7 @@ class WorkerDeaths:
         r.store64(base + W_CURRENT, 0)  # settled: nobody may act on these words again
         for i in range(LEASE_SLOTS):
             r.store64(base + W_LEASE + 8 * i, 0)
+        r.store64(base + W_ALLOC, 0)
 
     def complete_one(self, h: int) -> None:
         kind, status, fid, data = self.arena.complete_take(h)

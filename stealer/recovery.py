@@ -12,8 +12,13 @@ The rules, by what the state word of a record says (who = dead worker + 1):
   taken off its queue and never started: push it on the injector again.  If
   it was still queued, there are now two copies; ``start`` lets one win.
 * CANCELLED (lease/current): the dead worker was about to free it: free it.
-* FREE (lease, same generation): spawn allocated it and was killed before setting it
-  up: free it (give it back to the free ring).
+* FREE (lease or W_ALLOC, same generation): the dead worker took it off the free ring
+  (its pop names the handle in W_ALLOC before it releases the ring's cell; spawn leases
+  it too) and was killed before setting it up: free it (give it back to the free ring).
+  A free bumps the generation, so only one of these rules (and the ring repair's
+  give-back, which frees too) acts on it.
+* A record (or block) the dead worker was freeing, FREE and on no ring: its push's
+  intent names it, the ring repair gives it back (stealer/ringfix.py, ``give_back``).
 * FREEING|who: the dead worker was freeing it: finish that.
 * DONE|who (current word): the result was stored but maybe not published:
   a root is completed by the client if its completion is not in the dead
@@ -276,6 +281,51 @@ class Recovery:
             self.pings.clear(i)
         if ping_out:
             self.pings.ping(ping_out - 1, force=True)
+
+    def allocated(self, h: int) -> None:
+        """The handle in a dead worker's W_ALLOC: the last record its pops took off the free
+        ring.  FREE in that generation: never set up (alloc to setup), nobody else's: freed.
+        Anything else (set up since, or freed: a newer generation) is covered by the other
+        rules."""
+        a = self.a
+        if h < 0 or (h & 0xFFFFFFFF) >= a.nrecords:
+            return
+        st = a.tr.state(h)
+        if st is not None and st[0] == S_FREE:
+            a.free(h)  # a new generation: the same handle in a lease word is stale now
+
+    def owned(self, ring: int, v: int) -> bool:
+        """ringfix.repair's ``owned``: whether ``v``, which a dead worker's push onto free
+        ring ``ring`` never landed, is that worker's to give back: a record index whose
+        record is FREE (the free stored it before it named its push's position, and a FREE
+        record on no ring is nobody else's); a block index (named by the push only after
+        its record's descriptor was zeroed)."""
+        a = self.a
+        if ring != a.rec_free.offset:
+            return True
+        if v >= a.nrecords:
+            return False  # a corrupt value: never put on the ring
+        state = (a.region.load64(a.rec_base + RECORD_BYTES * v) >> STATE_SHIFT) & STATE_MASK
+        return state == S_FREE  # acquire: pairs with the free's release store of FREE
+
+    def give_back(self, ring: int, v: int) -> None:
+        """ringfix.repair's ``give_back``: put ``v`` (a record or block index a dead worker
+        held off free ring ``ring``) back on that ring.  A record is freed (a new
+        generation: a handle in the dead worker's W_ALLOC or lease goes stale, so no other
+        rule frees it again); one that is not FREE is nobody's to give back (left)."""
+        a = self.a
+        if ring == a.rec_free.offset:
+            if v >= a.nrecords:
+                return
+            w = a.region.load64(a.rec_base + RECORD_BYTES * v)  # acquire, as in owned()
+            if (w >> STATE_SHIFT) & STATE_MASK == S_FREE:
+                a.free(((w & GEN_MASK) << 32) | v)
+            return
+        for q in a.mpmc_rings():
+            if q.offset == ring:
+                if not q.push(v):  # capacity 2 x count: full means the segment is corrupt
+                    raise RuntimeError(f"free ring at {ring:#x} is full; shared memory is corrupt")
+                return
 
     def frames_of(self, k: int) -> list[int]:
         """Record slots whose R_OWNER names worker ``k`` (any incarnation of it)."""

@@ -9,10 +9,21 @@ before the CAS (``set_intent``: W_RING_OP = ring offset << 2 | RING_PUSH/RING_PO
 W_RING_POS = position), and after its death the client's ``recover``
 (stealer/pool.py) calls :func:`repair` with those two words:
 
-* a push's claim (the enqueue position is past it, the cell's seq still equals
-  it) on a free-record or free-block ring (``fill``): the push is finished with
-  the value the intent names (W_RING_VAL): the dead worker was giving that record
-  or block back, and no other rule would (it is FREE, and no word names it);
+* a push on a free-record or free-block ring (``fill``): the dead worker was giving
+  that record or block (W_RING_VAL) back, and no other rule would (it is FREE, and no
+  word names it), so it must end up on the ring exactly once (:func:`_fill_push`):
+
+  - its claim made and the cell unwritten (the enqueue position is past it, the
+    cell's seq still equals it): the push is finished with that value;
+  - no claim of it landed (the position named and nobody claimed it yet, or another
+    producer's value is in that cell): ``give_back(ring offset, value)`` pushes it;
+  - the cell holds that value (written; maybe taken off since, by an alloc that has
+    not set the record up yet, so FREE is no proof of anything): nothing;
+  - the position unknown (POS_UNKNOWN: a free names its push with ``pre_push``
+    *before* it stores the FREE state, and the push names its position only when it
+    claims one): no claim was made, so it is given back if ``owned(ring offset,
+    value)`` says the free got that far (the record is FREE: nobody else can have
+    made it so, it was the dead worker's);
 * a push's claim on any other ring (the injector, an inbox): the cell gets the
   value RING_SKIP and seq = pos + 1; every pop releases such a cell and goes on
   to the next one, so nothing is delivered for it (the value the dead worker
@@ -45,10 +56,10 @@ from collections.abc import Callable, Container, Iterable
 from typing import Any
 
 from stealer._layout import RING_POP, RING_PUSH
-from stealer._pyqueues import RING_SKIP
+from stealer._pyqueues import POS_UNKNOWN, RING_SKIP
 from stealer.shm import LINE
 
-__all__ = ["DONE", "NOTHING", "PENDING", "RING_SKIP", "repair"]
+__all__ = ["DONE", "NOTHING", "PENDING", "POS_UNKNOWN", "RING_SKIP", "repair"]
 
 NOTHING = "nothing"  # no half-done claim of that intent (the op finished, or never claimed)
 DONE = "repaired"  # the cell was half-done: written now
@@ -58,17 +69,26 @@ PENDING = "pending"  # a live process's intent names the same claim: ask again l
 def repair(region: Any, rings: dict[int, int], op: int, pos: int,
            live: Iterable[tuple[int, int]] = (), value: int = 0,
            fill: Container[int] = (),
-           give_back: Callable[[int, int], None] | None = None) -> str:
+           give_back: Callable[[int, int], None] | None = None,
+           owned: Callable[[int, int], bool] | None = None) -> str:
     """Repair the cell a dead worker's intent ``(op, pos)`` (W_RING_OP, W_RING_POS) may
     have left half-done.  ``rings``: ring offset -> capacity of every MPMC ring of the
     segment; ``live``: the (op, pos) intents of every live worker; ``value``
     (W_RING_VAL): what a push meant to store, stored if its ring is in ``fill``;
-    ``give_back``: called with what a pop on a ``fill`` ring took and never returned."""
+    ``give_back(ring offset, value)``: puts on a ``fill`` ring what a dead pop on it took
+    and never returned, or a dead push's value that never landed; ``owned(ring offset,
+    value)``: whether a dead push's value was the dead worker's to give back (a record:
+    FREE), asked before each give-back of a push's value.  A repair is asked once per
+    intent (again only after PENDING): a DONE or NOTHING is final."""
     kind = op & 3
     cap = rings.get(op >> 2)
     if not op or cap is None or kind not in (RING_PUSH, RING_POP):
         return NOTHING  # no op yet, or not a ring of ours (words from a foreign build)
     off = op >> 2
+    if kind == RING_PUSH and off in fill:
+        return _fill_push(region, off, cap, op, pos, live, value, give_back, owned)
+    if pos == POS_UNKNOWN:
+        return NOTHING  # (only pushes on free rings name one)
     cell = off + 2 * LINE + 16 * (pos & (cap - 1))
     ahead = region.load64(off if kind == RING_PUSH else off + LINE)  # acquire (position word)
     stuck = pos if kind == RING_PUSH else pos + 1  # the seq of a claimed, unwritten cell
@@ -87,3 +107,42 @@ def repair(region: Any, rings: dict[int, int], op: int, pos: int,
         if off in fill and give_back is not None:
             give_back(off, took)
     return DONE
+
+
+def _fill_push(region: Any, off: int, cap: int, op: int, pos: int,
+               live: Iterable[tuple[int, int]], value: int,
+               give_back: Callable[[int, int], None] | None,
+               owned: Callable[[int, int], bool] | None) -> str:
+    """A dead worker's push of ``value`` onto free ring ``off``: make it land exactly once
+    (the cases are the module docstring's)."""
+
+    def back() -> str:  # no claim of ours landed: the value is on no ring
+        if give_back is None or owned is None or not owned(off, value):
+            return NOTHING
+        give_back(off, value)
+        return DONE
+
+    if pos == POS_UNKNOWN:  # died before the push named (so before it claimed) a position
+        return back()
+    cell = off + 2 * LINE + 16 * (pos & (cap - 1))
+    if region.load64(off) <= pos:  # acquire (enqueue position): nobody claimed it yet, and
+        return back()  #              our CAS never will: the value did not land
+    seq = region.load64(cell)  # acquire: pairs with the claimer's release store of seq
+    if seq == pos:  # claimed, unwritten: ours, or a live producer's still in flight
+        if (op, pos) in set(live):
+            return PENDING
+        seq = region.load64(cell)  # again, after the live intents (module docstring)
+        if seq == pos:
+            region.store64(cell + 8, value)  # published by the seq store
+            region.store64(cell, pos + 1)  # release: pairs with a pop's acquire load of seq
+            return DONE
+    if seq in (pos + 1, pos + cap):  # written by its claimer, maybe taken off since
+        took = region.load64(cell + 8)  # that claim's value: stays until the next lap's push
+        if region.load64(off) > pos + cap:  # acquire: a producer of the next lap may have
+            return NOTHING  #                  overwritten it: cannot tell (see below)
+        return NOTHING if took == value else back()
+    # A lap further: what this cell held is gone, and the value may have landed here and
+    # been taken since.  Left alone rather than risk a second copy (a record then stays
+    # out of the free ring); it takes a ring's capacity of pushes between the death and
+    # its repair.
+    return NOTHING

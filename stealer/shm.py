@@ -126,9 +126,15 @@ W_RING_OP = 256  # u64 {MPMC ring offset << 2 | 1 push, 2 pop} this worker is ab
 #                 fence) before its claiming CAS; the client reads them after the worker's death
 #                 (acquire) to repair a cell left half-done (stealer/ringfix.py), and while it
 #                 lives to tell its claim in flight from a dead one's
-W_RING_POS = 264  # u64: see W_RING_OP
+W_RING_POS = 264  # u64: see W_RING_OP; POS_UNKNOWN (all ones): a free's push named before its
+#                  FREE store (MPMCRing.pre_push), the position not claimed yet (ringfix.py)
 W_RING_VAL = 272  # u64 the value a push is about to store (written with W_RING_POS, same rules):
 #                  a dead worker's claim on a free-record or free-block ring is completed with it
+W_ALLOC = 280  # u64 handle+1 of the record this worker's last pop took off the free-record
+#               ring: the pop stores it (relaxed) after its claim's CAS, before it releases the
+#               cell (MPMCRing.set_take); the client reads it after the worker's death and
+#               frees the record if it is still FREE in that generation (never set up: alloc
+#               to setup, recovery.py ``allocated``); stale values name a newer generation
 WORKER_BYTES = 320
 
 # Record (task) layout: RECORD_BYTES each (stealer/_layout.py has the fields).

@@ -223,6 +223,7 @@ class Worker(ForkJoinHandling, PingHandling):
         # Every claim on an MPMC ring is named first: repaired if we die holding it (ringfix.py)
         for q in self.arena.mpmc_rings(self.inboxes, self.injector):
             q.set_intent(self.wbase + W_RING_OP)
+        self.arena.set_worker(self.wbase)  # records taken off the free ring: named in W_ALLOC
         self.deque.repair()  # inherited from a predecessor killed inside a pop
         order = a.steal_order or [(self.k + i) % n for i in range(1, n)]
         self.victims = [self.deques[i] for i in order]
@@ -278,11 +279,14 @@ class Worker(ForkJoinHandling, PingHandling):
         deque_pop = self.deque.pop
         host = self.host
         rq = host.rq
+        notes = host.dir  # its ``held``: notifications that found a peer's inbox full
         while True:
             h = inbox_pop()
             if h >= 0:
                 self.on_ping(h)
                 continue
+            if notes.held:
+                notes.deliver_held(self.k)  # where there is room now; the rest next time
             if self.held or self.orphans:
                 self.run_later()
                 continue
@@ -400,11 +404,15 @@ class Worker(ForkJoinHandling, PingHandling):
             timeout = PARK_TIMEOUT if not poked else 0.002
             if host.timers:
                 timeout = min(timeout, max(0.0, host.timers[0][0] - time.monotonic()))
-            if host.blocked:
-                timeout = min(timeout, 0.001)  # sends waiting for room in a peer's mailbox
+            if host.blocked or host.dir.held:
+                # sends waiting for room in a peer's mailbox, notifications for room in a
+                # peer's inbox (mailbox.py deliver_held)
+                timeout = min(timeout, 0.001)
             woke = idle.park(self.k, self.has_work, timeout)
             if woke:
                 self.c[C_WAKEUPS] += 1
+            if host.dir.held:
+                host.dir.deliver_held(self.k)
             if host.timers or host.blocked:
                 host.poll()
             if not woke and self.client.gone():  # the client itself, not our parent (forkserver)

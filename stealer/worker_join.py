@@ -262,6 +262,8 @@ class ForkJoinHandling:
                 if h >= 0:
                     self._nested(self.execute, h, frame, cur)
                     continue
+                if self.host.dir.held:  # notifications that found a peer's inbox full
+                    self.host.dir.deliver_held(self.k)
                 if (not self.idle.wait_ping(self.k, inbox.__len__, JOIN_WAIT)
                         and self.client.gone()):  # our client died while we waited: exit
                     self.orphaned()

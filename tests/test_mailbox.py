@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pickle
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -167,3 +168,45 @@ def _case(cfg: str) -> type:
 
 for _cfg in CONFIGS:
     globals()[f"TestMailbox_{_cfg.replace('-', '_')}"] = _case(_cfg)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_a_worker_holds_a_notification_for_a_full_inbox_instead_of_waiting(cfg):
+    """Worker 0 notifies an agent of worker 1, whose inbox is full.  Waiting for room there
+    could wait forever (worker 1 may itself wait for room in ours, which only our loop
+    makes): the notification is held for our loop (``deliver_held``) and pushed once
+    there is room."""
+    import threading
+
+    from stealer._layout import AF_NOTIFIED, D_FLAGS
+
+    rg = make_rig(cfg, records=16)
+    try:
+        a = rg.arena
+        d = Directory(rg.seg.region, a, rg.layout.offsets["agents"], rg.inboxes,
+                      Idle(rg.seg.region, rg.layout))  # full=None: a worker's
+        h = a.alloc()
+        a.setup(h, K_ROOT, 0, 0)
+        a.tr.cas(h, 1, 0, S_RUNNING, 2)  # owned by worker 1
+        d.init(h, CAP)
+        inbox = rg.inboxes[1]
+        while inbox.push(12345):
+            pass
+        t = threading.Thread(target=d.notify, args=(h, 0), daemon=True)
+        t.start()
+        t.join(2.0)
+        waited = t.is_alive()
+        if waited:
+            inbox.pop()  # let the old wait end before the test fails
+            t.join(2.0)
+        assert not waited, "notify waited for room in a peer's inbox"
+        assert [e[:2] for e in d.held] == [(1, h)]
+        assert rg.seg.region.load64(d.entry(h) + D_FLAGS) & AF_NOTIFIED  # nobody else pushes
+        d.notify(h, 0)  # a second sender: the bit is set, nothing more held
+        assert len(d.held) == 1
+        assert d.deliver_held(0)  # still full: still held
+        assert inbox.pop() == 12345
+        assert not d.deliver_held(0) and d.held == []
+        assert inbox.pop_many(64)[-1] == h
+    finally:
+        rg.seg.unlink()

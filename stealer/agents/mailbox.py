@@ -40,7 +40,6 @@ futex-wakes blocked client senders when the count falls from the cap.
 from __future__ import annotations
 
 import struct
-import time
 from typing import Any
 
 from stealer._layout import (
@@ -82,8 +81,11 @@ class Directory:
         self.idle = idle
         # (owner, h) -> None: a notification found the owner's inbox full.  The client
         # passes one that queues it for its result thread (it never waits on a worker's
-        # inbox: a worker still starting does not drain it); a worker waits for room.
+        # inbox: a worker still starting does not drain it).  A worker (None) keeps it in
+        # ``held`` for its loop (deliver_held): waiting here could wait for a peer that
+        # waits for room in our inbox, which only our loop makes.
         self.full = full
+        self.held: list[tuple[int, int, int]] = []  # (owner, h, flags): a worker's, see above
         # Layout.worker: where a worker's words are (a control agent's busy owner is
         # signalled, inline.py); None: never signal
         self.worker_base = worker_base
@@ -158,16 +160,34 @@ class Directory:
         if not self.inboxes[owner].push(h):  # one notification per agent at a time
             if self.full is not None:  # the client: never waits on a worker's inbox
                 self.full(owner, h)
-                return
-            while not self.inboxes[owner].push(h):
-                time.sleep(0.0001)
+            else:  # a worker: for its loop (the AF_NOTIFIED bit stays set: nobody else pushes)
+                self.held.append((owner, h, flags))
+            return
+        self._woken(owner, h, flags, me, defer)
+
+    def _woken(self, owner: int, h: int, flags: int, me: int = -1,
+               defer: set[int] | None = None) -> None:
+        """The notification for ``h`` is in ``owner``'s inbox: wake the owner (or defer)."""
         if owner != me:
             if defer is not None:
                 defer.add(owner)
             else:
                 self.idle.notify_worker(owner)
             if flags & AF_CONTROL and self.worker_base is not None:
-                signal_if_busy(r, self.worker_base(owner), h, flags)
+                signal_if_busy(self.r, self.worker_base(owner), h, flags)
+
+    def deliver_held(self, me: int = -1) -> bool:
+        """A worker's loop: push the notifications that found their owner's inbox full
+        (``held``) where there is room now; True if some are still held.  Lost with the
+        worker if it dies first, as one it waited to push was."""
+        still = []
+        for owner, h, flags in self.held:
+            if self.inboxes[owner].push(h):
+                self._woken(owner, h, flags, me)
+            else:
+                still.append((owner, h, flags))
+        self.held = still
+        return bool(still)
 
     # -- the owner ----------------------------------------------------------------
     def clear_notified(self, h: int) -> None:

@@ -58,7 +58,8 @@ class _Killer(threading.Thread):
     """Send ``sig`` to a random worker every ``interval`` seconds (uniform) until stopped.
 
     SIGKILL: each process once; with probability ``p_starting`` the victim is a worker
-    still starting (if one is), else a ready one (if one is).  Killing starting workers
+    still starting (if one is), else a ready one (if one is); and after a ready one, with
+    the same probability, its replacement while it starts (:meth:`aim`).  Killing starting workers
     whenever no ready one exists would keep both slots starting for ever (a start takes
     ~150 ms here, longer than the interval), so such ticks pass.  SIGINT: ready workers
     only (``p_starting`` 0).
@@ -108,8 +109,33 @@ class _Killer(threading.Thread):
                 with self.cond:
                     self.hits.append((k, pid, state))
                     self.cond.notify_all()
+                if self.sig == signal.SIGKILL and state == STATE_READY and self.p_starting:
+                    self.aim(k, pid)
         except BaseException as exc:  # re-raised by stop()
             self.error = exc
+
+    def aim(self, k: int, dead: int) -> None:
+        """With probability ``p_starting``, kill slot ``k``'s replacement while it starts: it
+        is STARTING for ~15 ms (forkserver), so random ticks rarely find one."""
+        if self.rng.random() >= self.p_starting:
+            return
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end and not self.halt.wait(0.0003):
+            p = self.ex._pool.procs[k]
+            pid = None if p is None else p.pid
+            if pid is None or pid == dead:
+                continue
+            state = self.ex._pool.region.load32(self.ex._pool.layout.worker(k) + W_STATE)
+            if state != STATE_STARTING:
+                return  # missed it: ready already
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                return
+            with self.cond:
+                self.hits.append((k, pid, state))
+                self.cond.notify_all()
+            return
 
     def wait_hits(self, n: int, timeout: float) -> None:
         with self.cond:

@@ -1075,17 +1075,24 @@ cdef class HotPath:
         st_fence_seqcst()                              # pairs with the client's park store + recheck
         cdef char *w = self.region.base + self.client_park_off
         # A client thread waiting on a future settles completions itself (_Pool.wait_for):
-        # wake it instead of the result thread, one wake per completion and no hand-off.
-        # In throughput mode (PARKED_BATCH) it polls, and the wake is owed as below.
+        # it, not the result thread, is woken; awake, it looks at the rings before it parks;
+        # parked for one record (PARKED_BATCH) it is woken for that record's completion only
+        # (the others are owed, paid before this worker idles, and it polls meanwhile).
         cdef char *ww = w + WAITER_PARK_AT
-        cdef uint32_t v = st_load_relaxed_u32(ww)    # ordered by the fence above
-        # seq_cst CAS: pairs with the waiter's store of PARKED (Idle.waiter_park) + re-check
-        if v == PARKED and st_cas_seqcst_u32(ww, v, NOTIFIED):
-            st_futex_wake(ww, 1)
-            return 1
-        if v == PARKED_BATCH:
-            self.owed = True
-            return 1
+        cdef uint32_t v
+        while True:
+            v = st_load_relaxed_u32(ww)              # ordered by the fence above
+            if v == WAITER_AWAKE or v == NOTIFIED:   # it looks at the rings before it parks
+                return 1
+            if v == PARKED_BATCH and st_load_relaxed_u64(w + WAITER_FOR_AT) != h:
+                self.owed = True                     # (relaxed: ordered by the load of 3)
+                return 1
+            if v != PARKED and v != PARKED_BATCH:
+                break                                # no waiter: the result thread's word
+            # seq_cst CAS: pairs with the waiter's store of its park state and its re-check
+            if st_cas_seqcst_u32(ww, v, NOTIFIED):
+                st_futex_wake(ww, 1)
+                return 1
         v = st_load_relaxed_u32(w)                   # ordered by the fence above
         if v == PARKED_BATCH:
             # Throughput mode (idle.ResultPolicy): no wake per completion.  The thread

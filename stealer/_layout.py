@@ -72,11 +72,13 @@ RING_POP = 2  # op bits of an intent: a pop about to claim a dequeue position
 PARKED = 1
 NOTIFIED = 2
 PARKED_BATCH = 3  # the client's result thread parked in throughput mode (idle.ResultPolicy)
+WAITER_AWAKE = 4  # the waiter word: a client thread holds the waiter role and is awake
 # The client park word's neighbours, as byte offsets from it (shm.H_CLIENT_TID/_MOVED; the
 # native hand-off reaches them from the park word: HotPath.c_finish's _hand_over)
 CLIENT_TID_AT = 4  # u32 the result thread's id while workers may move it (0: they must not)
 CLIENT_MOVED_AT = 8  # u32 1: a worker moved it onto its CPU; it takes its CPUs back
 WAITER_PARK_AT = 12  # u32 park word of the client thread waiting on a future (_Pool.wait_for)
+WAITER_FOR_AT = 16  # u64 the handle of the record that thread waits for (PARKED_BATCH)
 
 # -- agent directory (stealer/agents/mailbox.py): one entry per record slot ---------
 DIR_BYTES = 64  # one cache line per agent: senders of different agents never share a line

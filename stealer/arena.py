@@ -359,7 +359,7 @@ class Arena:
             return 2
         while not completions.push(h):
             pass
-        self.idle.wake_client()
+        self.idle.wake_client(h)
         return 1
 
     def complete_take(self, h: int) -> tuple:

@@ -50,6 +50,7 @@ from stealer.shm import (
     H_CLIENT_TID,
     H_PARKED,
     H_SEARCHING,
+    H_WAITER_FOR,
     H_WAITER_PARK,
     MAX_WORKERS,
     W_PARK,
@@ -58,7 +59,8 @@ from stealer.shm import (
 
 __all__ = ["Idle", "ResultPolicy", "RUNNING", "PARKED", "NOTIFIED", "PARKED_BATCH", "BATCH_POLL"]
 
-RUNNING, PARKED, NOTIFIED, PARKED_BATCH = 0, 1, 2, 3  # PARKED_BATCH: the client word only
+RUNNING, PARKED, NOTIFIED, PARKED_BATCH = 0, 1, 2, 3  # PARKED_BATCH: the client words only
+WAITER_AWAKE = 4  # the waiter word only: a client thread in _Pool.wait_for, awake
 _M64 = (1 << 64) - 1
 
 BATCH_ENTER = 8  # outstanding tasks per worker from which the result thread parks SCHED_BATCH
@@ -209,22 +211,28 @@ class Idle:
             r.store32(w, RUNNING)  # seq_cst: overwrites NOTIFIED; notifiers' CAS then fails
 
     # -- the client's result thread -----------------------------------------
-    def wake_client(self) -> None:
-        """Worker side, after pushing a completion: wake the client if parked.  In
-        throughput mode (PARKED_BATCH) the wake is owed instead (:attr:`owed`): the
-        worker pays it once, before it idles (:meth:`flush_client`), and the result
-        thread polls every ``BATCH_POLL`` meanwhile (HotPath.c_finish does the same)."""
+    def wake_client(self, h: int = -1) -> None:
+        """Worker side, after pushing the completion of record ``h``: wake the client if
+        parked.  A client thread waiting on a future (``_Pool.wait_for``) is woken instead
+        of the result thread: awake, it looks at the rings before it parks (nothing to
+        do); parked for one record, only that record's completion wakes it.  A wake not
+        paid now is owed (:attr:`owed`): the worker pays it once, before it idles
+        (:meth:`flush_client`), and the sleeper polls meanwhile; so in the result thread's
+        throughput mode (PARKED_BATCH).  HotPath.c_finish does the same."""
         r = self.r
         r.fence()  # seq_cst: the completion push before reading the park words
-        # a client thread waiting on a future settles completions itself: it, not the result
-        # thread (seq_cst load and CAS: pair with waiter_park's store and its re-check)
-        v = r.load32(H_WAITER_PARK)
-        if v == PARKED and r.cas32(H_WAITER_PARK, v, NOTIFIED):
-            r.futex_wake(H_WAITER_PARK, 1)
-            return
-        if v == PARKED_BATCH:  # it polls in throughput mode: the wake is owed
-            self.owed = True
-            return
+        while True:
+            v = r.load32(H_WAITER_PARK)  # seq_cst: pairs with the waiter's stores of its state
+            if v in (WAITER_AWAKE, NOTIFIED):
+                return  # it looks at the rings before it parks
+            if v == PARKED_BATCH and r.load64(H_WAITER_FOR) != h:
+                self.owed = True
+                return
+            if v not in (PARKED, PARKED_BATCH):
+                break  # no waiter: the result thread's word
+            if r.cas32(H_WAITER_PARK, v, NOTIFIED):  # seq_cst: pairs with its re-check
+                r.futex_wake(H_WAITER_PARK, 1)
+                return
         v = r.load32(H_CLIENT_PARK)  # seq_cst: pairs with client_park's store
         if v == PARKED_BATCH:
             self.owed = True
@@ -246,20 +254,35 @@ class Idle:
         if v in (PARKED, PARKED_BATCH) and r.cas32(H_CLIENT_PARK, v, NOTIFIED):
             r.futex_wake(H_CLIENT_PARK, 1)
 
-    def waiter_park(self, has_work: Any, timeout: float, batch: bool = False) -> bool:
-        """The client thread that waits on a future (``_Pool.wait_for``): sleep until a
-        worker publishes a completion, another client thread pokes it (:meth:`poke_waiter`),
-        or ``timeout``.  ``batch``: throughput mode, as the result thread's (workers owe the
-        wake and pay it before they idle; it polls)."""
+    def waiter_take(self) -> None:
+        """A client thread took the waiter role (``_Pool.wait_for``): awake."""
+        self.r.store32(H_WAITER_PARK, WAITER_AWAKE)  # seq_cst: read by wake_client
+
+    def waiter_leave(self) -> None:
+        """The waiter gives the role up: from now on workers wake the result thread.  The
+        caller then looks at the rings once more (a worker that saw it awake woke nobody)."""
         r = self.r
-        v = PARKED_BATCH if batch else PARKED
+        r.store32(H_WAITER_PARK, RUNNING)  # seq_cst: pairs with wake_client's fence and load
+        r.fence()  # seq_cst: the store before the caller's look at the rings
+
+    def waiter_park(self, has_work: Any, timeout: float, h: int = -1) -> bool:
+        """The client thread that waits on a future (``_Pool.wait_for``): sleep until a
+        worker publishes the completion of record ``h`` (-1: any completion), another
+        client thread pokes it (:meth:`poke_waiter`), a worker pays the wakes it owes
+        before it idles, or ``timeout``."""
+        r = self.r
+        if h >= 0:
+            r.store64(H_WAITER_FOR, h)  # seq_cst, before the state that makes workers read it
+            v = PARKED_BATCH
+        else:
+            v = PARKED
         r.store32(H_WAITER_PARK, v)  # seq_cst: pairs with wake_client's fence and CAS
         try:
             if has_work():
                 return True
             return r.futex_wait(H_WAITER_PARK, v, timeout)
         finally:
-            r.store32(H_WAITER_PARK, RUNNING)  # seq_cst: overwrites NOTIFIED; later CAS fails
+            r.store32(H_WAITER_PARK, WAITER_AWAKE)  # seq_cst: overwrites NOTIFIED
 
     def poke_waiter(self) -> None:
         """Client: wake the thread parked in :meth:`waiter_park` (a future it may wait on was

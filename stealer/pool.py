@@ -13,6 +13,7 @@ recovery of what it held are stealer/pool_deaths.py's (WorkerDeaths, a mixin of
 
 from __future__ import annotations
 
+import _signal
 import atexit
 import collections
 import functools
@@ -45,7 +46,7 @@ from stealer.errors import (
 )
 from stealer.futures import _Future
 from stealer.hang import HangWatch, hang_message
-from stealer.idle import BATCH_ENTER, BATCH_LEAVE, BATCH_POLL, NOTIFIED, Idle, ResultPolicy
+from stealer.idle import BATCH_POLL, NOTIFIED, Idle, ResultPolicy
 from stealer.pool_deaths import (
     WorkerDeaths,
     describe_exit,
@@ -76,8 +77,11 @@ from stealer.worker import main as worker_main
 __all__ = ["_Pool", "describe_exit", "describe_start_failure", "exited_by_itself"]
 
 MONITOR_INTERVAL = 0.05
+WAITER_POLL_MAX = 0.016  # seconds: the longest a thread in wait_for sleeps between looks
 # what a thread in _Pool.wait_for holds while it settles a batch (SIGKILL/SIGSTOP excepted)
-_ALL_SIGNALS = signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}  # seconds between checks of worker liveness
+# (_signal's: signal.pthread_sigmask makes an enum of every signal in the old mask, each call)
+_ALL_SIGNALS = frozenset(int(s) for s in signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP}
+_sigmask = _signal.pthread_sigmask  # seconds between checks of worker liveness
 
 _live: weakref.WeakSet[_Pool] = weakref.WeakSet()
 _exiting = False
@@ -398,15 +402,19 @@ class _Pool(WorkerDeaths):
 
     def wait_for(self, f: _Future, timeout: float | None) -> float | None:
         """A client thread about to block on ``f`` (``result()``, ``exception()``): unless
-        another thread already does, settle completions here until ``f`` is settled,
-        parking on the waiter word that workers wake first (Idle.waiter_park).
+        another thread already does, settle completions here until ``f`` is settled.
 
         The result thread would otherwise be woken for each completion and then wake this
-        thread through the future's condition: two context switches per reply, which on a
-        machine with as many busy workers as cores cost the workers' CPU (a lockstep client
-        stepping agents waits on one reply after another).  Returns the time left of
-        ``timeout`` (None: no limit); the caller then waits as the stdlib does, which
-        returns at once if ``f`` is settled."""
+        thread through the future's condition: two context switches per result, which on
+        a machine with as many busy workers as cores cost the workers' CPU.  Here the
+        thread parks on the waiter word (Idle.waiter_park) with the handle of ``f``'s
+        record: the worker that completes that record wakes it; other completions wake
+        nobody (they are announced when their worker idles, and this thread polls every
+        ``BATCH_POLL`` to ``WAITER_POLL_MAX``), so a client that waits on one reply after
+        another is woken about once per reply it waits for, and replies that came first
+        are settled on the way.  Returns the time left of ``timeout`` (None: no limit);
+        the caller then waits as the stdlib does, which returns at once if ``f`` is
+        settled.  Done callbacks still run in the result thread (:meth:`consume`)."""
         end = None if timeout is None else time.monotonic() + timeout
         if (self.closed or threading.current_thread() is self.thread
                 or not self.waiter_role.acquire(blocking=False)):
@@ -414,12 +422,12 @@ class _Pool(WorkerDeaths):
         rings = self.completions
         idle = self.idle
         pending = _fbase.PENDING
-        enter, leave = BATCH_ENTER * self.n, BATCH_LEAVE * self.n
-        batch = False
+        poll = BATCH_POLL
         # In the main thread a signal handler (Ctrl-C's KeyboardInterrupt) could raise in
         # the middle of a batch it popped: completions lost. Signals are held while it
         # consumes and handled right after (two system calls per batch, main thread only).
         main = threading.current_thread() is threading.main_thread()
+        idle.waiter_take()
         try:
             while f._state == pending and not self.closed:
                 got = 0
@@ -427,7 +435,7 @@ class _Pool(WorkerDeaths):
                     if not len(ring):
                         continue
                     if main:
-                        old = signal.pthread_sigmask(signal.SIG_BLOCK, _ALL_SIGNALS)
+                        old = _sigmask(signal.SIG_BLOCK, _ALL_SIGNALS)
                     try:
                         got += self.consume(ring, 1024)
                     except BaseException as exc:  # as in the result thread: a bug, reported
@@ -435,25 +443,28 @@ class _Pool(WorkerDeaths):
                         return timeout
                     finally:
                         if main:
-                            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+                            _sigmask(signal.SIG_SETMASK, old)
                 if got and (self.backlog or self.requeue or self.ping_backlog):
                     self.wake()  # records freed here: the result thread moves backlogs in
                 if f._state != pending:
                     break
                 if got:
+                    poll = BATCH_POLL
                     continue
-                # throughput mode as the result thread's (ResultPolicy's thresholds): with
-                # many calls outstanding a batch is announced once, not reply by reply
-                batch = len(self.futures) >= (leave if batch else enter)
-                left = BATCH_POLL if batch else MONITOR_INTERVAL
+                left = poll
                 if end is not None:
                     left = min(left, end - time.monotonic())
                     if left <= 0:
                         break
-                idle.waiter_park(lambda: f._state != pending or self.has_completions(), left,
-                                 batch)
+                h = f._st_handle
+                if not idle.waiter_park(lambda: f._state != pending or self.has_completions(),
+                                        left, -1 if h is None else h):
+                    poll = min(2 * poll, WAITER_POLL_MAX)  # nothing came: look less often
         finally:
+            idle.waiter_leave()
             self.waiter_role.release()
+            if self.has_completions():
+                self.wake()  # pushed after its last look by a worker that saw it awake
         return None if end is None else max(0.0, end - time.monotonic())
 
     def settle(self, fid: int, value: Any) -> None:

@@ -55,6 +55,7 @@ from stealer._layout import (
     CLIENT_TID_AT,
     DIR_BYTES,
     RECORD_BYTES,
+    WAITER_FOR_AT,
     WAITER_PARK_AT,
 )
 from stealer._queues import impl as Q
@@ -75,7 +76,8 @@ H_SHUTDOWN = 64  # u32 written by the client (store32 seq_cst), read by workers 
 H_CLIENT_PARK = 256  # u32 futex word of the client's result thread (0 awake, 1 parked, 3 parked in throughput mode, 2 notified): stored seq_cst by it, CAS by workers to wake it
 H_CLIENT_TID = H_CLIENT_PARK + CLIENT_TID_AT  # u32 thread id of the client's result thread while workers may move it onto their CPU to wake it (0: they must not): it stores it (seq_cst) at start and 0 before it exits; workers load it (relaxed, after their CAS of H_CLIENT_PARK, which orders it)
 H_CLIENT_MOVED = H_CLIENT_PARK + CLIENT_MOVED_AT  # u32 1: a worker narrowed the result thread's CPU affinity: the worker stores 1 (seq_cst) after its sched_setaffinity succeeded, the result thread exchanges it back to 0 (seq_cst) at the top of each loop and then restores its affinity
-H_WAITER_PARK = H_CLIENT_PARK + WAITER_PARK_AT  # u32 futex word of the one client thread that waits on a future and settles completions itself (_Pool.wait_for; 0 awake, 1 parked, 2 notified): stored seq_cst by it, CAS PARKED -> NOTIFIED by workers after a completion push (before they look at H_CLIENT_PARK: a parked waiter is woken instead of the result thread) and by the client's other threads after they settled or cancelled a future
+H_WAITER_PARK = H_CLIENT_PARK + WAITER_PARK_AT  # u32 futex word of the one client thread that waits on a future and settles completions itself (_Pool.wait_for): 0 no such thread, 4 awake (it looks at the rings before it parks: nobody wakes it), 1 parked (wake it for any completion), 3 parked for H_WAITER_FOR's completion only (others: owed, as in throughput mode), 2 notified; stored seq_cst by that thread, CAS 1/3 -> 2 by workers after a completion push (before they look at H_CLIENT_PARK) and by the client's other threads after they settled or cancelled a future
+H_WAITER_FOR = H_CLIENT_PARK + WAITER_FOR_AT  # u64 handle of the record the waiter waits for: stored by it (seq_cst) before it stores 3 in H_WAITER_PARK; workers load it (relaxed) after they load 3 there, which orders it
 H_OVERFLOW_SEQ = 320  # u64 overflow files created (a statistic; names are random): add64 by any producer
 H_FN_COUNT = 384  # u64 number of function-table entries: written by the client only (store64 release)
 H_FN_BYTES = 392  # u64 bytes used in the function data area: client only

@@ -591,7 +591,7 @@ class Worker(ForkJoinHandling, PingHandling):
     def publish_root(self, h: int) -> None:
         while not self.completions.push(h):  # capacity == records: cannot stay full
             time.sleep(0.0001)
-        self.idle.wake_client()
+        self.idle.wake_client(h)
 
     def complete_root(self, h: int, status: int, value: Any) -> None:
         """Recovery: publish a failed root task we claimed (recovery.py)."""

@@ -46,7 +46,7 @@ from stealer.errors import (
 )
 from stealer.futures import _Future
 from stealer.hang import HangWatch, hang_message
-from stealer.idle import BATCH_POLL, NOTIFIED, Idle, ResultPolicy
+from stealer.idle import BATCH_ENTER, BATCH_LEAVE, BATCH_POLL, NOTIFIED, Idle, ResultPolicy
 from stealer.pool_deaths import (
     WorkerDeaths,
     describe_exit,
@@ -78,6 +78,7 @@ __all__ = ["_Pool", "describe_exit", "describe_start_failure", "exited_by_itself
 
 MONITOR_INTERVAL = 0.05
 WAITER_POLL_MAX = 0.016  # seconds: the longest a thread in wait_for sleeps between looks
+NO_TARGET = (1 << 64) - 1  # a handle no record has: the waiter is woken for no completion
 # what a thread in _Pool.wait_for holds while it settles a batch (SIGKILL/SIGSTOP excepted)
 # (_signal's: signal.pthread_sigmask makes an enum of every signal in the old mask, each call)
 _ALL_SIGNALS = frozenset(int(s) for s in signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP}
@@ -423,6 +424,8 @@ class _Pool(WorkerDeaths):
         idle = self.idle
         pending = _fbase.PENDING
         poll = BATCH_POLL
+        enter, leave = BATCH_ENTER * self.n, BATCH_LEAVE * self.n
+        batch = False
         # In the main thread a signal handler (Ctrl-C's KeyboardInterrupt) could raise in
         # the middle of a batch it popped: completions lost. Signals are held while it
         # consumes and handled right after (two system calls per batch, main thread only).
@@ -456,9 +459,18 @@ class _Pool(WorkerDeaths):
                     left = min(left, end - time.monotonic())
                     if left <= 0:
                         break
+                # With many tasks or calls outstanding (the result thread's throughput mode,
+                # ResultPolicy's thresholds) no completion wakes it: a batch is announced
+                # once, when its worker idles (a client stepping 256 agents in lockstep
+                # was woken for most of its replies, one by one); else its record's does.
+                batch = len(self.futures) >= (leave if batch else enter)
                 h = f._st_handle
+                if batch:
+                    h = NO_TARGET
+                elif h is None:
+                    h = -1  # no record known (an agent's final value): any completion
                 if not idle.waiter_park(lambda: f._state != pending or self.has_completions(),
-                                        left, -1 if h is None else h):
+                                        left, h):
                     poll = min(2 * poll, WAITER_POLL_MAX)  # nothing came: look less often
         finally:
             idle.waiter_leave()

@@ -46,6 +46,7 @@ POINTS = {
     "agent.adopt": "an agent record was started here, before its mailbox is walked",
     "agent.after_step": "an agent step returned, before its outcome is applied",
     "agent.after_handler": "a message handler returned, before the message is marked done",
+    "agent.reply_after_claim": "a reply slot claimed (QUEUED -> RUNNING), its reply not stored",
     "agent.after_mark_done": "a message is marked done, before its mailbox slot is given back",
     "agent.ckpt_before_switch": "a checkpoint record is written, before D_CKPT points to it",
     "agent.ckpt_after_switch": "D_CKPT switched, before the old checkpoint and messages are freed",

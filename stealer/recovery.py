@@ -57,11 +57,14 @@ from stealer._layout import (
     GEN_MASK,
     K_CHILD,
     K_MASK,
+    K_REPLY,
     K_ROOT,
     R_INCARNATION,
     R_KIND,
     R_LINK,
     R_OWNER,
+    R_PCLASS,
+    R_PLEN,
     R_RETRIES,
     R_STATUS,
     R_TRIES,
@@ -189,6 +192,17 @@ class Pings:
 
 def _no_room(owner: int, h: int) -> None:
     raise RuntimeError(f"the inbox of worker {owner} is full (ping for {h:#x})")
+
+
+def _reply_slot(mm: Any, off: int) -> bool:
+    """Whether the record at ``off`` is a reply slot: an agent's (K_REPLY), or a client
+    call's (a K_ROOT that is no agent and has no call payload: tasks always have one)."""
+    kind = _U32.unpack_from(mm, off + R_KIND)[0]
+    if kind & K_MASK == K_REPLY:
+        return True
+    return (kind & K_MASK == K_ROOT and not kind & F_AGENT
+            and _U32.unpack_from(mm, off + R_PCLASS)[0] == 0
+            and _U64.unpack_from(mm, off + R_PLEN)[0] == 0)
 
 
 class Recovery:
@@ -386,6 +400,14 @@ class Recovery:
                 a.free(k)
         off = a.off(h)
         mm = a.mm
+        if _reply_slot(mm, off):
+            # The dead worker was storing an agent's reply here (Messages.reply: QUEUED ->
+            # RUNNING|it, store, DONE). Its message was handled after the agent's last
+            # checkpoint, so the agent's restart replays it and answers again: QUEUED again,
+            # on no queue, as the caller made it (failing it lost a reply the replay gives).
+            a.drop_result(off)
+            a.tr.requeue(h, self.me)  # ours (taken over): cannot fail
+            return True
         tries = _U32.unpack_from(mm, off + R_TRIES)[0]
         retries = _U32.unpack_from(mm, off + R_RETRIES)[0]
         _OWNER.pack_into(mm, off + R_OWNER, 0, 0)  # no frame: pings for it are ignored

@@ -183,6 +183,8 @@ class Messages:
             if st is not None and st[0] == S_CANCELLED:
                 a.release(rh, S_CANCELLED, 0, self.who)  # the caller gave up on it
             return  # stale: a replayed message whose reply was sent before
+        if FP.ON:
+            FP.hit("agent.reply_after_claim")
         kind, _status, link = a.kind_link(a.off(rh))
         if enc is None:
             self.w.report(rh, kind, link, status, value)

@@ -342,9 +342,9 @@ class ResultPolicy:
     microsecond a worker loses delays all of them, and back to ``SCHED_OTHER`` below
     ``BATCH_LEAVE`` per worker: a lightly loaded executor, where a result has to reach its
     waiter at once, is never in this mode.  In this mode the thread parks on
-    ``PARKED_BATCH``, and the waking worker does not yield its CPU to it either.  Never
-    once the client has used agents (their replies keep prompt delivery), if the thread
-    started with another policy (the user chose it: ``chrt``, a real-time or idle class),
+    ``PARKED_BATCH``, and the waking worker does not yield its CPU to it either.  Calls to
+    agents count as outstanding tasks (control-tier replies are flushed at once).  Never
+    if the thread started with another policy (the user chose it: ``chrt``, a real-time or idle class),
     or if the system refuses the call.  :meth:`update` runs before each park: one system
     call per change of mode.
     """

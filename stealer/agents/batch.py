@@ -86,7 +86,6 @@ def spawn_many(c: Any, cls: type, args_list: Iterable[tuple], kwargs: dict | Non
     # flags carry AF_CONTROL (agents/inline.py), which spawn() sets and the batch does not
     if c.j is not None or opts.tier == 0:
         return _spawn_each(c, cls, args_list, kwargs, opts, retries)
-    c.in_use = True
     deadline_at = None if opts.deadline is None else time.monotonic() + opts.deadline
     wopts = None if opts == DEFAULT_OPTIONS else opts.to_worker()
     what = f"agent {getattr(cls, '__qualname__', cls)!r} and its arguments"

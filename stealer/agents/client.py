@@ -86,9 +86,6 @@ class AgentClient:
         self.names: dict[str, str] = {}  # agent name -> uid (this journal, every epoch)
         self.by_uid: dict[str, int] = {}  # uid -> handle of a live agent spawned or recovered
         self.ended: dict[str, tuple[int, bytes, int]] = {}  # uid -> final value, recovered
-        # The client spawned, recovered or looked up an agent: from then on its result
-        # thread stays out of throughput mode (idle.ResultPolicy), replies arrive at once.
-        self.in_use = False
         _clients[pool.name] = weakref.ref(self)
 
     def close(self) -> None:
@@ -127,7 +124,6 @@ class AgentClient:
     def spawn(self, cls: type, args: tuple, kwargs: dict, opts: AgentOptions,
               retries: int, name: str | None = None) -> AgentRef:
         pool = self.pool
-        self.in_use = True
         deadline_at = None if opts.deadline is None else time.monotonic() + opts.deadline
         wopts = None if opts == DEFAULT_OPTIONS else opts.to_worker()
         what = f"agent {getattr(cls, '__qualname__', cls)!r} and its arguments"
@@ -172,7 +168,6 @@ class AgentClient:
         """Restart the live agents of a journal: each from its newest snapshot (a K_CKPT
         record, as after a worker death), with the messages it had not applied in its
         mailbox.  Returns how many agents were restarted."""
-        self.in_use = True
         from stealer._layout import D_COUNT
         from stealer.agents import api
         from stealer.agents.jblob import loads, unpack
@@ -247,7 +242,6 @@ class AgentClient:
 
     def ref(self, name: str) -> AgentRef:
         """ex.agent(name): a ref on the agent of that name (live or finished)."""
-        self.in_use = True
         from stealer.errors import AgentNotFound
 
         uid = self.names.get(name)

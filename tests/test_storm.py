@@ -103,7 +103,11 @@ def test_replacements_killed_while_starting_do_not_fill_its_inbox(monkeypatch):
         trees = [ex.submit(tasks.tree_sum, *TREE) for _ in range(8)]
         deadline = time.monotonic() + 30
         while _waiting_frames(pool, 0) < 3 and time.monotonic() < deadline:
-            time.sleep(0.001)  # until worker 0 waits on children stolen by worker 1
+            # until worker 0 waits on children stolen by worker 1; trees that all ended
+            # before this look saw it (a loaded machine) are followed by more
+            if all(f.done() for f in trees[-8:]):
+                trees += [ex.submit(tasks.tree_sum, *TREE) for _ in range(8)]
+            time.sleep(0.001)
         assert _waiting_frames(pool, 0) >= 3, "worker 0 never held such frames"
         kills = _kill_replacements(pool, 0, rounds=12, timeout=20)
         assert kills == 12, f"only {kills} kills: no replacement was started after that"

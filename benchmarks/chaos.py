@@ -15,7 +15,7 @@ Reported:
   wrapping its future map), wrong (another value than the task's own), crashed
   (WorkerCrashedError: should be 0 with retries high enough), other errors;
 * kill -> replacement ready: from each kill to the moment the slot's state word
-  (W_STATE in the segment, stealer/shm.py) says READY for a newer process (W_PID);
+  (W_STATE in the segment, stealer/shared/shm.py) says READY for a newer process (W_PID);
   polled every --poll-ms, so that is its resolution.  A slot whose replacement was
   killed too waits for the next one.
 
@@ -52,8 +52,8 @@ from typing import Any
 import stealer
 from stealer.bench.teardown import force_close
 from stealer.bench.workloads import fib, fib_seq
-from stealer.shm import W_PID, W_STATE
-from stealer.worker import STATE_READY, STATE_STARTING
+from stealer.shared.shm import W_PID, W_STATE
+from stealer.worker.loop import STATE_READY, STATE_STARTING
 
 
 # -- tasks (module level: workers import this file as __mp_main__) -----------------------
@@ -157,8 +157,8 @@ def kill_to_ready(kills: list, ready: list) -> list[float]:
 
 def where_pending(pool: Any) -> dict[str, int]:
     """Where the work is once nothing moves: the client's backlog, the injector, records
-    by state (stealer/records.py), and the free-record ring."""
-    from stealer.records import STATE_NAMES
+    by state (stealer/shared/records.py), and the free-record ring."""
+    from stealer.shared.records import STATE_NAMES
 
     w = pool.rec._columns()[0]
     states = (w >> 32) & 0xFF
@@ -332,7 +332,7 @@ class Storm(threading.Thread):
 
 
 def our_shm_files() -> list[str]:
-    from stealer.shm import PREFIX, shm_dir
+    from stealer.shared.shm import PREFIX, shm_dir
 
     mine = f"{PREFIX}{os.getpid()}-"
     return [f for f in os.listdir(shm_dir()) if f.startswith(mine)]

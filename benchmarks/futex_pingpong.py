@@ -15,7 +15,7 @@ import mmap
 import threading
 import time
 
-from stealer import _queues
+from stealer.shared import queues as _queues
 
 Q = _queues.impl
 

@@ -28,9 +28,9 @@ from typing import Any
 
 import stealer
 from stealer.agents import journal as J
-from stealer.agents.client import encode_message
 from stealer.bench.systems import System
 from stealer.bench.wl_agents import run_agents
+from stealer.client.agents import encode_message
 
 
 class Counter(stealer.Agent):

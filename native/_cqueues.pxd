@@ -9,7 +9,7 @@ cdef enum:
     ST_FULL = -3
 
 
-# Record layout, states and kinds: generated from stealer/_layout.py by setup.py.
+# Record layout, states and kinds: generated from stealer/shared/_layout.py by setup.py.
 include "_layout.pxi"
 
 
@@ -71,12 +71,12 @@ cdef class SPSCRing(_Ring):
 
 cdef class HotPath:
     cdef Region region
-    cdef char *rec_base      # records: 128 bytes each, fields in stealer/arena.py
+    cdef char *rec_base      # records: 128 bytes each, fields in stealer/shared/arena.py
     cdef MPMCRing free_ring  # free record indices
     cdef MPMCRing injector   # client submissions
     cdef uint64_t nrecords
     cdef Py_ssize_t client_park_off
-    # Idle accounting (stealer/idle.py), for the native notify after a submit.
+    # Idle accounting (stealer/shared/idle.py), for the native notify after a submit.
     cdef Py_ssize_t searching_off   # u64[nwords] set of searching workers (bit k % 64 of word k // 64)
     cdef Py_ssize_t parked_off      # u64[nwords] set of parked workers
     cdef int nwords                 # (nworkers + 63) // 64

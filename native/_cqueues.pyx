@@ -28,7 +28,7 @@ from libc.stdint cimport INT64_MIN, int64_t, uint32_t, uint64_t
 from atomics cimport *
 
 
-# Worker-set helpers (stealer/idle.py): one atomic RMW per transition of a worker's bit.
+# Worker-set helpers (stealer/shared/idle.py): one atomic RMW per transition of a worker's bit.
 cdef extern from "<sched.h>":
     int sched_yield() nogil
     ctypedef struct cpu_set_t:
@@ -137,7 +137,7 @@ cdef class Region:
     def or64(self, Py_ssize_t off, uint64_t bits):
         """Atomic fetch-or (seq_cst); returns the old value."""
         self._check(off, 8)
-        # seq_cst RMW: a worker entering a set (stealer/idle.py); its release half pairs with
+        # seq_cst RMW: a worker entering a set (stealer/shared/idle.py); its release half pairs with
         # the notifiers' acquire load of the parked set
         return wset_fetch_or_seqcst(self.at(off), bits)
 
@@ -166,7 +166,7 @@ cdef class Region:
         """After publishing work: True if nobody searches and somebody is parked.
 
         ``searching_off`` and ``parked_off`` are worker sets of ``nwords``
-        64-bit words each (stealer/idle.py).  The seq_cst fence orders the
+        64-bit words each (stealer/shared/idle.py).  The seq_cst fence orders the
         publication before the loads (the notifier's half of the park
         handshake; the worker's half is its RMW on the set, then a seq_cst
         fence, then its re-check of the queues).
@@ -258,7 +258,7 @@ cdef class Deque:
     def set_lease(self, Py_ssize_t off):
         """Record in the u64 word at ``off`` (handle + 1) every handle this process's pop or
         steal is about to take, *before* the CAS that takes it: a recoverer finds it there
-        if the process dies holding it (stealer/records.py).  -1 turns it off."""
+        if the process dies holding it (stealer/shared/records.py).  -1 turns it off."""
         if off < 0:
             self.lease = NULL
             return
@@ -424,7 +424,7 @@ cdef class _Ring:
     def set_intent(self, Py_ssize_t off):
         """MPMC: record in the three u64 words at ``off`` ({ring offset << 2 | 1 push, 2 pop},
         position, a push's value) every position this process is about to claim, before the CAS that claims
-        it, so the client can repair a cell left half-done by our death (stealer/ringfix.py).
+        it, so the client can repair a cell left half-done by our death (stealer/client/ringfix.py).
         -1: off (the client, which never dies under its own repair)."""
         if off < 0:
             self.intent = NULL
@@ -506,14 +506,14 @@ cdef class _Ring:
         return <Py_ssize_t>(p - c) if p > c else 0
 
 
-# -- MPMC claims a dead process left half-done (stealer/ringfix.py repairs them) ----------
+# -- MPMC claims a dead process left half-done (stealer/client/ringfix.py repairs them) ----------
 # (RING_PUSH / RING_POP, the intent's op bits: _layout.pxi)
 cdef uint64_t RING_SKIP = 0xFFFFFFFFFFFFFFFFULL   # a repaired producer cell's value: pops skip it
 cdef uint64_t POS_UNKNOWN = 0xFFFFFFFFFFFFFFFFULL   # an intent's position before the push names
 #   one (MPMCRing.pre_push: a free's, named before the record is marked FREE)
 
 
-RING_SKIP_VALUE = RING_SKIP   # stealer/ringfix.py checks its copy against it
+RING_SKIP_VALUE = RING_SKIP   # stealer/client/ringfix.py checks its copy against it
 POS_UNKNOWN_VALUE = POS_UNKNOWN   # (and this one)
 
 
@@ -529,7 +529,7 @@ cdef inline void _end_intent(char *intent) noexcept nogil:
     #                                   the client's repair (acquire), which then re-reads the seq
 
 
-# Test-only failpoints ring.push_after_claim / ring.pop_after_claim (stealer/failpoints.py
+# Test-only failpoints ring.push_after_claim / ring.pop_after_claim (stealer/shared/failpoints.py
 # arms them through arm_ring_failpoint): kill this process between a claim and its store;
 # record.free_after_state (2): between a free's FREE store and its push (HotPath.c_free).
 cdef int[3] _fp_ring = [0, 0, 0]      # countdown to the firing hit (0: off); this process only
@@ -564,7 +564,7 @@ def arm_ring_failpoint(int which, int nth, once_path=None):
     """Arm (nth >= 1) or disarm (0) native failpoint ``which`` (0: after a push's claim,
     1: after a pop's claim, 2: after a free's FREE store) in this process; with
     ``once_path``, only the process that creates that file fires.  Tests only
-    (stealer/failpoints.py)."""
+    (stealer/shared/failpoints.py)."""
     if which not in (0, 1, 2):
         raise ValueError("native failpoint: 0 (push), 1 (pop) or 2 (free)")
     _fp_ring[which] = nth
@@ -598,7 +598,7 @@ cdef class MPMCRing(_Ring):
         """Name a push of ``v`` whose position is not known yet (ringfix.POS_UNKNOWN), before
         the caller makes ``v`` its to give back (a free: before the record's FREE store):
         the push names its position when it claims one.  Killed in between, the client's
-        repair gives ``v`` back if the caller had made it so (stealer/ringfix.py).  No-op
+        repair gives ``v`` back if the caller had made it so (stealer/client/ringfix.py).  No-op
         without an intent (set_intent)."""
         if self.intent != NULL:
             _say_intent(self.intent, self.tag | RING_PUSH, POS_UNKNOWN, v)
@@ -786,13 +786,13 @@ cdef inline void _hand_over(char *park) noexcept nogil:
 
 
 cdef class HotPath:
-    """The per-task record operations, one native call each (see stealer/arena.py).
+    """The per-task record operations, one native call each (see stealer/shared/arena.py).
 
-    ``stealer.arena.Arena`` holds the pure-Python reference of every method
+    ``stealer.shared.arena.Arena`` holds the pure-Python reference of every method
     here; it delegates to this class when the extension is loaded.  Only
     payloads that fit inline in the record take this path; larger ones and
     out-of-band buffers go through the Python arena.  The state word and its
-    transitions are stealer/records.py's (diagram there).
+    transitions are stealer/shared/records.py's (diagram there).
     """
 
     def __cinit__(self, Region region, Py_ssize_t rec_base, uint64_t nrecords,
@@ -857,7 +857,7 @@ cdef class HotPath:
         self.c_free(h)
 
     cdef int c_notify_one(self) noexcept nogil:
-        # The notifier's half of the park handshake; Idle.notify_one (stealer/idle.py) is the
+        # The notifier's half of the park handshake; Idle.notify_one (stealer/shared/idle.py) is the
         # reference.  Searching/parked are worker sets: bit k % 64 of u64 word k // 64.
         if self.nworkers <= 0:
             return -1
@@ -947,7 +947,7 @@ cdef class HotPath:
 
     def spawn_inline(self, list datas, uint32_t kind, uint64_t link_or, uint32_t retries,
                      Py_ssize_t dir_off, uint32_t cap, list out):
-        """Client: a batch of agents (stealer/agents/batch.py), one record each: for each
+        """Client: a batch of agents (stealer/client/agents_batch.py), one record each: for each
         payload of ``datas`` (bytes, each <= INLINE) take a record, fill it as
         ``submit_inline`` does with link ``link_or | h``, make its directory entry at
         ``dir_off`` fresh (zeroed, capacity ``cap``; before the push that publishes it) and
@@ -1194,7 +1194,7 @@ cdef class HotPath:
         return kind, status, link, data
 
     def complete_batch(self, list hs, dict futures, object loads, object slow, object other):
-        """Client: ``stealer.pool._Pool.complete_batch`` (the reference) in one native call.
+        """Client: ``stealer.client.pool._Pool.complete_batch`` (the reference) in one native call.
 
         For each completed handle: an inline ``ST_OK`` result is unpickled with
         ``loads`` and set on its future, popped from ``futures``; a future
@@ -1258,7 +1258,7 @@ cdef class HotPath:
         return value
 
     def help_complete(self, list rings, dict futures):
-        """Client, a thread about to wait (``stealer.pool._Pool.help``; the reference is
+        """Client, a thread about to wait (``stealer.client.pool._Pool.help``; the reference is
         ``_Pool.help_complete``): from the head of each completion ring, take the
         completions that need no Python code and settle their futures here, exactly as
         complete_batch does (a small-format result stored inline, a future in
@@ -1301,11 +1301,11 @@ cdef inline bint _silent(object f) except -1:
 
 
 cdef str _PENDING = "PENDING"      # concurrent.futures._base's states (checked at import
-cdef str _FINISHED = "FINISHED"    # by stealer.futures, which owns the Future subclass)
+cdef str _FINISHED = "FINISHED"    # by stealer.client.futures, which owns the Future subclass)
 from concurrent.futures import InvalidStateError as _InvalidStateError
 
 
-# -- the small format (stealer/serialize.py holds its description and Python reference) --
+# -- the small format (stealer/shared/serialize.py holds its description and Python reference) --
 cdef enum:
     SMALL = 0x01
     V_NONE = 0
@@ -1423,7 +1423,7 @@ cdef Py_ssize_t _enc_call(unsigned char *out, Py_ssize_t room, object fref, tupl
 
 
 def encode_small(value):
-    """``stealer.serialize.encode_small``, natively."""
+    """``stealer.shared.serialize.encode_small``, natively."""
     cdef unsigned char buf[258]
     buf[0] = SMALL
     cdef Py_ssize_t n = _enc_value(buf + 1, 257, value)
@@ -1431,7 +1431,7 @@ def encode_small(value):
 
 
 def encode_small_call(fref, tuple args, Py_ssize_t limit=1 << 30):
-    """``stealer.serialize.encode_small_call``, natively (what ClientSubmit writes)."""
+    """``stealer.shared.serialize.encode_small_call``, natively (what ClientSubmit writes)."""
     cdef Py_ssize_t room = 6 + 258 * len(args)
     cdef bytearray buf = bytearray(room)
     cdef Py_ssize_t n = _enc_call(<unsigned char *>PyByteArray_AS_STRING(buf), room, fref, args)
@@ -1454,7 +1454,7 @@ cdef object _dec_result(const unsigned char *p, Py_ssize_t n):
 
 
 def load_value(data):
-    """``stealer.serialize.load_value``, natively: a result payload, small or pickled."""
+    """``stealer.shared.serialize.load_value``, natively: a result payload, small or pickled."""
     if type(data) is not bytes:  # (the readers pass bytes; anything else is copied once)
         data = bytes(data)
     if not _is_small(<bytes>data):
@@ -1463,7 +1463,7 @@ def load_value(data):
 
 
 def load_call(data):
-    """``stealer.serialize.load_call``, natively: ``(fref, args, kwargs)`` of a call (the
+    """``stealer.shared.serialize.load_call``, natively: ``(fref, args, kwargs)`` of a call (the
     worker's, per task: bytes, no buffer set-up)."""
     if type(data) is not bytes:
         data = bytes(data)
@@ -1516,18 +1516,18 @@ cdef class ClientSubmit:
     The common case: the function has an id in the function table, the call
     (in the small format, else pickled without out-of-band buffers) fits the
     record inline, and a record is free.  Everything else goes to the
-    Python path, ``stealer.executor._submit`` (the reference, which the
+    Python path, ``stealer.client.executor._submit`` (the reference, which the
     pure-Python build always takes): before anything is set up (``slow``)
     or with the pickled call and its future (``rest``).  The order of the
     steps is the reference's: register the future, re-check shutdown, then
     publish the record.
     """
     cdef HotPath hot
-    cdef object pool          # stealer.pool._Pool (reads: shutdown, broken, requeue, wake)
+    cdef object pool          # stealer.client.pool._Pool (reads: shutdown, broken, requeue, wake)
     cdef object ids           # pool.ids, the future ids (itertools.count)
     cdef dict fn_ids          # pool.fns._ids: function -> id in the function table
     cdef dict futures         # pool.futures: id -> pending future
-    cdef object future_cls    # stealer.futures._Future
+    cdef object future_cls    # stealer.client.futures._Future
     cdef object dumps         # pickle.dumps
     cdef object slow          # _submit(pool, retries, fn, args, kwargs)
     cdef object rest          # _submit_data(pool, retries, f, data, bufs)

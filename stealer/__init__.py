@@ -28,21 +28,21 @@ from stealer.errors import (
 from stealer.forkjoin import Child, join, run_inline, spawn
 
 if TYPE_CHECKING:
-    from stealer.agents.batch import AgentRefs
-    from stealer.executor import Executor, recover
+    from stealer.client.agents_batch import AgentRefs
+    from stealer.client.executor import Executor, recover
 
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> object:
     # The executor (and with it the client side: pool, result thread, numpy) loads on first
-    # use: a worker process imports stealer.worker, which must not pay for the client.
+    # use: a worker process imports stealer.worker.loop, which must not pay for the client.
     if name in ("Executor", "recover"):
-        from stealer import executor
+        from stealer.client import executor
 
         return getattr(executor, name)
     if name == "AgentRefs":  # (what Executor.spawn_agents returns: client side, lazy too)
-        from stealer.agents import batch
+        from stealer.client import agents_batch as batch
 
         return batch.AgentRefs
     raise AttributeError(f"module 'stealer' has no attribute {name!r}")

@@ -30,7 +30,7 @@ from concurrent.futures import BrokenExecutor as _StdBrokenExecutor
 from concurrent.futures.process import BrokenProcessPool as _StdBrokenProcessPool
 from typing import Any
 
-from stealer._layout import ST_ERROR, ST_LOST
+from stealer.shared._layout import ST_ERROR, ST_LOST
 
 __all__ = [
     "StealerError",

@@ -65,7 +65,7 @@ class Child:
         return join(self, timeout)
 
 
-# Set by a worker process while it runs a task (stealer.worker.Worker), or
+# Set by a worker process while it runs a task (stealer.worker.loop.Worker), or
 # to _INLINE while run_inline() drives a task in this process.
 _current: Any = None
 _INLINE = object()
@@ -306,7 +306,7 @@ def run_items(fref: Any, token: int, chunk: list[tuple]) -> list:
     input.  Between inputs it reads the map's *token*, a record the client moves from
     QUEUED to CANCELLED (generation-checked) when the map is closed or times out: the
     inputs not started by then are not run ((2, None)), as queued tasks are withdrawn."""
-    from stealer._layout import S_QUEUED
+    from stealer.shared._layout import S_QUEUED
 
     w = _current
     tr = w.arena.tr

@@ -70,8 +70,8 @@ from joblib.parallel import (
 )
 
 from stealer import affinity, forkjoin
+from stealer.client.executor import Executor
 from stealer.errors import ExecutorShutdownError, WorkerCrashedError
-from stealer.executor import Executor
 
 __all__ = ["NestedBackend", "StealerBackend", "TerminatedWorkerError", "get_executor", "register",
            "shutdown"]

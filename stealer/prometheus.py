@@ -12,10 +12,10 @@
 on top of the executor, not part of it: the core never imports this module.
 
 Every scrape takes a fresh snapshot (:meth:`stealer.Executor.stats`, or
-:func:`stealer.stats.collect` on a segment attached by id) through a custom
+:func:`stealer.client.stats.collect` on a segment attached by id) through a custom
 collector registered in its own ``CollectorRegistry`` (never the global
 one).  Exported families (``<c>`` is every entry of
-:data:`stealer.metrics.COUNTERS`)::
+:data:`stealer.shared.metrics.COUNTERS`)::
 
     stealer_up                                 1 while the executor runs, else 0 (and nothing else)
     stealer_info{id,client_pid}                1
@@ -52,11 +52,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from stealer import metrics
-from stealer.stats import Stats, collect, executor_gone
+from stealer.client.stats import Stats, collect, executor_gone
+from stealer.shared import metrics
 
 if TYPE_CHECKING:
-    from stealer.executor import Executor
+    from stealer.client.executor import Executor
 
 __all__ = ["serve_metrics", "serve", "text", "families", "Family", "MetricsServer", "StealerCollector"]
 
@@ -211,7 +211,7 @@ def _snapshot(source: Stats | Executor | str) -> Stats:
     if isinstance(source, Stats):
         return source
     if isinstance(source, str):
-        from stealer.shm import Segment
+        from stealer.shared.shm import Segment
 
         return collect(Segment.attach_any(os.path.basename(source)))
     return source.stats()
@@ -231,7 +231,7 @@ def text(stats: Stats | Executor | str) -> str:
 def _snapshotter(source: Executor | str) -> Callable[[], Stats | None]:
     """A function returning a fresh snapshot, or None once the executor is gone."""
     if isinstance(source, str):
-        from stealer.shm import Segment
+        from stealer.shared.shm import Segment
 
         exec_id = os.path.basename(source)
         seg = Segment.attach_any(exec_id)  # ValueError / FileNotFoundError for a bad id

@@ -3,14 +3,14 @@
 An executor's id is the name of its shared segment in /dev/shm
 (``stealer-<client pid>-<token>``, :attr:`stealer.Executor.id`).  Any
 process of the same user can map it read-side and take snapshots with
-:func:`stealer.stats.collect`; that never blocks a worker.  Each frame shows:
+:func:`stealer.client.stats.collect`; that never blocks a worker.  Each frame shows:
 
 * a header: id, uptime, workers, injector depth, the client's pending tasks
   and backlog when known (only the client itself knows them: a frame built
   from :meth:`stealer.Executor.stats` has them, one attached by id does not);
 * one row per worker: pid, CPU, state ("frozen Ns" when it has held work
   without progress for over a second, from the second frame on: see
-  stealer/hang.py), whether a task runs on it now, deque
+  stealer/client/hang.py), whether a task runs on it now, deque
   and inbox depths, and steps/s, steals/s, parks/s and busy % over the last
   interval (since the start for the first frame), with a totals row;
 * live agents, their steps, messages, migrations and throttled turns, and the
@@ -43,10 +43,11 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from stealer import metrics
-from stealer.hang import SHOW_AFTER, Stalls
-from stealer.metrics import Histogram, bucket_bounds
-from stealer.shm import (
+from stealer.client.hang import SHOW_AFTER, Stalls
+from stealer.client.stats import Stats, WorkerStats, collect, executor_gone
+from stealer.shared import metrics
+from stealer.shared.metrics import Histogram, bucket_bounds
+from stealer.shared.shm import (
     H_CREATED_NS,
     H_MAGIC,
     H_NWORKERS,
@@ -58,7 +59,6 @@ from stealer.shm import (
     client_pid,
     our_files,
 )
-from stealer.stats import Stats, WorkerStats, collect, executor_gone
 
 __all__ = ["list_executors", "render", "main", "executor_gone"]
 
@@ -188,7 +188,7 @@ def _hist_delta(p: Histogram | None, c: Histogram) -> Histogram:
 
 def _state(w: WorkerStats) -> str:
     """The state column: "frozen Ns" for a worker holding work without progress for
-    over a second (stealer/hang.py), else its state."""
+    over a second (stealer/client/hang.py), else its state."""
     if w.frozen_s > SHOW_AFTER:
         return f"frozen {w.frozen_s:.0f}s"
     return w.state

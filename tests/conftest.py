@@ -33,5 +33,5 @@ def no_shm_leak():
 
 @pytest.fixture(scope="module", params=["native", "python"])
 def impl(request: pytest.FixtureRequest) -> ModuleType:
-    """The queue module under test: ``stealer._cqueues`` or ``stealer._pyqueues``."""
+    """The queue module under test: ``stealer._cqueues`` or ``stealer.shared.pyqueues``."""
     return load_impl(request.param)

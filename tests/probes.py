@@ -14,7 +14,7 @@ from pathlib import Path
 
 import stealer
 from stealer.bench.teardown import force_close as _force_close
-from stealer.recovery import Recovery
+from stealer.shared.recovery import Recovery
 
 
 def records_in_use(e: stealer.Executor, timeout: float = 10.0) -> int:

@@ -2,16 +2,16 @@
 
 * ``IMPLS`` / ``load_impl``: the two queue implementations, ``native``
   (stealer._cqueues, None where the extension is not built) and ``python``
-  (stealer._pyqueues).  tests/conftest.py makes the ``impl`` fixture of them.
+  (stealer.shared.pyqueues).  tests/conftest.py makes the ``impl`` fixture of them.
 * ``CONFIGS`` / ``make_rig`` / ``rig_fixture``: a fresh segment in /dev/shm set up
-  like stealer/pool.py ``_Pool._setup`` does (no processes), with its Arena, for
+  like stealer/client/pool.py ``_Pool._setup`` does (no processes), with its Arena, for
   each of three configurations:
 
   - ``native``: native queues, the per-task operations done by ``HotPath``
     (native/_cqueues.pyx);
   - ``native-pyarena``: native queues, the Arena's own Python methods
     (``STEALER_PY_HOTPATH=1``);
-  - ``python``: the pure-Python reference queues (``stealer._pyqueues`` has no
+  - ``python``: the pure-Python reference queues (``stealer.shared.pyqueues`` has no
     HotPath, so the Arena's Python methods again).
 """
 
@@ -26,11 +26,11 @@ from typing import Any
 
 import pytest
 
-from stealer import _pyqueues
-from stealer.arena import Arena
-from stealer.idle import Idle
-from stealer.recovery import Recovery
-from stealer.shm import W_CURRENT, Layout, Segment
+from stealer.shared import pyqueues as _pyqueues
+from stealer.shared.arena import Arena
+from stealer.shared.idle import Idle
+from stealer.shared.recovery import Recovery
+from stealer.shared.shm import W_CURRENT, Layout, Segment
 
 try:
     from stealer import _cqueues
@@ -85,7 +85,7 @@ def _py_hotpath(on: bool) -> Iterator[None]:
 
 def make_rig(cfg: str, nworkers: int = 2, records: int = 16,
              block_classes: tuple = ((256, 4),)) -> Rig:
-    """A fresh segment set up like stealer/pool.py ``_Pool._setup`` does (no processes).
+    """A fresh segment set up like stealer/client/pool.py ``_Pool._setup`` does (no processes).
 
     The caller unlinks it (``rig.seg.unlink()``).  Skips the test where ``cfg`` needs
     the native extension and it is not built.

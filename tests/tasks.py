@@ -303,7 +303,7 @@ def client_modules_loaded(_=None):
     """Which client-side modules this (worker) process has imported."""
     import sys
 
-    return sorted(m for m in ("stealer.executor", "stealer.pool", "stealer.stats", "numpy",
+    return sorted(m for m in ("stealer.client.executor", "stealer.client.pool", "stealer.client.stats", "numpy",
                               "sqlite3") if m in sys.modules)
 
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 import stealer
-from stealer.agents.runqueue import RunQueue
+from stealer.worker.agents.runqueue import RunQueue
 from tests import agents_lib as L
 
 T = 60  # seconds: only to turn a hang into a failure
@@ -441,7 +441,7 @@ def test_an_idle_agent_fits_its_record(ex):
     bytes, so a million idle agents need no payload blocks (and no overflow files)."""
     import struct
 
-    from stealer._layout import R_PCLASS
+    from stealer.shared._layout import R_PCLASS
 
     ref = ex.spawn_agent(L.Counter, 12345)
     ref.call("get").result(T)

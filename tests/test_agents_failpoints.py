@@ -14,7 +14,7 @@ import os
 import pytest
 
 import stealer
-from stealer import failpoints
+from stealer.shared import failpoints
 from tests import agents_lib as L
 
 # agent.inline_turn needs a control agent called during another's step: its own test

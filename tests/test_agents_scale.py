@@ -1,5 +1,5 @@
 """Many agents cheaply: ``spawn_agents`` (the batch spawn), dormant agents (an idle agent
-held as its object alone, stealer/agents/dormant.py) and stopping them all at shutdown.
+held as its object alone, stealer/worker/agents/dormant.py) and stopping them all at shutdown.
 
 The batch runs with the native HotPath and with its pure-Python reference twin
 (STEALER_PY_HOTPATH=1: ``Arena.spawn_inline``)."""
@@ -15,10 +15,10 @@ import time
 import pytest
 
 import stealer
-from stealer._layout import D_CAP, D_CKPT, D_CPU_NS, D_OWNER
-from stealer.agents import batch
-from stealer.agents.batch import AgentRefs
+from stealer.client import agents_batch as batch
+from stealer.client.agents_batch import AgentRefs
 from stealer.errors import SerializationError
+from stealer.shared._layout import D_CAP, D_CKPT, D_CPU_NS, D_OWNER
 from tests import agents_lib as L
 from tests.probes import records_in_use
 from tests.rig import _py_hotpath
@@ -140,7 +140,7 @@ def test_spawn_agents_failure_mid_batch_stops_what_it_started(ex):
 def test_spawn_agents_out_of_records_raises_and_leaks_nothing(monkeypatch):
     """More agents than records: the batch waits as one spawn does (RECORD_WAIT), then
     raises, and the agents it started are stopped and their records freed."""
-    from stealer.agents import client
+    from stealer.client import agents as client
 
     monkeypatch.setattr(client, "RECORD_WAIT", 0.5)
     with stealer.Executor(2, records=256) as ex:

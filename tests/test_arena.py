@@ -1,4 +1,4 @@
-"""Record and payload storage (stealer/arena.py), on every implementation of the hot path.
+"""Record and payload storage (stealer/shared/arena.py), on every implementation of the hot path.
 
 Each test runs on three arenas over a real segment in /dev/shm (tests/rig.py):
 
@@ -6,7 +6,7 @@ Each test runs on three arenas over a real segment in /dev/shm (tests/rig.py):
   (native/_cqueues.pyx);
 * ``native-pyarena``: native queues, the Arena's own Python methods
   (``STEALER_PY_HOTPATH=1``);
-* ``python``: the pure-Python reference queues (``stealer._pyqueues`` has no
+* ``python``: the pure-Python reference queues (``stealer.shared.pyqueues`` has no
   HotPath, so the Arena's Python methods again).
 
 The fast path (submit_inline / start / finish_inline / complete_take) and the
@@ -28,8 +28,8 @@ from typing import Any
 import pytest
 from rig import CONFIGS, Rig, make_rig, rig_fixture, ring_items
 
-from stealer import serialize
-from stealer._layout import (
+from stealer.shared import serialize
+from stealer.shared._layout import (
     F_BUFFERS,
     F_RBUFFERS,
     INLINE,
@@ -57,7 +57,7 @@ from stealer._layout import (
     ST_ERROR,
     ST_OK,
 )
-from stealer.records import Outcome, word
+from stealer.shared.records import Outcome, word
 
 CLASSES = ((256, 8), (1024, 4))  # small block classes: a few KiB of blocks in all
 BIG = 2000  # larger than every class: an overflow file
@@ -586,7 +586,7 @@ def test_start_task_finish_value_end_task(rig):
     the same words as start / finish_inline / store64 + hist_record."""
     import time
 
-    from stealer import metrics
+    from stealer.shared import metrics
 
     a, tr = rig.arena, rig.arena.tr
     cur = rig.cur_off(0)

@@ -38,10 +38,10 @@ import pytest
 import tasks
 
 import stealer
-from stealer import _queues
-from stealer._layout import R_TRIES, S_QUEUED, S_RUNNING
-from stealer.shm import SHM_DIR, W_CURRENT, W_LEASE, W_STATE
-from stealer.worker import STATE_READY, STATE_STARTING
+from stealer.shared import queues as _queues
+from stealer.shared._layout import R_TRIES, S_QUEUED, S_RUNNING
+from stealer.shared.shm import SHM_DIR, W_CURRENT, W_LEASE, W_STATE
+from stealer.worker.loop import STATE_READY, STATE_STARTING
 
 FIB = (15, 8)  # fib(15) with a sequential cutoff of 8: a few dozen frames
 TREE = (3, 4)  # tree_sum(3, 4): 85 tasks, 21 of them frames

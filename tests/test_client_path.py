@@ -1,5 +1,5 @@
 """The client's per-task path, native and reference: ``submit`` (stealer._cqueues.ClientSubmit
-and stealer.executor._submit), the result thread's batch (HotPath.complete_batch and
+and stealer.client.executor._submit), the result thread's batch (HotPath.complete_batch and
 _Pool.complete_batch), and the waiter list of settled futures (issue 10).
 
 Every case the native fast path hands to the reference is tried under both, with the
@@ -20,8 +20,8 @@ import tasks
 from rig import _py_hotpath
 
 import stealer
+from stealer.client.futures import _NO_WAITERS, _SETTLED, _Future
 from stealer.errors import ExecutorShutdownError, SerializationError
-from stealer.futures import _NO_WAITERS, _SETTLED, _Future
 
 try:
     from stealer import _cqueues
@@ -50,7 +50,7 @@ def test_submit_is_native_exactly_where_the_hot_path_is(ex):
         assert ex.options(retries=0).submit.retries == 0  # a view binds its own
         assert ex.submit.retries == 3
     else:
-        assert "submit" not in vars(ex)  # the method: stealer.executor._submit
+        assert "submit" not in vars(ex)  # the method: stealer.client.executor._submit
     assert ex.options(retries=1).submit(tasks.square, 7).result(30) == 49
 
 

@@ -354,7 +354,7 @@ def test_kill_9_from_outside_mid_task():
         f = e.submit(tasks.busy, 30.0)
         time.sleep(0.3)
         # find the worker running it: the one whose W_CURRENT is set
-        from stealer.shm import W_CURRENT
+        from stealer.shared.shm import W_CURRENT
 
         pool = e._pool
         victim = next(

@@ -1,6 +1,6 @@
 """Every failpoint armed in turn: whatever breaks where, every future resolves exactly once.
 
-A failpoint (stealer/failpoints.py) is armed through the environment the
+A failpoint (stealer/shared/failpoints.py) is armed through the environment the
 workers inherit, to fire once in the whole run (``!once``: the first process
 to create its marker file in STEALER_FAILPOINTS_DIR) on its N-th hit.  Each
 case runs a mixed load (plain tasks, a result too large to be inline, and
@@ -18,7 +18,7 @@ import pytest
 import tasks
 
 import stealer
-from stealer import failpoints
+from stealer.shared import failpoints
 
 WORKER_POINTS = [p for p in failpoints.POINTS if p.startswith("worker.")]
 # Points that only fork-join work reaches, and how often they are hit there.

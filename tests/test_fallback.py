@@ -15,7 +15,7 @@ SCRIPT = textwrap.dedent(
     sys.path.insert(0, {here!r})
     {prelude}
     import stealer, tasks
-    from stealer._queues import impl
+    from stealer.shared.queues import impl
     print("impl", impl.__name__)
     if __name__ == "__main__":
         with stealer.Executor(2) as ex:
@@ -56,7 +56,7 @@ def run(prelude: str = "", env_extra: dict | None = None) -> subprocess.Complete
 def test_env_var_forces_pure_python_queues():
     p = run(env_extra={"STEALER_NO_EXTENSIONS": "1"})
     assert p.returncode == 0, p.stderr
-    assert "impl stealer._pyqueues" in p.stdout
+    assert "impl stealer.shared.pyqueues" in p.stdout
     assert p.stdout.strip().endswith("ok")
     assert "RuntimeWarning" not in p.stderr  # asked for explicitly: no warning
 
@@ -65,7 +65,7 @@ def test_missing_extension_falls_back_with_one_warning():
     prelude = "import warnings\nwarnings.simplefilter('always')\n" + BLOCK_EXTENSION
     p = run(prelude=prelude, env_extra={"STEALER_NO_EXTENSIONS": ""})
     assert p.returncode == 0, p.stderr
-    assert "impl stealer._pyqueues" in p.stdout
+    assert "impl stealer.shared.pyqueues" in p.stdout
     assert p.stderr.count("exists but does not load") == 1, p.stderr
 
 

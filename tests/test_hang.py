@@ -1,4 +1,4 @@
-"""Frozen workers (stealer/hang.py): ``Executor(hang_timeout=...)``.
+"""Frozen workers (stealer/client/hang.py): ``Executor(hang_timeout=...)``.
 
 A worker stopped by SIGSTOP mid-task stands for every way a process can be alive and
 make no progress (a debugger, a call stuck in C).  With ``hang_timeout`` the client
@@ -22,7 +22,7 @@ from hang_lib import first_run_stalls, parent_of_stalling_child, sleep_pid
 
 import stealer
 from stealer import top
-from stealer.hang import Stalls, check_hang_timeout
+from stealer.client.hang import Stalls, check_hang_timeout
 
 LIMIT = 30.0  # seconds: only turns a hang of the test into a failure
 

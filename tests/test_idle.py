@@ -1,4 +1,4 @@
-"""Kill safety of the idle accounting (stealer/idle.py), on both queue implementations.
+"""Kill safety of the idle accounting (stealer/shared/idle.py), on both queue implementations.
 
 A worker can be SIGKILLed between any two of its atomic steps.  These tests run
 ``try_search`` / ``stop_search`` / ``park`` of worker 0 through a Region proxy that
@@ -29,10 +29,10 @@ import tasks
 from rig import IMPLS
 
 import stealer
-from stealer import _queues
 from stealer.errors import WorkerCrashedError
-from stealer.idle import NOTIFIED, PARKED, RUNNING, Idle
-from stealer.shm import (
+from stealer.shared import queues as _queues
+from stealer.shared.idle import NOTIFIED, PARKED, RUNNING, Idle
+from stealer.shared.shm import (
     H_CLIENT_PARK,
     H_PARKED,
     H_SEARCHING,
@@ -43,7 +43,7 @@ from stealer.shm import (
     WORKER_BYTES,
     Layout,
 )
-from stealer.worker import STATE_READY
+from stealer.worker.loop import STATE_READY
 
 _cqueues = IMPLS["native"]  # None where the extension is not built
 NWORKERS = 3  # worker 0 dies, worker 1 parks, worker 2 stays out of the way

@@ -11,7 +11,7 @@ import time
 import pytest
 
 import stealer
-from stealer import _queues
+from stealer.shared import queues as _queues
 from tests import agents_lib as L
 
 T = 60  # seconds: only to turn a hang into a failure

@@ -201,7 +201,7 @@ def test_n_jobs_and_options():
 
 
 def test_import_stealer_does_not_import_joblib():
-    code = ("import sys, stealer, stealer.executor, stealer.bench.cli\n"
+    code = ("import sys, stealer, stealer.client.executor, stealer.bench.cli\n"
             "assert 'joblib' not in sys.modules and 'stealer.joblib' not in sys.modules\n"
             "import joblib\n"
             "assert 'stealer' not in joblib.parallel.BACKENDS\n"

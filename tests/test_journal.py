@@ -227,7 +227,7 @@ def test_durability_modes_configure_sqlite_as_documented(tmp_path, monkeypatch, 
 
 
 JOURNAL_POINTS = [
-    p for p in __import__("stealer.failpoints").failpoints.POINTS if p.startswith("journal.")
+    p for p in __import__("stealer.shared.failpoints").shared.failpoints.POINTS if p.startswith("journal.")
 ] + ["agent.ckpt_after_switch"]
 
 

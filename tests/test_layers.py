@@ -234,15 +234,15 @@ def test_every_tool_named_exists(graph):
     assert {t for t in TOOLS if t in modules} == set(TOOLS), "a tool was renamed: update TOOLS"
     assert {t for t in INTEGRATIONS if t in modules} == set(INTEGRATIONS), (
         "an integration was renamed: update INTEGRATIONS")
-    assert PACKAGE in modules and not is_tool(PACKAGE) and not is_tool("stealer.executor")
+    assert PACKAGE in modules and not is_tool(PACKAGE) and not is_tool("stealer.client.executor")
 
 
 def test_the_graph_sees_the_package(graph):
     _, edges = graph
     pairs = {(e.src, e.dst) for e in edges}
-    assert ("stealer", "stealer.executor") in pairs  # the facade the package exports
+    assert ("stealer", "stealer.client.executor") in pairs  # the facade the package exports
     assert ("stealer.cli", "stealer.top") in pairs  # `from stealer.top import main` in a function
-    assert {e.src for e in edges} >= {"stealer.executor", "stealer.top", "stealer.bench.cli"}
+    assert {e.src for e in edges} >= {"stealer.client.executor", "stealer.top", "stealer.bench.cli"}
 
 
 def test_core_never_imports_a_tool(graph):
@@ -259,6 +259,62 @@ def test_no_import_cycles(graph):
     cycles = find_cycles(runtime_graph(modules, edges))
     assert not cycles, "stealer modules import each other in a circle:\n" + "\n".join(
         describe(c, edges) for c in cycles)
+
+
+# -- the three parts: client side, worker side, shared structures ---------------------
+
+#: The parts of the core (README "How it works"): a module belongs to the first prefix
+#: it starts with; the rest of the core (errors, forkjoin, affinity, the package) is "base",
+#: which any part may import (test_no_import_cycles keeps it from importing back in a circle).
+PARTS = (("stealer.client", "client"), ("stealer.worker", "worker"),
+         ("stealer.shared", "shared"), ("stealer.agents", "agents"))
+#: What each part may import, besides itself and the base modules below everything.
+MAY_IMPORT = {
+    "client": {"shared", "agents"},
+    "worker": {"shared", "agents"},
+    "agents": {"shared"},
+    "shared": set(),
+}
+#: The one crossing allowed: the client starts worker processes with the worker's entry
+#: point (``main``) and its typed arguments (``WorkerArgs``).
+ENTRY = {("stealer.client.pool", "stealer.worker.loop")}
+
+
+def part(module: str) -> str:
+    for prefix, name in PARTS:
+        if module == prefix or module.startswith(prefix + "."):
+            return name
+    return "tools" if is_tool(module) else "base"
+
+
+def test_every_part_exists(graph):
+    modules, _ = graph
+    assert {part(m) for m in modules} >= {"client", "worker", "shared", "agents", "base"}
+
+
+def test_the_client_and_worker_sides_never_import_each_other(graph):
+    """Type-only imports included: the shared structures are what both sides know."""
+    _, edges = graph
+    bad = []
+    for e in edges:
+        a, b = part(e.src), part(e.dst)
+        if (a in MAY_IMPORT and b != a and b not in MAY_IMPORT[a] | {"base"}
+                and (e.src, e.dst) not in ENTRY):
+            bad.append(f"{e.src} (line {e.line}) imports {e.dst}"
+                       + (" (for type checking)" if e.type_only else ""))
+    assert not bad, ("a part imports one it must not (client and worker: only shared/ and "
+                     "agents/; agents/: only shared/; shared/: no part):\n" + "\n".join(bad))
+
+
+def test_no_import_cycles_counting_type_only_imports(graph):
+    modules, edges = graph
+    g: dict[str, set[str]] = {m: set() for m in modules}
+    for e in edges:
+        if e.dst in modules:
+            g[e.src].add(e.dst)
+    cycles = find_cycles(g)
+    assert not cycles, "stealer modules import each other in a circle (type-only imports " \
+        "counted):\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
 # -- the checker itself, on a made-up package ----------------------------------------

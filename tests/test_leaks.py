@@ -4,12 +4,12 @@ ring and named by no word, closed.
 * free: between a free's FREE store and its push's claim (``record.free_after_state``;
   HotPath.c_free natively, Arena.free in the reference).  The push is named before the
   store (``MPMCRing.pre_push``: position unknown), and the client's repair of the dead
-  worker's intent (stealer/ringfix.py) gives the record back when its push never landed.
+  worker's intent (stealer/client/ringfix.py) gives the record back when its push never landed.
 * alloc: between the free-ring pop and the setup that makes the record somebody's
   (``record.alloc_after_pop``: spawn's, and the agents' messages, replies and
   checkpoints).  The pop names the record's handle in W_ALLOC before it releases its
   cell (``MPMCRing.set_take``); the recoverer frees it if it is still FREE in that
-  generation (stealer/recovery.py ``allocated``).
+  generation (stealer/shared/recovery.py ``allocated``).
 
 The single-process cases build each death by hand on both queue implementations; the
 last ones kill a real worker inside each window (native and Python hot paths) and check
@@ -25,11 +25,12 @@ import tasks
 from rig import IMPLS, _py_hotpath, rig_fixture
 
 import stealer
-from stealer import _pyqueues, ringfix
-from stealer._layout import RECORD_BYTES, RING_POP, RING_PUSH, S_FREE, S_QUEUED
-from stealer.arena import Arena
-from stealer.records import unpack, word
-from stealer.shm import LINE, W_ALLOC, W_RING_OP
+from stealer.client import ringfix
+from stealer.shared import pyqueues as _pyqueues
+from stealer.shared._layout import RECORD_BYTES, RING_POP, RING_PUSH, S_FREE, S_QUEUED
+from stealer.shared.arena import Arena
+from stealer.shared.records import unpack, word
+from stealer.shared.shm import LINE, W_ALLOC, W_RING_OP
 
 rig = rig_fixture()
 

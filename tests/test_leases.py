@@ -2,9 +2,9 @@
 finds it, and what recovery.Recovery does with the handles it finds.
 
 Queue tests run on both queue implementations (``native``: stealer._cqueues,
-``python``: stealer._pyqueues) over a bytearray region: lease words at the
+``python``: stealer.shared.pyqueues) over a bytearray region: lease words at the
 start, the structure after them.  Recovery tests run on a real segment set up
-like stealer/pool.py does, for the three arenas of tests/rig.py.
+like stealer/client/pool.py does, for the three arenas of tests/rig.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rig import IMPLS, Rig, rig_fixture, ring_items
 
-from stealer._layout import (
+from stealer.shared._layout import (
     F_BUFFERS,
     K_CHILD,
     K_ROOT,
@@ -29,8 +29,8 @@ from stealer._layout import (
     S_QUEUED,
     S_RUNNING,
 )
-from stealer.records import Outcome, word
-from stealer.shm import W_CURRENT
+from stealer.shared.records import Outcome, word
+from stealer.shared.shm import W_CURRENT
 
 LEASES = 256  # bytes of lease words before the structure (32 words)
 _Q64 = struct.Struct("=Q")

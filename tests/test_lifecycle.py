@@ -11,10 +11,10 @@ import tasks
 from probes import records_in_use
 
 import stealer
-import stealer._queues
-from stealer._layout import S_RUNNING
-from stealer.recovery import Recovery
-from stealer.shm import W_CURRENT
+import stealer.shared.queues
+from stealer.shared._layout import S_RUNNING
+from stealer.shared.recovery import Recovery
+from stealer.shared.shm import W_CURRENT
 
 
 def _running_worker(e: stealer.Executor, f, timeout: float = 10.0) -> int:
@@ -155,7 +155,7 @@ def test_fork_start_method_replaces_from_a_forkserver():
             e.submit(tasks.kill_self, signal.SIGKILL).result(timeout=30)
         assert e.submit(tasks.square, 5).result(timeout=30) == 25
         assert e.worker_pids()[0] != first
-        if stealer._queues.NATIVE:  # (the fallback's fork-context lock cannot travel)
+        if stealer.shared.queues.NATIVE:  # (the fallback's fork-context lock cannot travel)
             assert tasks_ppid(e) != os.getpid()  # a forkserver's child
 
 
@@ -174,7 +174,7 @@ def test_reference_queues_lock_names_a_dead_holder():
     import mmap
     import multiprocessing as mp
 
-    from stealer import _pyqueues
+    from stealer.shared import pyqueues as _pyqueues
 
     ctx = mp.get_context("fork")
     mm = mmap.mmap(-1, 4096)
@@ -196,7 +196,7 @@ def test_a_completion_for_no_pending_future_is_counted_as_stray():
         pool = e._pool
         a = pool.arena
         h = a.alloc()
-        off = a.setup(h, stealer.executor.K_ROOT, 10**9, 0)  # a future id nobody holds
+        off = a.setup(h, stealer.client.executor.K_ROOT, 10**9, 0)  # a future id nobody holds
         a.put(off, pickle.dumps((None, (), None)), [])
         a.put_result(off, pickle.dumps("x"), [])
         assert pool.stray == 0

@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from stealer._layout import K_CKPT, K_MSG, K_ROOT, S_FREE, S_RUNNING
 from stealer.agents.mailbox import Directory
-from stealer.idle import Idle
+from stealer.shared._layout import K_CKPT, K_MSG, K_ROOT, S_FREE, S_RUNNING
+from stealer.shared.idle import Idle
 from tests.rig import CONFIGS, make_rig
 
 CAP = 5
@@ -178,7 +178,7 @@ def test_a_worker_holds_a_notification_for_a_full_inbox_instead_of_waiting(cfg):
     there is room."""
     import threading
 
-    from stealer._layout import AF_NOTIFIED, D_FLAGS
+    from stealer.shared._layout import AF_NOTIFIED, D_FLAGS
 
     rg = make_rig(cfg, records=16)
     try:

@@ -11,8 +11,10 @@ import pytest
 import tasks
 
 import stealer
-from stealer import _cqueues, _pyqueues, metrics
-from stealer.metrics import NBUCKETS, Histogram, bucket_bounds, bucket_of
+from stealer import _cqueues
+from stealer.shared import metrics
+from stealer.shared import pyqueues as _pyqueues
+from stealer.shared.metrics import NBUCKETS, Histogram, bucket_bounds, bucket_of
 
 
 def test_buckets_partition_the_range():
@@ -99,8 +101,8 @@ def test_stats_counts_tasks_and_latency():
 
 
 def test_stats_from_another_process_by_id():
-    from stealer.shm import Segment
-    from stealer.stats import collect
+    from stealer.client.stats import collect
+    from stealer.shared.shm import Segment
 
     with stealer.Executor(1) as ex:
         ex.submit(tasks.square, 3).result(timeout=30)

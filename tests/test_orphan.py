@@ -2,7 +2,7 @@
 
 An idle worker checks its client each time its park times out (worker.PARK_TIMEOUT).
 With forkserver a worker's parent is the fork server, not the client, so a parent
-check would tear down a healthy executor; stealer.liveness watches the client itself.
+check would tear down a healthy executor; stealer.shared.liveness watches the client itself.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import tasks
 from probes import alive, client_process
 
 import stealer
-from stealer import liveness
-from stealer.worker import PARK_TIMEOUT
+from stealer.shared import liveness
+from stealer.worker.loop import PARK_TIMEOUT
 
 METHODS = ["spawn", "forkserver", "fork"]
 
@@ -53,7 +53,7 @@ def test_killed_client_leaves_nothing_behind(tmp_path, method):
         assert not any(alive(x) for x in pids)
 
 
-# -- stealer.liveness ------------------------------------------------------------
+# -- stealer.shared.liveness ------------------------------------------------------------
 
 
 @pytest.fixture(params=["pidfd", "proc"])

@@ -1,4 +1,4 @@
-"""A model of the fork-join ping bit (stealer/recovery.py Pings) against a sequential oracle.
+"""A model of the fork-join ping bit (stealer/shared/recovery.py Pings) against a sequential oracle.
 
 One frame waits for its children.  Each child, once done, runs the sender's steps
 (``or64`` of the bit; push the frame's handle only if it set the bit); the frame's

@@ -1,4 +1,4 @@
-"""The fork-join ping bit (stealer/recovery.py Pings) and a recovery's redelivery of the
+"""The fork-join ping bit (stealer/shared/recovery.py Pings) and a recovery's redelivery of the
 pings a dead worker held (Recovery.dead_pings), on an in-process segment (native and
 pure-Python queues, tests/rig.py)."""
 
@@ -8,9 +8,9 @@ import struct
 
 from rig import Rig, rig_fixture, ring_items
 
-from stealer._layout import F_AGENT, K_CHILD, K_ROOT, R_OWNER, S_DONE, S_QUEUED, S_RUNNING
-from stealer.records import word
-from stealer.recovery import Pings
+from stealer.shared._layout import F_AGENT, K_CHILD, K_ROOT, R_OWNER, S_DONE, S_QUEUED, S_RUNNING
+from stealer.shared.records import word
+from stealer.shared.recovery import Pings
 
 rig = rig_fixture(records=16)
 

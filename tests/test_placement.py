@@ -1,4 +1,4 @@
-"""The placement rule on its own (stealer/agents/placement.py): an agent moves only when
+"""The placement rule on its own (stealer/worker/agents/placement.py): an agent moves only when
 the expected gain beats twice the measured cost of moving it; no processes here."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stealer.agents import placement as P
+from stealer.worker.agents import placement as P
 
 US = 1_000
 

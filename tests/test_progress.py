@@ -1,5 +1,5 @@
 """``Executor.map(..., progress=True)``: a bar with rate and ETA on a terminal, silent elsewhere;
-tqdm's bar when tqdm is installed, stealer.progress's plain one otherwise."""
+tqdm's bar when tqdm is installed, stealer.client.progress's plain one otherwise."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import tasks
 
 import stealer
-from stealer.progress import Progress, render_bar
+from stealer.client.progress import Progress, render_bar
 
 
 class Terminal(io.StringIO):

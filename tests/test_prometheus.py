@@ -15,8 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
 import stealer
-from stealer import metrics, prometheus
-from stealer.stats import Stats, WorkerStats
+from stealer import prometheus
+from stealer.client.stats import Stats, WorkerStats
+from stealer.shared import metrics
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import glob
 
-from stealer import _queues
+from stealer.shared import queues as _queues
 
 
 def test_no_extension_built_says_so_and_blames_no_circular_import(monkeypatch):

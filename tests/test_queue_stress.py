@@ -27,7 +27,7 @@ from types import ModuleType
 
 import pytest
 
-from stealer import _pyqueues
+from stealer.shared import pyqueues as _pyqueues
 
 try:
     from stealer import _cqueues

@@ -1,7 +1,7 @@
 """Single-process tests of the shared-memory queues, run on both implementations.
 
 Every test takes the ``impl`` fixture (tests/conftest.py), parametrized over the native
-Cython module (``stealer._cqueues``) and the pure-Python reference (``stealer._pyqueues``),
+Cython module (``stealer._cqueues``) and the pure-Python reference (``stealer.shared.pyqueues``),
 so the two are held to one specification.  Sequential random op sequences are checked
 against ``collections.deque`` models with hypothesis, and the same sequences are
 fed to both implementations and their results compared.  Multi-process tests
@@ -31,7 +31,7 @@ from hypothesis.stateful import (
 )
 from rig import IMPLS
 
-from stealer import _pyqueues
+from stealer.shared import pyqueues as _pyqueues
 
 _cqueues = IMPLS["native"]  # None where the extension is not built
 LINE = 64
@@ -80,7 +80,7 @@ def test_nbytes_identical_and_line_rounded(kind, capacity):
 
 
 def test_queues_load_selects_module():
-    queues = importlib.import_module("stealer._queues")
+    queues = importlib.import_module("stealer.shared.queues")
     assert queues.load(force_python=True) is _pyqueues
     if _cqueues is not None:
         assert queues.load(force_python=False) is _cqueues

@@ -1,4 +1,4 @@
-"""The task-record lifecycle (stealer/records.py): state words and named transitions.
+"""The task-record lifecycle (stealer/shared/records.py): state words and named transitions.
 
 Every test runs on three arenas over a real segment (see tests/test_arena.py):
 native queues with HotPath (``native``), native queues with the Arena's Python
@@ -33,7 +33,7 @@ from hypothesis.stateful import (
 )
 from rig import CONFIGS, Rig, load_impl, make_rig, rig_fixture, ring_items
 
-from stealer._layout import (
+from stealer.shared._layout import (
     GEN_MASK,
     INLINE,
     K_ROOT,
@@ -49,7 +49,7 @@ from stealer._layout import (
     ST_OK,
     STATE_MASK,
 )
-from stealer.records import STATE_NAMES, Outcome, Transitions, unpack, word
+from stealer.shared.records import STATE_NAMES, Outcome, Transitions, unpack, word
 
 STATES = (S_FREE, S_QUEUED, S_RUNNING, S_CANCELLED, S_DONE, S_FREEING, S_RECOVERING)
 WHOS = (0, 1, 2, 3)

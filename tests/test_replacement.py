@@ -1,4 +1,4 @@
-"""Replacement workers come from a forkserver that has stealer imported (stealer/pool.py).
+"""Replacement workers come from a forkserver that has stealer imported (stealer/client/pool.py).
 
 A worker that dies is replaced from the result thread.  A spawned interpreter would import
 stealer again (most of a kill's recovery time on a loaded machine), so with 'spawn' (and
@@ -19,7 +19,7 @@ import pytest
 import tasks
 
 import stealer
-from stealer import pool as pool_mod
+from stealer.client import pool as pool_mod
 
 pytestmark = pytest.mark.kills_workers
 
@@ -66,7 +66,7 @@ def test_the_forkserver_preloads_the_workers_modules_and_keeps_the_users(monkeyp
     pool_mod._forkserver()
     assert fs._preload_modules == ["__main__", "json", *pool_mod.FORKSERVER_PRELOAD]
     pool_mod._forkserver()  # once only
-    assert fs._preload_modules.count("stealer.worker") == 1
+    assert fs._preload_modules.count("stealer.worker.loop") == 1
     monkeypatch.setattr(fs, "_forkserver_pid", 12345)  # running: its list is fixed
     monkeypatch.setattr(fs, "_preload_modules", ["__main__"])
     pool_mod._forkserver()

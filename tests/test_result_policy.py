@@ -1,4 +1,4 @@
-"""How the result thread is scheduled (stealer.idle.ResultPolicy): SCHED_BATCH while a
+"""How the result thread is scheduled (stealer.shared.idle.ResultPolicy): SCHED_BATCH while a
 backlog of tasks or agent calls waits, the normal class otherwise; a worker wakes it at once
 from PARKED, and from PARKED_BATCH only before it idles (an owed wake: one per batch, the
 thread polls meanwhile), natively and in the Python reference; the hand-off, where a worker
@@ -18,10 +18,10 @@ import tasks
 from rig import _py_hotpath
 
 import stealer
-from stealer import idle as idle_mod
-from stealer import pool as pool_mod
-from stealer.idle import NOTIFIED, PARKED, PARKED_BATCH, RUNNING, Idle, ResultPolicy
-from stealer.shm import H_CLIENT_MOVED, H_CLIENT_PARK, H_CLIENT_TID
+from stealer.client import pool as pool_mod
+from stealer.shared import idle as idle_mod
+from stealer.shared.idle import NOTIFIED, PARKED, PARKED_BATCH, RUNNING, Idle, ResultPolicy
+from stealer.shared.shm import H_CLIENT_MOVED, H_CLIENT_PARK, H_CLIENT_TID
 from tests import agents_lib as L
 
 try:
@@ -85,7 +85,7 @@ def test_a_refused_change_turns_the_policy_off(monkeypatch):
 
 
 def test_wake_client_wakes_a_normal_park_and_owes_a_batch_one(impl, monkeypatch):
-    from stealer.shm import Layout
+    from stealer.shared.shm import Layout
 
     layout = Layout(1, records=2, block_classes=((64, 1),), fn_entries=1, fn_data=64)
     idle = Idle(impl.Region(mmap.mmap(-1, layout.total)), layout)
@@ -225,7 +225,7 @@ def test_the_thread_id_is_withdrawn_when_the_result_thread_ends():
 def test_a_thread_whose_cpus_miss_a_workers_is_never_moved(impl):
     """A result thread confined (by its user) to CPUs without a worker's: its thread id
     is not published, so no worker moves it; with the worker's CPU allowed, it is."""
-    from stealer.shm import Layout
+    from stealer.shared.shm import Layout
 
     cpu = _two_cpus()[-1]
     layout = Layout(1, records=2, block_classes=((64, 1),), fn_entries=1, fn_data=64)

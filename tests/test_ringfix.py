@@ -1,4 +1,4 @@
-"""MPMC ring cells a dead process left half-done, and their repair (stealer/ringfix.py).
+"""MPMC ring cells a dead process left half-done, and their repair (stealer/client/ringfix.py).
 
 A claim without its store is made by hand here (the position word moved by the
 dead process's CAS, the cell untouched), on both queue implementations; a
@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 from rig import IMPLS
 
 import stealer
-from stealer import _pyqueues, ringfix
-from stealer._layout import RING_POP, RING_PUSH
-from stealer.shm import LINE
+from stealer.client import ringfix
+from stealer.shared import pyqueues as _pyqueues
+from stealer.shared._layout import RING_POP, RING_PUSH
+from stealer.shared.shm import LINE
 
 CAP = 8
 OFF = 128  # the ring's offset in its buffer (an intent names it)

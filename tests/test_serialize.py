@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import tasks
 
-from stealer import _queues, serialize
 from stealer.errors import SerializationError
+from stealer.shared import queues as _queues
+from stealer.shared import serialize
 
 
 def test_plain_objects_use_stdlib_pickle():

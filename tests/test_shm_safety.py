@@ -28,11 +28,11 @@ import pytest
 import tasks
 
 import stealer
-from stealer import arena as arena_mod
-from stealer import shm
-from stealer._layout import R_PCLASS, R_PLEN, R_PREF
-from stealer.arena import INLINE, LOST, OVERFLOW, Arena
 from stealer.errors import RemoteTraceback
+from stealer.shared import arena as arena_mod
+from stealer.shared import shm
+from stealer.shared._layout import R_PCLASS, R_PLEN, R_PREF
+from stealer.shared.arena import INLINE, LOST, OVERFLOW, Arena
 
 
 class _CallDescriptor:
@@ -425,7 +425,7 @@ def test_overflow_writes_and_reads_loop_until_complete(arena, monkeypatch):
     monkeypatch.setattr(os, "write", short_write)
     monkeypatch.setattr(os, "readv", short_readv)
     arr = bytearray(os.urandom(50_000))
-    data, bufs = stealer.serialize.dumps(pickle.PickleBuffer(arr))
+    data, bufs = stealer.shared.serialize.dumps(pickle.PickleBuffer(arr))
     assert bufs  # the out-of-band path
     h, off = _record(arena)
     arena.put(off, data, bufs)
@@ -515,7 +515,7 @@ def test_exception_whose_str_raises_and_that_does_not_pickle(ex):
 
 
 def test_error_payload_unpickles_where_the_class_is_missing():
-    from stealer.worker import error_payload
+    from stealer.worker.loop import error_payload
 
     try:
         raise_two_arg("p", "q")

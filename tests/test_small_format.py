@@ -1,4 +1,4 @@
-"""The small format of calls and results (stealer/serialize.py): the native encoder and
+"""The small format of calls and results (stealer/shared/serialize.py): the native encoder and
 decoder (stealer._cqueues) against the Python reference, both against pickle as the oracle
 (hypothesis), and corrupt input refused with a clear error."""
 
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stealer import serialize
+from stealer.shared import serialize
 
 try:
     from stealer import _cqueues

@@ -1,6 +1,6 @@
 """Kill storms (issue 20): no future hangs, and the client never waits on a worker.
 
-Before the ping bit (stealer/recovery.py Pings) every recovery of a worker pinged
+Before the ping bit (stealer/shared/recovery.py Pings) every recovery of a worker pinged
 again the parent of every child the worker had finished, in case the first ping was
 lost.  A worker killed again and again while starting never drains its inbox, so
 those duplicates piled up in it until it was full; the client's result thread then
@@ -32,9 +32,9 @@ import pytest
 import tasks
 
 import stealer
-from stealer._layout import S_DONE, S_QUEUED, S_RUNNING
-from stealer.shm import SHM_DIR, W_STATE
-from stealer.worker import STATE_READY
+from stealer.shared._layout import S_DONE, S_QUEUED, S_RUNNING
+from stealer.shared.shm import SHM_DIR, W_STATE
+from stealer.worker.loop import STATE_READY
 
 pytestmark = [pytest.mark.kills_workers, pytest.mark.slow]
 

@@ -12,9 +12,10 @@ import pytest
 import tasks
 
 import stealer
-from stealer import metrics, top
-from stealer.metrics import Histogram
-from stealer.stats import Stats, WorkerStats
+from stealer import top
+from stealer.client.stats import Stats, WorkerStats
+from stealer.shared import metrics
+from stealer.shared.metrics import Histogram
 
 FAKE_ID = "stealer-1-" + "ab" * 16
 NUM = r"\d+(?:\.\d+)?"

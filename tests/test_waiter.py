@@ -24,7 +24,7 @@ import tasks
 from rig import _py_hotpath
 
 import stealer
-from stealer import pool as pool_mod
+from stealer.client import pool as pool_mod
 from tests import agents_lib as L
 
 try:

@@ -7,7 +7,7 @@ import pickle
 import struct
 from typing import Any
 
-from stealer import serialize
+from stealer.shared import serialize
 
 __all__ = ["pack", "unpack", "loads", "sender_is_agent"]
 

@@ -3,7 +3,7 @@
 An agent *is* a record (kind ``K_ROOT | F_AGENT``): its handle is the agent
 id, its state word says where it lives (RUNNING|k: in worker k's heap;
 QUEUED: on a queue, migrating or not started yet; DONE: finished).  The
-directory has one entry (DIR_BYTES, layout in stealer/_layout.py) per
+directory has one entry (DIR_BYTES, layout in stealer/shared/_layout.py) per
 record slot; the entry of an agent is its record's slot.
 
 The mailbox is a lock-free multi-producer stack of message records (kind
@@ -39,10 +39,12 @@ futex-wakes blocked client senders when the count falls from the cap.
 
 from __future__ import annotations
 
+import os
+import signal
 import struct
 from typing import Any
 
-from stealer._layout import (
+from stealer.shared._layout import (
     AF_CONTROL,
     AF_NOTIFIED,
     D_CAP,
@@ -58,9 +60,34 @@ from stealer._layout import (
     STATE_SHIFT,
     WHO_SHIFT,
 )
-from stealer.agents.inline import signal_if_busy
+from stealer.shared.shm import W_CURRENT, W_PID
 
-__all__ = ["CLOSED", "Directory"]
+__all__ = ["CLOSED", "Directory", "SIGNAL", "signal_if_busy"]
+
+SIGNAL = signal.SIGUSR2  # "a control message is waiting": SIGUSR1 is an idle peer's request
+
+
+def signal_if_busy(region: Any, worker_base: int, h: int, flags: int) -> bool:
+    """Sender side, after a control agent's notification reached its owner's inbox: if
+    the owner is in a turn of another agent, ask it (SIGNAL) to handle the message now.
+    ``flags``: the agent's directory flags (D_FLAGS).  True if a signal was sent."""
+    if not flags & AF_CONTROL:
+        return False
+    cur = region.load64(worker_base + W_CURRENT)  # acquire: pairs with the turn's store
+    if not cur or cur == h + 1:
+        return False  # between turns (the loop sees the inbox), or the agent itself
+    pid = region.load32(worker_base + W_PID)  # set once by the worker at its start
+    if not pid:
+        return False
+    try:
+        os.kill(pid, SIGNAL)
+    except OSError:  # it died meanwhile: its recovery handles the message
+        return False
+    return True
+
+
+# The sender's side of a control-tier message that finds its agent's worker busy in another
+# agent's step; the owner's side is stealer/worker/agents/inline.py.
 
 CLOSED = 1 << 63  # the bit of D_HEAD that closes a mailbox (handles + 1 stay below it)
 _CHAIN = CLOSED - 1

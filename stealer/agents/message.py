@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stealer import serialize
+from stealer.shared import serialize
 
 __all__ = ["AGENT_FID", "decode_message", "encode_message", "message_reply"]
 

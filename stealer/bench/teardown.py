@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from stealer.shm import H_SHUTDOWN
+from stealer.shared.shm import H_SHUTDOWN
 
 __all__ = ["force_close"]
 

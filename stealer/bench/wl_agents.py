@@ -518,7 +518,7 @@ def _shm_files(ex: cf.Executor) -> tuple[int | None, int, int]:
     """``(segment size, overflow files, their bytes)`` of the executor in /dev/shm.
 
     Payloads too big for a record's inline bytes and for the free size-class blocks go to
-    overflow files ``<segment>-x<id>`` beside the segment (stealer/arena.py); an agent's spawn
+    overflow files ``<segment>-x<id>`` beside the segment (stealer/shared/arena.py); an agent's spawn
     payload stays while it lives, so they count.  Their bytes are what tmpfs allocated
     (``st_blocks * 512``: a page each at least), not their length."""
     name = getattr(ex, "segment_name", None)

@@ -15,8 +15,21 @@ import time
 import weakref
 from typing import Any
 
-from stealer import serialize
-from stealer._layout import (
+from stealer.agents.api import AgentRef, _clients
+from stealer.agents.jblob import pack as journal_pack
+from stealer.agents.mailbox import CLOSED, Directory
+from stealer.agents.message import AGENT_FID, encode_message, message_reply
+from stealer.agents.options import DEFAULT_OPTIONS, AgentOptions
+from stealer.client.futures import _Future
+from stealer.errors import (
+    AgentStopped,
+    JournalError,
+    MailboxFull,
+    StealerError,
+    result_value,
+)
+from stealer.shared import serialize
+from stealer.shared._layout import (
     AF_CONTROL,
     D_CKPT,
     F_AGENT,
@@ -31,20 +44,7 @@ from stealer._layout import (
     S_RECOVERING,
     ST_ERROR,
 )
-from stealer.agents.api import AgentRef, _clients
-from stealer.agents.jblob import pack as journal_pack
-from stealer.agents.mailbox import CLOSED, Directory
-from stealer.agents.message import AGENT_FID, encode_message, message_reply
-from stealer.agents.options import DEFAULT_OPTIONS, AgentOptions
-from stealer.errors import (
-    AgentStopped,
-    JournalError,
-    MailboxFull,
-    StealerError,
-    result_value,
-)
-from stealer.futures import _Future
-from stealer.records import Outcome
+from stealer.shared.records import Outcome
 
 __all__ = ["AgentClient", "AGENT_FID", "lookup", "encode_message"]
 
@@ -168,9 +168,9 @@ class AgentClient:
         """Restart the live agents of a journal: each from its newest snapshot (a K_CKPT
         record, as after a worker death), with the messages it had not applied in its
         mailbox.  Returns how many agents were restarted."""
-        from stealer._layout import D_COUNT
         from stealer.agents import api
         from stealer.agents.jblob import loads, unpack
+        from stealer.shared._layout import D_COUNT
 
         a = self.a
         r = self.pool.region
@@ -342,7 +342,7 @@ class AgentClient:
         shutdown only; DONE counts, its completion may still be on its way)."""
         import numpy as np
 
-        from stealer._layout import K_MASK, S_FREE, STATE_MASK, STATE_SHIFT
+        from stealer.shared._layout import K_MASK, S_FREE, STATE_MASK, STATE_SHIFT
 
         w, ks, _link = self.pool.rec._columns()
         kind = ks & np.uint64(0xFFFFFFFF)
@@ -509,7 +509,7 @@ class AgentClient:
             d.notify(link)  # the calling agent collects it
 
     def stop(self, h: int) -> None:
-        from stealer._layout import AF_STOP, D_FLAGS
+        from stealer.shared._layout import AF_STOP, D_FLAGS
 
         if h < 0 or self.a.tr.state(h) is None:
             return  # already finished

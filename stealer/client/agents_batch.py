@@ -27,11 +27,11 @@ from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, overload
 
-from stealer import serialize
-from stealer._layout import F_AGENT, INLINE, K_ROOT
 from stealer.agents.api import AgentRef
 from stealer.agents.message import AGENT_FID
 from stealer.agents.options import DEFAULT_OPTIONS, AgentOptions
+from stealer.shared import serialize
+from stealer.shared._layout import F_AGENT, INLINE, K_ROOT
 
 __all__ = ["AgentRefs", "spawn_many", "CHUNK"]
 

@@ -2,13 +2,13 @@
 everything it held.
 
 Owns the messages for an exit (:func:`describe_exit`, :func:`describe_start_failure`,
-:func:`exited_by_itself`; still importable from stealer.pool) and the
-:class:`WorkerDeaths` mixin of stealer/pool.py's ``_Pool``, whose state it shares:
+:func:`exited_by_itself`; still importable from stealer.client.pool) and the
+:class:`WorkerDeaths` mixin of stealer/client/pool.py's ``_Pool``, whose state it shares:
 ``on_death`` (called by the result thread's ``check_workers`` when a worker's sentinel
 fires: drain its completion ring, recover, start a replacement or break the pool),
-``recover`` (the rules are stealer/recovery.py's: this reads the dead worker's current,
+``recover`` (the rules are stealer/shared/recovery.py's: this reads the dead worker's current,
 lease and ping words and scans for records it held), ``repair_rings`` (a ring claim it
-cut in two, stealer/ringfix.py; also retried by ``check_workers``) and the completion of
+cut in two, stealer/client/ringfix.py; also retried by ``check_workers``) and the completion of
 root tasks it left DONE or that recovery failed.
 """
 
@@ -17,9 +17,10 @@ from __future__ import annotations
 import signal
 from typing import Any
 
-from stealer import failpoints as FP
-from stealer import ringfix
-from stealer._layout import (
+from stealer.client import ringfix
+from stealer.errors import AgentError, AgentStopped, StepTimeout, WorkerCrashedError
+from stealer.shared import failpoints as FP
+from stealer.shared._layout import (
     F_AGENT,
     K_MASK,
     K_REPLY,
@@ -29,9 +30,8 @@ from stealer._layout import (
     S_RECOVERING,
     S_RUNNING,
 )
-from stealer.errors import AgentError, AgentStopped, StepTimeout, WorkerCrashedError
-from stealer.records import Outcome
-from stealer.shm import (
+from stealer.shared.records import Outcome
+from stealer.shared.shm import (
     H_SHUTDOWN,
     LEASE_SLOTS,
     STATE_EXITING,
@@ -211,7 +211,7 @@ class WorkerDeaths:
     def recover(self, k: int, desc: str) -> None:
         """Worker ``k`` is dead and its ring drained: settle every record it held.
 
-        The rules are stealer/recovery.py's; this reads the dead worker's
+        The rules are stealer/shared/recovery.py's; this reads the dead worker's
         current and lease words and scans for records held by it.
         """
         r = self.region

@@ -38,11 +38,14 @@ from concurrent.futures import _base as _fbase
 from pickle import dumps as _pickle_dumps
 from typing import Any
 
-from stealer import affinity, serialize
-from stealer import pool as _poolmod
-from stealer._layout import S_CANCELLED, S_QUEUED
+from stealer import affinity
 from stealer.agents.api import AgentRef
-from stealer.arena import INLINE, K_ROOT
+from stealer.client import pool as _poolmod
+from stealer.client.futures import _Future
+from stealer.client.hang import check_hang_timeout
+from stealer.client.pool import _Pool
+from stealer.client.progress import Counted, map_progress
+from stealer.client.stats import Stats, collect
 from stealer.errors import (
     BrokenExecutor,
     ExecutorShutdownError,
@@ -50,13 +53,11 @@ from stealer.errors import (
     SerializationError,
 )
 from stealer.forkjoin import NestedExecutor, run_chunk, run_items
-from stealer.futures import _Future
-from stealer.hang import check_hang_timeout
-from stealer.pool import _Pool
-from stealer.progress import Counted, map_progress
-from stealer.records import Outcome as _Outcome
-from stealer.shm import H_STARTED
-from stealer.stats import Stats, collect
+from stealer.shared import serialize
+from stealer.shared._layout import S_CANCELLED, S_QUEUED
+from stealer.shared.arena import INLINE, K_ROOT
+from stealer.shared.records import Outcome as _Outcome
+from stealer.shared.shm import H_STARTED
 
 __all__ = ["Executor"]
 
@@ -336,7 +337,7 @@ class Executor(_fbase.Executor):
       :class:`~stealer.WorkerCrashedError` saying it hung.  A task that runs
       longer is killed too: ``hang_timeout`` must exceed your longest task
       (a blocking join counts as the time its children take).  See
-      stealer/hang.py; ``stealer top`` shows a frozen worker as "frozen Ns".
+      stealer/client/hang.py; ``stealer top`` shows a frozen worker as "frozen Ns".
     * tasks may :func:`stealer.spawn` children and join them by ``yield``.
     """
 
@@ -498,7 +499,7 @@ class Executor(_fbase.Executor):
 
         ``progress=True`` draws a progress bar with the rate and the time left
         on stderr while the results are read, when stderr is a terminal (tqdm's
-        if tqdm is installed, else a plain one; see stealer.progress).
+        if tqdm is installed, else a plain one; see stealer.client.progress).
         """
         if chunksize is not None and chunksize < 1:
             raise ValueError("chunksize must be >= 1.")
@@ -635,7 +636,7 @@ class Executor(_fbase.Executor):
         nothing: on an error part-way (an argument that does not pickle, no free record)
         the agents already started are stopped and the error is raised.  Named agents
         (``name=``) are spawned one by one with :meth:`spawn_agent`."""
-        from stealer.agents.batch import spawn_many
+        from stealer.client.agents_batch import spawn_many
 
         r, opts = self._spawn_checks("spawn_agents", cls, retries, options)
         return spawn_many(self._pool.agents, cls, args_list, init_kwargs, opts, r)
@@ -686,7 +687,7 @@ class Executor(_fbase.Executor):
             r.futex_wait(H_STARTED, started, min(0.05, left) if left is not None else 0.05)
 
     def stats(self) -> Stats:
-        """A snapshot of counters, queue depths and latency histograms (see stealer.stats)."""
+        """A snapshot of counters, queue depths and latency histograms (see stealer.client.stats)."""
         pool = self._pool
         s = collect(pool.seg)
         for w in s.workers:  # as the result thread's last look saw it (check_hangs)

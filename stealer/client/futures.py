@@ -1,7 +1,7 @@
 """Futures of stealer tasks: ``concurrent.futures.Future`` objects that are cheap to create.
 
-See :class:`_Future`.  The pool (stealer/pool.py) resolves them from its result
-thread; the facade (stealer/executor.py) creates them in ``submit``.
+See :class:`_Future`.  The pool (stealer/client/pool.py) resolves them from its result
+thread; the facade (stealer/client/executor.py) creates them in ``submit``.
 """
 
 from __future__ import annotations
@@ -9,13 +9,10 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 from concurrent.futures import _base as _fbase
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from stealer._layout import S_RUNNING
-from stealer.records import Outcome
-
-if TYPE_CHECKING:
-    from stealer.pool import _Pool
+from stealer.shared._layout import S_RUNNING
+from stealer.shared.records import Outcome
 
 __all__ = ["_Future"]
 
@@ -120,7 +117,7 @@ class _Future(Future):
     _st_w: list[Any] | None = None  # _waiters, made on first use
     _st_cb: list[Any] | None = None  # _done_callbacks, made on first use
 
-    def __init__(self, pool: _Pool, fid: int, fn: Any) -> None:
+    def __init__(self, pool: Any, fid: int, fn: Any) -> None:  # pool: client.pool._Pool
         # Future.__init__ without the Condition and the two lists (made on first use): a
         # future nobody waits on is one GC-tracked object, not four (its attributes stay
         # inline: nothing here reads self.__dict__, which would make it a dict).

@@ -14,7 +14,7 @@ nothing for it:
 * ``W_CURRENT``: handle + 1 (generation included) of the task or agent step running
   on it, stored by the worker at every start and end (release, read here with an
   acquire load);
-* its metrics counters (stealer/metrics.py): flushed by their single writer at least
+* its metrics counters (stealer/shared/metrics.py): flushed by their single writer at least
   every 2 ms while it finishes tasks or agent steps, and whenever it parks;
 * the dequeue position of its inbox (a ring's second line, in both queue twins):
   moved by every ping it takes, even one that finds nothing to do.
@@ -42,11 +42,11 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from stealer.metrics import COUNTERS_BYTES
-from stealer.shm import LINE, W_CURRENT
+from stealer.shared.metrics import COUNTERS_BYTES
+from stealer.shared.shm import LINE, W_CURRENT
 
 if TYPE_CHECKING:
-    from stealer.stats import WorkerStats
+    from stealer.client.stats import WorkerStats
 
 __all__ = ["HangWatch", "Stalls", "check_hang_timeout", "hang_message"]
 

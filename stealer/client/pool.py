@@ -5,10 +5,10 @@ and runs the *result thread*: it pops completions and resolves futures,
 moves backlog tasks in as records free up, and watches worker sentinels (a
 dead worker's running task fails with WorkerCrashedError naming the exit
 code or signal; a replacement starts; the rest goes on).  The facade
-(stealer/executor.py) is the public API over it; stealer/futures.py's futures and
-stealer/agents/client.py call back into it.  What a worker's death means and the
-recovery of what it held are stealer/pool_deaths.py's (WorkerDeaths, a mixin of
-``_Pool``); the worker processes run stealer/worker.py's ``main``.
+(stealer/client/executor.py) is the public API over it; stealer/client/futures.py's futures and
+stealer/client/agents.py call back into it.  What a worker's death means and the
+recovery of what it held are stealer/client/deaths.py's (WorkerDeaths, a mixin of
+``_Pool``); the worker processes run stealer/worker/loop.py's ``main``.
 """
 
 from __future__ import annotations
@@ -29,32 +29,32 @@ import weakref
 from concurrent.futures import _base as _fbase
 from typing import Any
 
-from stealer import failpoints as FP
-from stealer import liveness, serialize
-from stealer._layout import (
-    F_RBUFFERS,
-    K_ROOT,
-    ST_ERROR,
-    ST_OK,
-)
-from stealer._queues import impl as _default_queues
-from stealer.arena import Arena
-from stealer.errors import (
-    BrokenExecutor,
-    RemoteTraceback,
-    SerializationError,
-)
-from stealer.futures import _Future
-from stealer.hang import HangWatch, hang_message
-from stealer.idle import BATCH_ENTER, BATCH_LEAVE, BATCH_POLL, NOTIFIED, Idle, ResultPolicy
-from stealer.pool_deaths import (
+from stealer.client.deaths import (
     WorkerDeaths,
     describe_exit,
     describe_start_failure,
     exited_by_itself,
 )
-from stealer.recovery import Pings, Recovery
-from stealer.shm import (
+from stealer.client.futures import _Future
+from stealer.client.hang import HangWatch, hang_message
+from stealer.errors import (
+    BrokenExecutor,
+    RemoteTraceback,
+    SerializationError,
+)
+from stealer.shared import failpoints as FP
+from stealer.shared import liveness, serialize
+from stealer.shared._layout import (
+    F_RBUFFERS,
+    K_ROOT,
+    ST_ERROR,
+    ST_OK,
+)
+from stealer.shared.arena import Arena
+from stealer.shared.idle import BATCH_ENTER, BATCH_LEAVE, BATCH_POLL, NOTIFIED, Idle, ResultPolicy
+from stealer.shared.queues import impl as _default_queues
+from stealer.shared.recovery import Pings, Recovery
+from stealer.shared.shm import (
     H_CLIENT_PARK,
     H_SHUTDOWN,
     H_STOP_AGENTS,
@@ -71,8 +71,8 @@ from stealer.shm import (
     Segment,
     cleanup_stale,
 )
-from stealer.worker import WorkerArgs, result_value
-from stealer.worker import main as worker_main
+from stealer.worker.loop import WorkerArgs, result_value
+from stealer.worker.loop import main as worker_main
 
 __all__ = ["_Pool", "describe_exit", "describe_start_failure", "exited_by_itself"]
 
@@ -102,7 +102,7 @@ atexit.register(_python_exit)
 
 
 #: Imported by the forkserver that starts replacement workers, before it forks them.
-FORKSERVER_PRELOAD = ("stealer.worker", "stealer.agents.host")
+FORKSERVER_PRELOAD = ("stealer.worker.loop", "stealer.worker.agents.host")
 
 
 def _forkserver() -> Any:
@@ -207,7 +207,7 @@ class _Pool(WorkerDeaths):
         self.ping_backlog: collections.deque[tuple[int, int]] = collections.deque()
         self.pings = Pings(self.arena, self.inboxes, self.idle, -1, -1, self.defer_ping)
         self.rec = Recovery(self.arena, self.inboxes, self.idle, 0, self.push, self.pings)
-        from stealer.agents.client import AgentClient
+        from stealer.client.agents import AgentClient
 
         self.agents = AgentClient(self)  # spawn/send/call/stop and agents' final values
         self.agents.j = self.journal
@@ -738,7 +738,7 @@ class _Pool(WorkerDeaths):
                 p.kill()
 
     def check_hangs(self) -> None:
-        """Look at every worker's progress (stealer/hang.py); with ``hang_timeout`` set,
+        """Look at every worker's progress (stealer/client/hang.py); with ``hang_timeout`` set,
         kill one frozen past it: the death path (on_death -> recover) re-runs its tasks
         under the retry policy, with hang_message as the reason, and replaces it."""
         hw = self.hangs

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from stealer import metrics
-from stealer._layout import (
+from stealer.shared import metrics
+from stealer.shared._layout import (
     D_COUNT,
     D_CPU_NS,
     D_GEN,
@@ -34,7 +34,7 @@ from stealer._layout import (
     STATE_MASK,
     STATE_SHIFT,
 )
-from stealer.shm import (
+from stealer.shared.shm import (
     H_CREATED_NS,
     SHM_DIR,
     W_CPU,
@@ -62,14 +62,14 @@ class WorkerStats:
     inbox_depth: int
     counters: dict[str, int]
     current: int = 0  # W_CURRENT: handle + 1 of the task or agent step running now (0: none)
-    # seconds it has held work without progress (stealer/hang.py), as the client's result
+    # seconds it has held work without progress (stealer/client/hang.py), as the client's result
     # thread saw it (Executor.stats) or stealer top over its frames; 0.0: not frozen
     frozen_s: float = 0.0
 
 
 @dataclass
 class AgentStats:
-    """One live agent, as its owner last published it (stealer/agents/host.py)."""
+    """One live agent, as its owner last published it (stealer/worker/agents/host.py)."""
 
     id: int
     worker: int | None  # index of the worker holding it (None: moving, or not started)

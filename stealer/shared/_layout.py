@@ -6,8 +6,8 @@ reads this file without importing the package and writes
 the Cython hot path and the Python side can never disagree.  A test checks
 that the compiled module's ``LAYOUT`` equals this file.
 
-A record (RECORD_BYTES) describes one task; see stealer/records.py for the
-lifecycle and stealer/arena.py for payload storage.
+A record (RECORD_BYTES) describes one task; see stealer/shared/records.py for the
+lifecycle and stealer/shared/arena.py for payload storage.
 """
 
 # -- record fields (byte offsets) ---------------------------------------------
@@ -64,11 +64,11 @@ ST_OK = 0  # the result is the return value
 ST_ERROR = 1  # the result is (exception, traceback text)
 ST_LOST = 2  # the worker could not store the result; the inline result is a short reason
 
-# -- MPMC ring claims (W_RING_OP in stealer/shm.py; repaired by stealer/ringfix.py) -------
+# -- MPMC ring claims (W_RING_OP in stealer/shared/shm.py; repaired by stealer/client/ringfix.py) -------
 RING_PUSH = 1  # op bits of an intent: a push about to claim an enqueue position
 RING_POP = 2  # op bits of an intent: a pop about to claim a dequeue position
 
-# -- park words (stealer/idle.py) ---------------------------------------------------
+# -- park words (stealer/shared/idle.py) ---------------------------------------------------
 PARKED = 1
 NOTIFIED = 2
 PARKED_BATCH = 3  # the client's result thread parked in throughput mode (idle.ResultPolicy)
@@ -93,7 +93,7 @@ D_OWNER = 44  # u32 worker index + 1 running the agent now (0: none), for stats:
 AF_NOTIFIED = 1  # a notification is on its way to the owner's inbox (cleared by the owner)
 AF_STOP = 2  # ref.stop(): finish at the next step boundary
 AF_PINGED = 4  # fork-join, any record (not only agents): a ping for this slot's frame is on its
-#               way to an inbox (stealer/recovery.py Pings).  Set by the sender's or64 (seq_cst;
+#               way to an inbox (stealer/shared/recovery.py Pings).  Set by the sender's or64 (seq_cst;
 #               only the sender that set it pushes), cleared by whoever pops the ping (and64,
 #               seq_cst) *before* it looks at the frame's children, and by a recoverer for
 #               the frames of a dead worker; the or64 pairs with that and64

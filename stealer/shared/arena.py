@@ -1,11 +1,11 @@
 """Task records and payload storage in the shared segment.
 
-A **record** (192 bytes, layout in stealer/_layout.py) describes one task:
+A **record** (192 bytes, layout in stealer/shared/_layout.py) describes one task:
 who submitted it, its state word, and where its two payloads live: the
 pickled call and, once it ran, the pickled result.  A **handle** names a
 record across processes: ``generation << 32 | index``; the generation is
 bumped when the record is freed, so a stale handle is recognised.  The
-lifecycle and its transitions are stealer/records.py's.
+lifecycle and its transitions are stealer/shared/records.py's.
 
 Payloads live in one of:
 
@@ -37,8 +37,9 @@ import struct
 import time
 from typing import Any
 
-from stealer import failpoints, serialize
-from stealer._layout import (
+from stealer.errors import SerializationError
+from stealer.shared import failpoints, serialize
+from stealer.shared._layout import (
     D_CAP,
     DIR_BYTES,
     F_BUFFERS,
@@ -66,9 +67,8 @@ from stealer._layout import (
     ST_LOST,
     ST_OK,
 )
-from stealer.errors import SerializationError
-from stealer.records import Outcome, Transitions, word
-from stealer.shm import (
+from stealer.shared.records import Outcome, Transitions, word
+from stealer.shared.shm import (
     H_CLIENT_PARK,
     H_OVERFLOW_SEQ,
     H_PARKED,
@@ -83,7 +83,7 @@ from stealer.shm import (
 __all__ = ["Arena", "F_BUFFERS", "F_RBUFFERS", "INLINE", "K_CHILD", "K_MASK", "K_ROOT",
            "S_CANCELLED", "S_FREE", "S_QUEUED", "S_RUNNING", "ST_ERROR", "ST_LOST", "ST_OK"]
 
-# The record layout, states and kinds: stealer/_layout.py (shared with native/ by setup.py).
+# The record layout, states and kinds: stealer/shared/_layout.py (shared with native/ by setup.py).
 LOST = 0xFFFE  # payload class: it could not be stored (overflow file failed); the ref holds the errno
 OVERFLOW_TRIES = 8  # fresh names tried when an overflow file's name exists already
 
@@ -96,7 +96,7 @@ _U64 = struct.Struct("=Q")
 
 
 class Arena:
-    """Record and payload allocation over a :class:`~stealer.shm.Segment`."""
+    """Record and payload allocation over a :class:`~stealer.shared.shm.Segment`."""
 
     def __init__(self, seg: Segment, injector: Any = None) -> None:
         Q = seg.Q
@@ -153,7 +153,7 @@ class Arena:
 
     def free_ring_offsets(self) -> frozenset[int]:
         """The rings that hold free record and block indices (a dead push to one of them
-        is finished by stealer/ringfix.py: nothing else would give the index back)."""
+        is finished by stealer/client/ringfix.py: nothing else would give the index back)."""
         return frozenset([self.rec_free.offset, *(ring.offset for _, ring, _ in self.classes)])
 
     def _native_free(self, hot: Any) -> Any:
@@ -169,9 +169,9 @@ class Arena:
 
     @property
     def idle(self) -> Any:
-        """The idle policy (stealer/idle.py) the reference composite operations use."""
+        """The idle policy (stealer/shared/idle.py) the reference composite operations use."""
         if self._idle is None:
-            from stealer.idle import Idle
+            from stealer.shared.idle import Idle
 
             self._idle = Idle(self.region, self.seg.layout)
         return self._idle
@@ -253,7 +253,7 @@ class Arena:
 
     def spawn_inline(self, datas: list[bytes], kind: int, link_or: int, retries: int,
                      dir_off: int, cap: int, out: list[int]) -> int:
-        """Client: a batch of agents (stealer/agents/batch.py), one record each: for each
+        """Client: a batch of agents (stealer/client/agents_batch.py), one record each: for each
         inline payload take a record set up as :meth:`submit_inline` does with link
         ``link_or | h``, give it a fresh directory entry at ``dir_off`` (zeroed, capacity
         ``cap``; published by the push) and push it on the injector, appending each handle
@@ -281,7 +281,7 @@ class Arena:
         return 0
 
     def notify_one(self) -> int:
-        """Wake one parked worker if nobody searches (see stealer/idle.py)."""
+        """Wake one parked worker if nobody searches (see stealer/shared/idle.py)."""
         return self.idle.notify_one()
 
     def start(self, h: int, current_off: int, t_start: int, wait_hist_off: int = -1,

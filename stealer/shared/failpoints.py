@@ -66,7 +66,7 @@ POINTS = {
     # whose ops hold a lock): the claim's CAS done, before the cell is written
     "ring.push_after_claim": "a push claimed a ring position, before the value and seq stores",
     "ring.pop_after_claim": "a pop claimed a ring position, before the cell is released",
-    # a worker's records (stealer/arena.py; the native HotPath.c_free for the first): the
+    # a worker's records (stealer/shared/arena.py; the native HotPath.c_free for the first): the
     # windows where a record is FREE and on no ring, or off the free ring and nobody's yet
     "record.free_after_state": "a free stored the record's FREE state, before its push",
     "record.alloc_after_pop": "an alloc popped a record index off the free ring, before the "

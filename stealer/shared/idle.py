@@ -44,7 +44,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from stealer.shm import (
+from stealer.shared.shm import (
     H_CLIENT_MOVED,
     H_CLIENT_PARK,
     H_CLIENT_TID,

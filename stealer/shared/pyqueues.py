@@ -29,14 +29,14 @@ import threading
 import time
 from typing import Any
 
-from stealer._layout import RECORD_BYTES, RING_POP, RING_PUSH
+from stealer.shared._layout import RECORD_BYTES, RING_POP, RING_PUSH
 
 __all__ = ["EMPTY", "RETRY", "NATIVE", "Region", "Deque", "MPMCRing", "SPSCRing"]
 
 EMPTY = -1
 RETRY = -2
 NATIVE = False
-RING_SKIP = (1 << 64) - 1  # a repaired producer cell's value (stealer/ringfix.py): pops skip it
+RING_SKIP = (1 << 64) - 1  # a repaired producer cell's value (stealer/client/ringfix.py): pops skip it
 POS_UNKNOWN = (1 << 64) - 1  # an intent's position before its push names one (pre_push)
 
 _LINE = 64
@@ -191,7 +191,7 @@ class Region:
             pass
 
     def or64(self, off: int, bits: int) -> int:
-        """Atomic fetch-or; returns the old value (a worker entering a set, stealer/idle.py)."""
+        """Atomic fetch-or; returns the old value (a worker entering a set, stealer/shared/idle.py)."""
         self._check(off, 8)
         with self.lock:
             old = self._r64(off)
@@ -266,7 +266,7 @@ class Region:
 
     def hist_record(self, off: int, v: int) -> None:
         """Record ``v`` in the histogram at ``off``: [count][sum][max][pad][buckets]."""
-        from stealer.metrics import NBUCKETS
+        from stealer.shared.metrics import NBUCKETS
 
         self._check(off, 8)
         if off + 64 + 8 * NBUCKETS > self.nbytes:
@@ -293,7 +293,7 @@ class Region:
 
 
 def _hist_bucket(v: int) -> int:
-    from stealer.metrics import bucket_of
+    from stealer.shared.metrics import bucket_of
 
     return bucket_of(v)
 
@@ -469,7 +469,7 @@ class MPMCRing(_QueueRing):
     """Vyukov ring layout: [enqueue pos][dequeue pos][{seq, value} cells].
 
     Under the region's lock a claim and its store cannot be split by a death; the
-    intent words are written all the same (stealer/ringfix.py reads them the same way)
+    intent words are written all the same (stealer/client/ringfix.py reads them the same way)
     and a RING_SKIP cell (a repair's) is skipped, as by the native ring."""
 
     _cell = 16

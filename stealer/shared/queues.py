@@ -14,7 +14,7 @@ __all__ = ["impl", "NATIVE", "load"]
 
 
 def load(force_python: bool | None = None) -> ModuleType:
-    """Return the queue module (``stealer._cqueues`` or ``stealer._pyqueues``)."""
+    """Return the queue module (``stealer._cqueues`` or ``stealer.shared.pyqueues``)."""
     if force_python is None:
         force_python = os.environ.get("STEALER_NO_EXTENSIONS", "") not in ("", "0")
     if not force_python:
@@ -24,7 +24,7 @@ def load(force_python: bool | None = None) -> ModuleType:
             return _cqueues
         except ImportError as exc:  # pragma: no cover - depends on the build
             warnings.warn(_why_no_extension(exc), RuntimeWarning, stacklevel=2)
-    from stealer import _pyqueues
+    from stealer.shared import pyqueues as _pyqueues
 
     return _pyqueues
 
@@ -33,7 +33,7 @@ def _why_no_extension(exc: ImportError) -> str:
     """Say what actually happened: no extension was built, or one was built but fails."""
     import glob
 
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # stealer/
     built = glob.glob(os.path.join(here, "_cqueues*.so")) + glob.glob(
         os.path.join(here, "_cqueues*.pyd"))
     if not built:

@@ -1,6 +1,6 @@
 """The task-record lifecycle: named states, one 64-bit word, generation-checked transitions.
 
-Every task lives in a record (layout in stealer/_layout.py).  Its first word
+Every task lives in a record (layout in stealer/shared/_layout.py).  Its first word
 holds the generation, the state and *who* holds it::
 
     bits  0-31  generation: bumped each time the record is freed
@@ -41,7 +41,7 @@ and it gets a named outcome back instead.
   child: a ping to the parent's owner).  If k dies in between, the
   recoverer sees DONE|k and publishes it again where that is idempotent.
 
-Recovery after worker k dies (stealer/pool.py) reads only words: W_CURRENT
+Recovery after worker k dies (stealer/client/pool.py) reads only words: W_CURRENT
 and W_LEASE of the dead worker name at most two handles; the state and
 holder in their words say what the dead worker had done with them.
 """
@@ -51,7 +51,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from stealer._layout import (
+from stealer.shared._layout import (
     GEN_MASK,
     S_CANCELLED,
     S_DONE,

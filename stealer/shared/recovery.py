@@ -1,9 +1,9 @@
 """What happens to the records a dead worker held: re-run, fail, publish, or free them.
 
-Used by the client's result thread when it sees a worker die (stealer/pool.py)
+Used by the client's result thread when it sees a worker die (stealer/client/pool.py)
 and by a replacement worker that receives a ping for a fork-join frame its
-dead predecessor held (stealer/worker.py).  Both act only through the
-transitions of stealer/records.py, so when two recoverers (or a recoverer and
+dead predecessor held (stealer/worker/loop.py).  Both act only through the
+transitions of stealer/shared/records.py, so when two recoverers (or a recoverer and
 a stale ping) race, exactly one CAS wins and the other gets a named outcome.
 
 The rules, by what the state word of a record says (who = dead worker + 1):
@@ -18,7 +18,7 @@ The rules, by what the state word of a record says (who = dead worker + 1):
   A free bumps the generation, so only one of these rules (and the ring repair's
   give-back, which frees too) acts on it.
 * A record (or block) the dead worker was freeing, FREE and on no ring: its push's
-  intent names it, the ring repair gives it back (stealer/ringfix.py, ``give_back``).
+  intent names it, the ring repair gives it back (stealer/client/ringfix.py, ``give_back``).
 * FREEING|who: the dead worker was freeing it: finish that.
 * DONE|who (current word): the result was stored but maybe not published:
   a root is completed by the client if its completion is not in the dead
@@ -48,8 +48,10 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
-from stealer import failpoints, serialize
-from stealer._layout import (
+from stealer._lazy import lazy_numpy
+from stealer.errors import WorkerCrashedError
+from stealer.shared import failpoints, serialize
+from stealer.shared._layout import (
     AF_PINGED,
     D_FLAGS,
     DIR_BYTES,
@@ -81,9 +83,7 @@ from stealer._layout import (
     STATE_SHIFT,
     WHO_SHIFT,
 )
-from stealer._lazy import lazy_numpy
-from stealer.errors import WorkerCrashedError
-from stealer.records import Outcome
+from stealer.shared.records import Outcome
 
 np: Any = lazy_numpy(globals())  # numpy, imported on first use
 
@@ -102,7 +102,7 @@ class Pings:
     A frame's owner (the worker R_OWNER names) learns that it may resume from a
     ping: the frame's handle in its inbox.  The protocol is the agents' NOTIFIED
     one (stealer/agents/mailbox.py), with the AF_PINGED bit of the frame's slot in
-    the agent directory (stealer/_layout.py):
+    the agent directory (stealer/shared/_layout.py):
 
     * a sender sets the bit (or64); only the sender that set it pushes the handle,
       so an inbox holds at most one ping per frame and cannot fill from duplicates
@@ -114,7 +114,7 @@ class Pings:
       was reused) is forwarded to the frame's owner (:meth:`forward`).
 
     Deaths: a worker stores the handle it pings in W_PING_OUT before its or64, and its
-    inbox pop leases the handle in W_PING_IN; the client's recovery (stealer/pool.py)
+    inbox pop leases the handle in W_PING_IN; the client's recovery (stealer/client/pool.py)
     pings the first again (``force``: the bit may be set with nothing pushed) and
     delivers the second again, drains the dead worker's inbox, and clears the bits of
     the frames the dead worker held before it looks at their children.
@@ -266,7 +266,7 @@ class Recovery:
         Its inbox is drained here (nobody else pops it; the replacement starts with an
         empty one), with the ping its last pop leased (``ping_in``: W_PING_IN, handle + 1).
         Each one's bit is cleared; frames the dead worker held are left to the caller's
-        look at them (stealer/pool.py recover, after it clears their bits too); a QUEUED
+        look at them (stealer/client/pool.py recover, after it clears their bits too); a QUEUED
         agent a peer handed it goes back on a queue; any other ping is forwarded to the
         frame's owner.  ``ping_out`` (W_PING_OUT): a ping it marked and maybe never
         pushed, sent again.

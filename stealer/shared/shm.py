@@ -50,7 +50,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from stealer._layout import (
+from stealer.errors import SharedMemoryFullError, StealerError
+from stealer.shared._layout import (
     CLIENT_MOVED_AT,
     CLIENT_TID_AT,
     DIR_BYTES,
@@ -58,8 +59,7 @@ from stealer._layout import (
     WAITER_FOR_AT,
     WAITER_PARK_AT,
 )
-from stealer._queues import impl as Q
-from stealer.errors import SharedMemoryFullError, StealerError
+from stealer.shared.queues import impl as Q
 
 __all__ = ["Layout", "Segment", "SharedMemoryFullError", "cleanup_stale", "shm_dir", "SHM_DIR",
            "PREFIX"]
@@ -89,7 +89,7 @@ H_LOCK_HOLDER = 576  # u32 pid holding the pure-Python reference's lock (0: free
 #                     under the lock; read by the client after a worker death
 H_STOP_AGENTS = 640  # u32 1: the client is shutting down; workers stop their agents at the next
 #                     step boundary: client store32 (seq_cst) in begin_shutdown, workers load32
-# Worker sets (stealer/idle.py): bit k % 64 of u64 word k // 64 is worker k. Each transition of
+# Worker sets (stealer/shared/idle.py): bit k % 64 of u64 word k // 64 is worker k. Each transition of
 # a worker is one atomic RMW on its own bit, so a worker killed at any point leaves a state the
 # client's Idle.forget (one idempotent and64) repairs; a count is a popcount.
 SET_WORDS = 128  # u64 words per set: room for MAX_WORKERS workers
@@ -126,7 +126,7 @@ LEASE_SLOTS = 16
 W_RING_OP = 256  # u64 {MPMC ring offset << 2 | 1 push, 2 pop} this worker is about to claim,
 #                 then W_RING_POS the position: the ring op writes both (relaxed, then a release
 #                 fence) before its claiming CAS; the client reads them after the worker's death
-#                 (acquire) to repair a cell left half-done (stealer/ringfix.py), and while it
+#                 (acquire) to repair a cell left half-done (stealer/client/ringfix.py), and while it
 #                 lives to tell its claim in flight from a dead one's
 W_RING_POS = 264  # u64: see W_RING_OP; POS_UNKNOWN (all ones): a free's push named before its
 #                  FREE store (MPMCRing.pre_push), the position not claimed yet (ringfix.py)
@@ -139,7 +139,7 @@ W_ALLOC = 280  # u64 handle+1 of the record this worker's last pop took off the 
 #               to setup, recovery.py ``allocated``); stale values name a newer generation
 WORKER_BYTES = 320
 
-# Record (task) layout: RECORD_BYTES each (stealer/_layout.py has the fields).
+# Record (task) layout: RECORD_BYTES each (stealer/shared/_layout.py has the fields).
 
 
 def shm_dir() -> str:
@@ -168,7 +168,7 @@ class Layout:
     fn_entries: int = 4096
     fn_data: int = 1 << 20
     # Capacity of each worker's inbox; 0: ``records``.  Tests only (STEALER_TEST_INBOX_CAP,
-    # read by the client in stealer/pool.py): a small inbox shows quickly what fills one.
+    # read by the client in stealer/client/pool.py): a small inbox shows quickly what fills one.
     inbox_cap: int = 0
     offsets: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 
@@ -197,7 +197,7 @@ class Layout:
         for i, (size, count) in enumerate(self.block_classes):
             take(f"block_free{i}", Q.MPMCRing.nbytes(self.free_cap(count)))
             take(f"blocks{i}", size * count)
-        from stealer.metrics import BLOCK_BYTES
+        from stealer.shared.metrics import BLOCK_BYTES
 
         take("metrics", _align(BLOCK_BYTES) * n)
         take("fn_table", 16 * self.fn_entries)
@@ -217,7 +217,7 @@ class Layout:
         worker killed inside a pop leaves its cell claimed and unreleased; pushes meet it one
         lap later, and a ring of ``count`` cells (always almost full) is one lap ahead after
         a few pops: its frees would find it full until the client's recovery repairs the
-        cell (stealer/ringfix.py).  With two laps of room they meet it only after ``count``
+        cell (stealer/client/ringfix.py).  With two laps of room they meet it only after ``count``
         more pops, far more than happen before a death is handled."""
         return 2 * _pow2(count)
 
@@ -238,7 +238,7 @@ class Layout:
         return self.offsets["completions"] + Q.SPSCRing.nbytes(self.records) * k
 
     def metrics(self, k: int) -> int:
-        from stealer.metrics import BLOCK_BYTES
+        from stealer.shared.metrics import BLOCK_BYTES
 
         return self.offsets["metrics"] + _align(BLOCK_BYTES) * k
 

@@ -1,7 +1,7 @@
 """A worker's fork-join: the frames of its tasks that spawn children, and the blocking join.
 
 Owns :class:`_Frame` (a running or suspended task with children) and the
-:class:`ForkJoinHandling` mixin of stealer/worker.py's Worker, whose state it shares
+:class:`ForkJoinHandling` mixin of stealer/worker/loop.py's Worker, whose state it shares
 (the current task and frame, ``conts``, the deque and inbox, counters): creating a frame
 and naming its owner in the record (R_OWNER, R_INCARNATION), driving a generator task,
 suspending it until its children are DONE and resuming it on a ping (``on_ping``, from
@@ -9,7 +9,7 @@ the Worker's loop and PingHandling.run_later), collecting the children's results
 implicit join at the end of a body (``finish``, from ``execute``), ``spawn`` (called by
 stealer/forkjoin.py for the running task) and the blocking join inside a plain task
 body (``join_blocking``, from forkjoin.join and nested Parallel).  The protocol of the
-pings is stealer/recovery.py's Pings; the record states are stealer/records.py's.
+pings is stealer/shared/recovery.py's Pings; the record states are stealer/shared/records.py's.
 """
 
 from __future__ import annotations
@@ -18,8 +18,12 @@ import struct
 import time
 from typing import Any
 
-from stealer import failpoints, forkjoin, metrics, serialize
-from stealer._layout import (
+from stealer import forkjoin
+from stealer.errors import WorkerCrashedError, result_value
+from stealer.errors import with_remote_tb as _with_remote_tb
+from stealer.forkjoin import Child, children_of
+from stealer.shared import failpoints, metrics, serialize
+from stealer.shared._layout import (
     F_AGENT,
     K_CHILD,
     K_MASK,
@@ -30,10 +34,7 @@ from stealer._layout import (
     ST_ERROR,
     ST_OK,
 )
-from stealer.errors import WorkerCrashedError, result_value
-from stealer.errors import with_remote_tb as _with_remote_tb
-from stealer.forkjoin import Child, children_of
-from stealer.worker_outcome import error_payload
+from stealer.worker.outcome import error_payload
 
 __all__ = ["ForkJoinHandling", "JOIN_WAIT", "MAX_NEST"]
 

@@ -18,7 +18,7 @@
       owner) -> clear the current word.
 
 A worker killed anywhere in there leaves words that say what it had done
-(stealer/recovery.py decides from them).  Nothing a task raises, and no
+(stealer/shared/recovery.py decides from them).  Nothing a task raises, and no
 failure to pickle or store its result, escapes the report: the future
 always resolves.
 
@@ -30,14 +30,14 @@ frame once all its children are DONE (it re-checks their state words, so a
 ping sent twice or late is harmless).  A ping for a frame a dead
 predecessor held lets the replacement recover that task.
 
-This module owns the process contract (:class:`WorkerArgs`, built by stealer/pool.py's
+This module owns the process contract (:class:`WorkerArgs`, built by stealer/client/pool.py's
 ``_Pool.start_worker`` and pickled by multiprocessing; :func:`main`, the process's
 entry point) and the Worker's loop (find a task: inbox, deque, injector, steal, park)
 and running/reporting.  Its fork-join frames, ``spawn`` and the blocking join are
-stealer/worker_join.py's (ForkJoinHandling), the pings it does not resume at once
-stealer/worker_pings.py's (PingHandling), both mixins of Worker; the encoding of an
-outcome is stealer/worker_outcome.py's (its names still importable from here).  The
-agents living on a worker (stealer/agents/host.py) and stealer/forkjoin.py (through
+stealer/worker/join.py's (ForkJoinHandling), the pings it does not resume at once
+stealer/worker/pings.py's (PingHandling), both mixins of Worker; the encoding of an
+outcome is stealer/worker/outcome.py's (its names still importable from here).  The
+agents living on a worker (stealer/worker/agents/host.py) and stealer/forkjoin.py (through
 ``forkjoin._current``) call into the Worker.
 """
 
@@ -53,8 +53,10 @@ from dataclasses import dataclass
 from types import GeneratorType
 from typing import Any
 
-from stealer import failpoints, forkjoin, metrics, serialize
-from stealer._layout import (
+from stealer import forkjoin
+from stealer.errors import result_value
+from stealer.shared import failpoints, metrics, serialize
+from stealer.shared._layout import (
     F_AGENT,
     F_BUFFERS,
     K_MASK,
@@ -65,13 +67,12 @@ from stealer._layout import (
     ST_LOST,
     ST_OK,
 )
-from stealer.arena import Arena
-from stealer.errors import result_value
-from stealer.idle import Idle
-from stealer.liveness import ProcessWatch
-from stealer.records import Outcome
-from stealer.recovery import Pings, Recovery
-from stealer.shm import (
+from stealer.shared.arena import Arena
+from stealer.shared.idle import Idle
+from stealer.shared.liveness import ProcessWatch
+from stealer.shared.records import Outcome
+from stealer.shared.recovery import Pings, Recovery
+from stealer.shared.shm import (
     H_SHUTDOWN,
     H_STARTED,
     H_STOP_AGENTS,
@@ -93,9 +94,9 @@ from stealer.shm import (
     Segment,
     unlink_all,
 )
-from stealer.worker_join import ForkJoinHandling, _Frame
-from stealer.worker_outcome import _describe, encode_result, error_payload
-from stealer.worker_pings import PingHandling
+from stealer.worker.join import ForkJoinHandling, _Frame
+from stealer.worker.outcome import _describe, encode_result, error_payload
+from stealer.worker.pings import PingHandling
 
 # (the W_STATE values live in shm.py, next to the word; still importable from here)
 __all__ = ["WorkerArgs", "main", "error_payload", "encode_result", "result_value",
@@ -125,7 +126,7 @@ FP = failpoints  # `if FP.ON:` costs one attribute load when no failpoint is arm
 class WorkerArgs:
     """Everything a worker process needs; pickled by multiprocessing at start.
 
-    Built by stealer/pool.py's ``_Pool.start_worker``, one field per argument it passes.
+    Built by stealer/client/pool.py's ``_Pool.start_worker``, one field per argument it passes.
     ``ppid`` is the client's pid (not necessarily the worker's parent: with
     forkserver that is the fork server) and ``client_start`` the client's
     start time (liveness.start_time), which together name the client.
@@ -178,7 +179,7 @@ class Worker(ForkJoinHandling, PingHandling):
     """
 
     def __init__(self, a: WorkerArgs) -> None:
-        from stealer import _queues
+        from stealer.shared import queues as _queues
 
         # The client chose the implementation; every process must use the same one.
         Q = _queues.load(force_python=not a.native)
@@ -264,9 +265,9 @@ class Worker(ForkJoinHandling, PingHandling):
             from stealer.agents.journal import WorkerJournal
 
             self.journal = WorkerJournal(*jcfg, a.index, a.incarnation)
-        from stealer.agents.host import Host
+        from stealer.worker.agents.host import Host
 
-        self.host = Host(self)  # the agents living on this worker (stealer/agents/host.py)
+        self.host = Host(self)  # the agents living on this worker (stealer/worker/agents/host.py)
 
     # (status, pickle, buffers) of an outcome, for the agents' journal (host.py)
     encode_result = staticmethod(encode_result)
@@ -458,7 +459,7 @@ class Worker(ForkJoinHandling, PingHandling):
         kind, link, data, t0 = t
         if kind & F_AGENT:
             self.r.store64(self.cur_off, 0)
-            self.host.adopt(h, kind, link)  # it lives here now (stealer/agents/host.py)
+            self.host.adopt(h, kind, link)  # it lives here now (stealer/worker/agents/host.py)
             # Adopting runs no step: the next pass takes work again instead of a turn, so a
             # batch of new agents joins the round-robin at once (not one per turn).
             self.tick -= 1

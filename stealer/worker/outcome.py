@@ -3,10 +3,10 @@ always pickle, whatever the task returned or raised.
 
 Owns :func:`error_payload` (an exception with its formatted traceback), :func:`stand_in`
 (for an exception that does not pickle) and :func:`encode_result` (never raises).  Called
-by stealer/worker.py's Worker (report, complete_root), by its fork-join mixin
-(stealer/worker_join.py: a child's result that cannot be read), and through the Worker's
+by stealer/worker/loop.py's Worker (report, complete_root), by its fork-join mixin
+(stealer/worker/join.py: a child's result that cannot be read), and through the Worker's
 ``encode_result`` / ``error_payload`` by the agents (stealer/agents/) and forkjoin.run_items.
-Still importable from stealer.worker.
+Still importable from stealer.worker.loop.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pickle
 import traceback
 from typing import Any
 
-from stealer import serialize
-from stealer._layout import ST_ERROR, ST_OK
 from stealer.errors import RemoteError, SerializationError
+from stealer.shared import serialize
+from stealer.shared._layout import ST_ERROR, ST_OK
 
 __all__ = ["error_payload", "stand_in", "encode_result"]
 
@@ -25,7 +25,7 @@ __all__ = ["error_payload", "stand_in", "encode_result"]
 def error_payload(exc: BaseException) -> tuple:
     """(exception, formatted traceback) of a task that raised.
 
-    A :class:`~stealer.serialize.ErrorPayload`: it pickles (and unpickles)
+    A :class:`~stealer.shared.serialize.ErrorPayload`: it pickles (and unpickles)
     whatever the exception, so the client always gets the traceback.
     """
     try:

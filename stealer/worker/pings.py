@@ -1,7 +1,7 @@
 """A worker's side of the fork-join pings that do not resume a frame of its own at once
-(stealer/recovery.py Pings has the protocol): pings for frames it does not hold are
+(stealer/shared/recovery.py Pings has the protocol): pings for frames it does not hold are
 forwarded, frames a dead predecessor held are looked at in batches, and pings that found
-its own inbox full wait in a list for its loop.  A mixin of stealer/worker.py's Worker.
+its own inbox full wait in a list for its loop.  A mixin of stealer/worker/loop.py's Worker.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from stealer._layout import F_AGENT, S_RUNNING
+from stealer.shared._layout import F_AGENT, S_RUNNING
 
 __all__ = ["PingHandling"]
 

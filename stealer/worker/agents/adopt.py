@@ -1,7 +1,7 @@
 """The Host's arrivals: adopting an agent its worker just started, and notifications.
 
-:class:`Adoption` is a mixin of :class:`stealer.agents.host.Host`: the worker calls
-``Host.adopt`` when it starts an agent record (stealer/worker.py) and ``Host.notify`` for
+:class:`Adoption` is a mixin of :class:`stealer.worker.agents.host.Host`: the worker calls
+``Host.adopt`` when it starts an agent record (stealer/worker/loop.py) and ``Host.notify`` for
 each inbox entry of an agent (a message, a reply, a child, a stop); the turn
 (host.py) and every other piece call :meth:`Adoption.schedule`.
 """
@@ -11,11 +11,21 @@ from __future__ import annotations
 import collections
 import time
 
-from stealer import failpoints as FP
-from stealer._layout import AF_STOP, D_CKPT, D_FLAGS, D_GEN, D_OWNER, R_TRIES, R_TSTART, ST_ERROR
-from stealer.agents import dormant
 from stealer.agents.api import Ctx
-from stealer.agents.host_entry import (
+from stealer.agents.options import DEFAULT_OPTIONS, AgentOptions
+from stealer.shared import failpoints as FP
+from stealer.shared._layout import (
+    AF_STOP,
+    D_CKPT,
+    D_FLAGS,
+    D_GEN,
+    D_OWNER,
+    R_TRIES,
+    R_TSTART,
+    ST_ERROR,
+)
+from stealer.worker.agents import dormant
+from stealer.worker.agents.entry import (
     _U32,
     _U64,
     C_THROTTLED,
@@ -26,7 +36,6 @@ from stealer.agents.host_entry import (
     WAITING,
     _Entry,
 )
-from stealer.agents.options import DEFAULT_OPTIONS, AgentOptions
 
 
 class Adoption:

@@ -1,7 +1,7 @@
 """The Host's sends and calls from inside a worker: what an agent (or a plain task) does
 with an AgentRef, and the spawns and blocking calls it makes.
 
-:class:`Calls` is a mixin of :class:`stealer.agents.host.Host`: the Host is the runtime
+:class:`Calls` is a mixin of :class:`stealer.worker.agents.host.Host`: the Host is the runtime
 of every AgentRef used on a worker (api.py calls ``send``, ``call``, ``call_all``,
 ``stop``, ``future``), and of an agent's Ctx (``spawn_agent``, ``run_blocking``); the
 worker loop calls ``flush_outboxes`` (through ``Host.poll``).
@@ -14,9 +14,14 @@ import functools
 import time
 from typing import Any
 
-from stealer import failpoints as FP
-from stealer import serialize
-from stealer._layout import (
+from stealer.agents.api import AgentRef, Pending, PendingAll
+from stealer.agents.jblob import pack as journal_pack
+from stealer.agents.message import AGENT_FID, encode_message
+from stealer.agents.options import DEFAULT_OPTIONS, AgentOptions
+from stealer.errors import AgentStopped, MailboxFull, NotInTaskError, result_value, with_remote_tb
+from stealer.shared import failpoints as FP
+from stealer.shared import serialize
+from stealer.shared._layout import (
     AF_CONTROL,
     AF_STOP,
     D_FLAGS,
@@ -28,13 +33,8 @@ from stealer._layout import (
     ST_ERROR,
     ST_OK,
 )
-from stealer.agents.api import AgentRef, Pending, PendingAll
-from stealer.agents.host_entry import FINISHED, CallPending, _Entry
-from stealer.agents.jblob import pack as journal_pack
-from stealer.agents.message import AGENT_FID, encode_message
-from stealer.agents.options import DEFAULT_OPTIONS, AgentOptions
-from stealer.errors import AgentStopped, MailboxFull, NotInTaskError, result_value, with_remote_tb
-from stealer.shm import H_STOP_AGENTS
+from stealer.shared.shm import H_STOP_AGENTS
+from stealer.worker.agents.entry import FINISHED, CallPending, _Entry
 
 
 def _api(fn: Any) -> Any:

@@ -1,6 +1,6 @@
 """Dormant agents: an idle agent held by its object alone until its first message.
 
-A worker keeps each agent it runs in an ``_Entry`` (stealer/agents/host_entry.py): about
+A worker keeps each agent it runs in an ``_Entry`` (stealer/worker/agents/entry.py): about
 fifty fields of scheduling, placement, checkpoint and journal state, some 700 bytes with the
 numbers they hold.  A million spawned agents that wait for messages they may never get
 would cost the worker more for that bookkeeping than for the agents themselves.
@@ -31,8 +31,9 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from stealer import failpoints as FP
-from stealer._layout import (
+from stealer.agents.mailbox import CLOSED
+from stealer.shared import failpoints as FP
+from stealer.shared._layout import (
     AF_CONTROL,
     AF_STOP,
     D_COUNT,
@@ -48,7 +49,6 @@ from stealer._layout import (
     ST_ERROR,
     ST_OK,
 )
-from stealer.agents.mailbox import CLOSED
 
 __all__ = ["adopt", "thaw", "stop_all"]
 

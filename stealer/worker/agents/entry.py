@@ -2,7 +2,7 @@
 
 :class:`_Entry` is one agent living in a worker's heap (the Host's ``agents``), with the
 states a turn moves it through; :class:`CallPending` is a call an agent made and waits on.
-Imported by stealer/agents/host.py and the Host's pieces (host_*.py), never by anything
+Imported by stealer/worker/agents/host.py and the Host's pieces (host_*.py), never by anything
 outside them (dormant.py gets ``_Entry`` passed in, as before).
 """
 
@@ -13,10 +13,10 @@ import struct
 import time
 from typing import Any
 
-from stealer import metrics
-from stealer._layout import F_AGENT, K_ROOT
 from stealer.agents.api import Ctx, Pending
 from stealer.agents.options import AgentOptions
+from stealer.shared import metrics
+from stealer.shared._layout import F_AGENT, K_ROOT
 
 _U32 = struct.Struct("=I")
 _U64 = struct.Struct("=Q")

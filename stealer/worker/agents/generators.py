@@ -1,6 +1,6 @@
 """The Host's generators: steps and handlers that yield what they wait for.
 
-:class:`Generators` is a mixin of :class:`stealer.agents.host.Host`: ``Host.outcome``
+:class:`Generators` is a mixin of :class:`stealer.worker.agents.host.Host`: ``Host.outcome``
 and ``deliver`` (host_messages.py) start a generator with ``drive``; the turn and
 ``notify`` (host_adopt.py) ask ``ready`` and resume it (``resume``); ``finish``
 (host_leaving.py) drops the replies it waited for (``drop_reply``).
@@ -11,12 +11,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from stealer._layout import S_CANCELLED, S_DONE, S_QUEUED, ST_ERROR, ST_OK
 from stealer.agents.api import Pending, PendingAll
-from stealer.agents.host_entry import C_RESUMES, RUNNABLE, SUSPENDED, CallPending, _Entry
 from stealer.errors import result_value, with_remote_tb
 from stealer.forkjoin import children_of
-from stealer.records import Outcome
+from stealer.shared._layout import S_CANCELLED, S_DONE, S_QUEUED, ST_ERROR, ST_OK
+from stealer.shared.records import Outcome
+from stealer.worker.agents.entry import C_RESUMES, RUNNABLE, SUSPENDED, CallPending, _Entry
 
 
 class Generators:

@@ -5,7 +5,7 @@ RUNNING|k, the core's ordinary ``start``) becomes an agent living in that
 worker's heap: :meth:`Host.adopt` builds it (``__init__`` from the spawn
 payload, or the latest checkpoint plus a replay of the mailbox chain above
 its mark, see mailbox.py) and the record stays RUNNING|k while it lives
-here.  No second scheduler: the worker loop (stealer/worker.py) gives a
+here.  No second scheduler: the worker loop (stealer/worker/loop.py) gives a
 *turn* to the next runnable agent of :class:`RunQueue` between its other
 work, and an agent that leaves (migration, done) goes back through the
 record's transitions:
@@ -50,13 +50,28 @@ import time
 from types import GeneratorType
 from typing import Any
 
-from stealer import failpoints as FP
-from stealer._layout import AF_STOP, D_CPU_NS, D_MSGS, D_STEPS, ST_ERROR, ST_OK
-from stealer.agents import api, inline
+from stealer.agents import api
 from stealer.agents.api import Done, Sleep, Wait
-from stealer.agents.host_adopt import Adoption
-from stealer.agents.host_calls import Calls
-from stealer.agents.host_entry import (
+from stealer.agents.mailbox import Directory
+from stealer.agents.options import AgentOptions
+from stealer.errors import DeadlineExceeded, StepTimeout
+from stealer.shared import failpoints as FP
+from stealer.shared._layout import AF_STOP, D_CPU_NS, D_MSGS, D_STEPS, ST_ERROR, ST_OK
+from stealer.shared.shm import (
+    H_PARKED,
+    H_SEARCHING,
+    H_STOP_AGENTS,
+    STATE_READY,
+    W_CURRENT,
+    W_PID,
+    W_RUNNABLE,
+    W_STATE,
+    W_STEP_DEADLINE,
+)
+from stealer.worker.agents import inline
+from stealer.worker.agents.adopt import Adoption
+from stealer.worker.agents.calls import Calls
+from stealer.worker.agents.entry import (
     C_BUSY_NS,
     C_INLINE,
     C_PREEMPT,
@@ -68,24 +83,10 @@ from stealer.agents.host_entry import (
     WAITING,
     _Entry,
 )
-from stealer.agents.host_generators import Generators
-from stealer.agents.host_leaving import Leaving
-from stealer.agents.host_messages import Messages
-from stealer.agents.mailbox import Directory
-from stealer.agents.options import AgentOptions
-from stealer.agents.runqueue import RunQueue
-from stealer.errors import DeadlineExceeded, StepTimeout
-from stealer.shm import (
-    H_PARKED,
-    H_SEARCHING,
-    H_STOP_AGENTS,
-    STATE_READY,
-    W_CURRENT,
-    W_PID,
-    W_RUNNABLE,
-    W_STATE,
-    W_STEP_DEADLINE,
-)
+from stealer.worker.agents.generators import Generators
+from stealer.worker.agents.leaving import Leaving
+from stealer.worker.agents.messages import Messages
+from stealer.worker.agents.runqueue import RunQueue
 
 __all__ = ["Host"]
 
@@ -95,7 +96,7 @@ THROTTLE_WINDOW_NS = 100_000_000  # over which an agent's CPU share is measured
 
 
 class Host(Adoption, Messages, Generators, Calls, Leaving):
-    """The agents of one worker (created by stealer.worker.Worker).
+    """The agents of one worker (created by stealer.worker.loop.Worker).
 
     Its pieces are mixins (see the module's docstring), and this class holds their
     state: ``__init__`` makes every attribute they share.

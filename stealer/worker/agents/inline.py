@@ -39,37 +39,14 @@ Python signal handlers; the reference queues hold a non-reentrant lock).
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from typing import Any
 
-from stealer import failpoints as FP
-from stealer._layout import AF_CONTROL
-from stealer.shm import W_CURRENT, W_PID
+from stealer.shared import failpoints as FP
 
 __all__ = ["SIGNAL", "on_signal", "signal_if_busy"]
 
-SIGNAL = signal.SIGUSR2  # "a control message is waiting": SIGUSR1 is an idle peer's request
-
-
-def signal_if_busy(region: Any, worker_base: int, h: int, flags: int) -> bool:
-    """Sender side, after a control agent's notification reached its owner's inbox: if
-    the owner is in a turn of another agent, ask it (SIGNAL) to handle the message now.
-    ``flags``: the agent's directory flags (D_FLAGS).  True if a signal was sent."""
-    if not flags & AF_CONTROL:
-        return False
-    cur = region.load64(worker_base + W_CURRENT)  # acquire: pairs with the turn's store
-    if not cur or cur == h + 1:
-        return False  # between turns (the loop sees the inbox), or the agent itself
-    pid = region.load32(worker_base + W_PID)  # set once by the worker at its start
-    if not pid:
-        return False
-    try:
-        os.kill(pid, SIGNAL)
-    except OSError:  # it died meanwhile: its recovery handles the message
-        return False
-    return True
+from stealer.agents.mailbox import SIGNAL, signal_if_busy  # (the sender's side)
 
 
 def on_signal(host: Any) -> None:

@@ -1,7 +1,7 @@
 """The Host's leavings: an agent that stops, fails or finishes, its checkpoints, and its
 moves to other workers.
 
-:class:`Leaving` is a mixin of :class:`stealer.agents.host.Host`: the turn (host.py)
+:class:`Leaving` is a mixin of :class:`stealer.worker.agents.host.Host`: the turn (host.py)
 calls ``stop_entry``, ``finish``, ``failed``, ``checkpoint`` (after a turn), and, to
 spread agents over the workers, ``pays_to_idle``, ``publish_one`` and ``balance``
 (placement.py decides when a move pays); the preemption handler calls ``publish_one``
@@ -14,9 +14,13 @@ import sys
 import time
 from typing import Any
 
-from stealer import failpoints as FP
-from stealer import serialize
-from stealer._layout import (
+from stealer.agents.api import PendingAll
+from stealer.agents.jblob import pack as journal_pack
+from stealer.agents.message import message_reply
+from stealer.errors import AgentStopped, JournalError, WorkerCrashedError
+from stealer.shared import failpoints as FP
+from stealer.shared import serialize
+from stealer.shared._layout import (
     AF_STOP,
     D_CKPT,
     D_FLAGS,
@@ -33,9 +37,10 @@ from stealer._layout import (
     ST_ERROR,
     ST_OK,
 )
-from stealer.agents import dormant
-from stealer.agents.api import PendingAll
-from stealer.agents.host_entry import (
+from stealer.shared.records import Outcome
+from stealer.shared.shm import H_STOP_AGENTS, STATE_READY, W_RUNNABLE, W_STATE
+from stealer.worker.agents import dormant
+from stealer.worker.agents.entry import (
     C_MIGRATIONS,
     FINISHED,
     RUNNABLE,
@@ -44,12 +49,7 @@ from stealer.agents.host_entry import (
     CallPending,
     _Entry,
 )
-from stealer.agents.jblob import pack as journal_pack
-from stealer.agents.message import message_reply
-from stealer.agents.placement import COOLDOWN_NS, move_cost_ns, moves_to_busy, pays_to_idle
-from stealer.errors import AgentStopped, JournalError, WorkerCrashedError
-from stealer.records import Outcome
-from stealer.shm import H_STOP_AGENTS, STATE_READY, W_RUNNABLE, W_STATE
+from stealer.worker.agents.placement import COOLDOWN_NS, move_cost_ns, moves_to_busy, pays_to_idle
 
 
 def _unpicklable(obj: Any) -> str:

@@ -1,6 +1,6 @@
 """The Host's messages: handling one, marking it done, and the replies (journal included).
 
-:class:`Messages` is a mixin of :class:`stealer.agents.host.Host`: the turn
+:class:`Messages` is a mixin of :class:`stealer.worker.agents.host.Host`: the turn
 (``Host.deliver_batch``, and inline.py's nested control turns) calls ``deliver`` for
 each message; generator handlers finish through ``it_done`` (host_generators.py), which
 calls ``handled``, ``answered`` and ``reply``; ``finish`` (host_leaving.py) replies to
@@ -14,14 +14,14 @@ import time
 from types import GeneratorType
 from typing import Any
 
-from stealer import failpoints as FP
-from stealer._layout import R_TSTART, S_CANCELLED, S_QUEUED, S_RUNNING, ST_ERROR, ST_OK
-from stealer.agents.host_entry import _U64, C_MSGS, WAITING, _Entry
 from stealer.agents.jblob import pack as journal_pack
 from stealer.agents.jblob import sender_is_agent
 from stealer.agents.message import decode_message
 from stealer.errors import AgentError, AgentStopped, DeadlineExceeded, JournalError
-from stealer.records import Outcome
+from stealer.shared import failpoints as FP
+from stealer.shared._layout import R_TSTART, S_CANCELLED, S_QUEUED, S_RUNNING, ST_ERROR, ST_OK
+from stealer.shared.records import Outcome
+from stealer.worker.agents.entry import _U64, C_MSGS, WAITING, _Entry
 
 
 class Messages:

@@ -71,7 +71,7 @@ def _intent(rig) -> tuple[int, int, int]:
 
 def _recover(rig, live=()):
     """What the client's recovery does with dead worker K's intent and W_ALLOC
-    (pool_deaths.py repair_rings and recover): repair, then the record W_ALLOC names."""
+    (client/deaths.py repair_rings and recover): repair, then the record W_ALLOC names."""
     a = rig.arena
     op, pos, val = _intent(rig)
     out = ringfix.repair(a.region, a.ring_caps, op, pos, live, val, a.free_ring_offsets(),
@@ -131,7 +131,7 @@ def test_killed_between_the_free_store_and_the_push(rig):
     n0 = _free_count(rig)
     rig.w.rec_free.pre_push(idx)
     a.region.store64(a.off(h), word((h >> 32) + 1, S_FREE))  # the free's store, then death
-    assert _recover(rig) == DONE  # (asked once per death: pool_deaths.py repair_rings)
+    assert _recover(rig) == DONE  # (asked once per death: client/deaths.py repair_rings)
     assert _free_count(rig) == n0 + 1 and _ring_values(rig).count(idx) == 1
 
 

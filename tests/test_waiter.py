@@ -158,8 +158,12 @@ def test_a_signal_handler_raising_in_the_waiting_thread_loses_no_completion():
     """SIGALRM every millisecond raises in the main thread while it waits: the exception
     may end a wait, never a batch half-settled (signals are held while the waiter settles
     one); every future is then settled with its own value."""
+    armed = [False]  # raise at most once per arming, and only around result()
+
     def tick(_sig, _frame):
-        raise _Tick
+        if armed[0]:
+            armed[0] = False
+            raise _Tick
 
     old = signal.signal(signal.SIGALRM, tick)
     ticks = 0
@@ -172,11 +176,15 @@ def test_a_signal_handler_raising_in_the_waiting_thread_loses_no_completion():
                 for f in futs:
                     while True:
                         try:
-                            got.append(f.result(30))
+                            armed[0] = True
+                            v = f.result(30)
+                            armed[0] = False
                             break
                         except _Tick:
                             ticks += 1
+                    got.append(v)
             finally:
+                armed[0] = False
                 signal.setitimer(signal.ITIMER_REAL, 0, 0)
             assert got == [i * i for i in range(3000)]
             assert e._pool.stray == 0

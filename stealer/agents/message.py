@@ -2,9 +2,9 @@
 
 A message record (``K_MSG``) holds one pickled tuple with the fields below, in this
 order.  Senders write it with :func:`encode_message`: the client (client.py) and the
-agents and tasks on a worker (host_calls.py).  The agent's owner reads it back
-(``Arena.read_call``) with :func:`decode_message` (host_messages.py), or only its reply
-slot with :func:`message_reply` (host_leaving.py, and client.py when an agent is
+agents and tasks on a worker (calls.py).  The agent's owner reads it back
+(``Arena.read_call``) with :func:`decode_message` (messages.py), or only its reply
+slot with :func:`message_reply` (leaving.py, and client/agents.py when an agent is
 abandoned).  ``AGENT_FID`` lives here too: the future id of an agent's final value,
 which the client and the Host both write into agent records.
 """

@@ -31,6 +31,7 @@ from stealer.shared._layout import (
     S_RUNNING,
 )
 from stealer.shared.records import Outcome
+from stealer.shared.recovery import reply_slot
 from stealer.shared.shm import (
     H_SHUTDOWN,
     LEASE_SLOTS,
@@ -264,6 +265,10 @@ class WorkerDeaths:
         # Tasks it was running, and fork-join frames it held.
         kids = rec.children_of(frames)
         for state, hs in held.items():  # RECOVERING: it died recovering another's
+            # Reply slots first: each goes back to QUEUED (orphan), so an agent failed for
+            # good below (out of retries) then fails the calls in its mailbox, that one
+            # included; left RUNNING, abandon could not fail it, and the call would hang.
+            hs = sorted(hs, key=lambda h: not reply_slot(a.mm, a.off(h)))
             for h in hs:
                 if FP.ON:
                     FP.hit("client.recovery")

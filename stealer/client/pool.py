@@ -125,7 +125,7 @@ class _Pool(WorkerDeaths):
     Over 400 lines: the result thread's loop, the settling of completions (with the
     reference twins of the native HotPath calls), worker start and watch, and the
     backlogs all read and write the same futures, rings and records, under the rules
-    of one thread; the death handling is already a mixin (pool_deaths.py).
+    of one thread; the death handling is already a mixin (client/deaths.py).
     """
 
     def __init__(self, n: int, ctx: Any, cpus: list[int | None], steal: list[list[int]],

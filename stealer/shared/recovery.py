@@ -194,7 +194,7 @@ def _no_room(owner: int, h: int) -> None:
     raise RuntimeError(f"the inbox of worker {owner} is full (ping for {h:#x})")
 
 
-def _reply_slot(mm: Any, off: int) -> bool:
+def reply_slot(mm: Any, off: int) -> bool:
     """Whether the record at ``off`` is a reply slot: an agent's (K_REPLY), or a client
     call's (a K_ROOT that is no agent and has no call payload: tasks always have one)."""
     kind = _U32.unpack_from(mm, off + R_KIND)[0]
@@ -400,7 +400,7 @@ class Recovery:
                 a.free(k)
         off = a.off(h)
         mm = a.mm
-        if _reply_slot(mm, off):
+        if reply_slot(mm, off):
             # The dead worker was storing an agent's reply here (Messages.reply: QUEUED ->
             # RUNNING|it, store, DONE). Its message was handled after the agent's last
             # checkpoint, so the agent's restart replays it and answers again: QUEUED again,

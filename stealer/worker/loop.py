@@ -117,7 +117,7 @@ _COUNTERS = struct.Struct(f"={metrics.NCOUNTERS}Q")
 _C = {name: i for i, name in enumerate(metrics.COUNTERS)}  # by name: reordering is safe
 C_TASKS, C_STEALS, C_STEAL_ATTEMPTS = _C["tasks"], _C["steals"], _C["steal_attempts"]
 C_PARKS, C_WAKEUPS, C_INJECTOR_TAKES = _C["parks"], _C["wakeups"], _C["injector_takes"]
-C_ERRORS, C_BUSY_NS = _C["errors"], _C["busy_ns"]  # (spawns, resumes: worker_join.py)
+C_ERRORS, C_BUSY_NS = _C["errors"], _C["busy_ns"]  # (spawns, resumes: worker/join.py)
 
 FP = failpoints  # `if FP.ON:` costs one attribute load when no failpoint is armed
 
@@ -174,8 +174,8 @@ class Worker(ForkJoinHandling, PingHandling):
     Over 400 lines: its ``__init__`` wires every shared structure the loop and the
     run/report path read (rings, deques, leases, intents, metrics offsets, the agent
     host), and the loop, search, execute and report share those attributes on the
-    hot path; the fork-join and ping handling are already mixins (worker_join.py,
-    worker_pings.py).
+    hot path; the fork-join and ping handling are already mixins (worker/join.py,
+    worker/pings.py).
     """
 
     def __init__(self, a: WorkerArgs) -> None:

@@ -46,7 +46,7 @@ class Adoption:
     (``schedule``, ``_tier``) and the walk of its mailbox (``take``).
     Relies on the Host's ``w``, ``a``, ``r``, ``dir``, ``who``, ``agents``, ``controls``,
     ``dormant``, ``away`` (an agent we published and take back), ``stopping`` and ``rq``,
-    and on ``finish`` (host_leaving.py) and ``ready`` (host_generators.py).  A mixin, not
+    and on ``finish`` (leaving.py) and ``ready`` (generators.py).  A mixin, not
     an object of its own: ``schedule`` runs at every turn, and these methods read the
     Host's state throughout.
     """

@@ -116,7 +116,7 @@ def adopt(host: Any, h: int, link: int, entry: Any) -> tuple | None:
 
 
 def thaw(host: Any, h: int, entry: Any) -> Any:
-    """The entry of dormant agent ``h`` (``entry``: host_entry.py's ``_Entry``), made now as
+    """The entry of dormant agent ``h`` (``entry``: entry.py's ``_Entry``), made now as
     adopting it made it; None if ``h`` is not dormant here.
     ``host.agents`` holds it from now on."""
     obj = host.dormant.pop(h, _MISSING)

@@ -2,7 +2,7 @@
 
 :class:`_Entry` is one agent living in a worker's heap (the Host's ``agents``), with the
 states a turn moves it through; :class:`CallPending` is a call an agent made and waits on.
-Imported by stealer/worker/agents/host.py and the Host's pieces (host_*.py), never by anything
+Imported by stealer/worker/agents/host.py and the Host's pieces (worker/agents/*.py), never by anything
 outside them (dormant.py gets ``_Entry`` passed in, as before).
 """
 

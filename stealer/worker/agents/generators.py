@@ -1,9 +1,9 @@
 """The Host's generators: steps and handlers that yield what they wait for.
 
 :class:`Generators` is a mixin of :class:`stealer.worker.agents.host.Host`: ``Host.outcome``
-and ``deliver`` (host_messages.py) start a generator with ``drive``; the turn and
-``notify`` (host_adopt.py) ask ``ready`` and resume it (``resume``); ``finish``
-(host_leaving.py) drops the replies it waited for (``drop_reply``).
+and ``deliver`` (messages.py) start a generator with ``drive``; the turn and
+``notify`` (adopt.py) ask ``ready`` and resume it (``resume``); ``finish``
+(leaving.py) drops the replies it waited for (``drop_reply``).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ class Generators:
 
     Owns no Host attribute: its state is each entry's (``it``, ``it_msg``, ``waiting``,
     ``frame``).  Relies on the Host's ``w`` and ``a``, and on ``schedule``
-    (host_adopt.py), ``outcome`` (host.py), ``failed`` (host_leaving.py) and ``handled``,
-    ``answered``, ``reply`` (host_messages.py).  A mixin: it runs inside steps and
+    (adopt.py), ``outcome`` (host.py), ``failed`` (leaving.py) and ``handled``,
+    ``answered``, ``reply`` (messages.py).  A mixin: it runs inside steps and
     handlers, on the Host's state.
     """
 

@@ -31,12 +31,12 @@ The Host is one class split over modules by its seams (each a mixin: they share
 the Host's state and run on its hot paths, so no indirection is added):
 
 * host.py: the Host itself, the worker loop's questions, a turn, steps;
-* host_entry.py: an agent's entry (``_Entry``), its states, the counters;
-* host_adopt.py: adopting an agent, notifications (inbox), scheduling;
-* host_messages.py: messages, and the journal's replies and duplicates;
-* host_generators.py: steps and handlers that are generators;
-* host_calls.py: sends, calls and spawns from inside a worker;
-* host_leaving.py: leaving, checkpoints and migration.
+* entry.py: an agent's entry (``_Entry``), its states, the counters;
+* adopt.py: adopting an agent, notifications (inbox), scheduling;
+* messages.py: messages, and the journal's replies and duplicates;
+* generators.py: steps and handlers that are generators;
+* calls.py: sends, calls and spawns from inside a worker;
+* leaving.py: leaving, checkpoints and migration.
 
 A message's payload has one format, message.py's, which the client shares.
 """

@@ -71,8 +71,8 @@ class Leaving:
     (balance's previous pick) and ``stopping`` (set by ``stop_all``).  Relies on the
     Host's ``w``, ``a``, ``r``, ``dir``, ``who``, ``journal``, ``agents``, ``controls``,
     ``blocked``, ``rq``, ``runnable_off`` and ``turn_avg``, and on ``schedule``,
-    ``tries``, ``_ckpt_mark`` (host_adopt.py), ``reply`` (host_messages.py) and
-    ``drop_reply`` (host_generators.py).  A mixin: these touch the Host's agents and
+    ``tries``, ``_ckpt_mark`` (adopt.py), ``reply`` (messages.py) and
+    ``drop_reply`` (generators.py).  A mixin: these touch the Host's agents and
     run queue throughout.
     """
 

@@ -2,8 +2,8 @@
 
 :class:`Messages` is a mixin of :class:`stealer.worker.agents.host.Host`: the turn
 (``Host.deliver_batch``, and inline.py's nested control turns) calls ``deliver`` for
-each message; generator handlers finish through ``it_done`` (host_generators.py), which
-calls ``handled``, ``answered`` and ``reply``; ``finish`` (host_leaving.py) replies to
+each message; generator handlers finish through ``it_done`` (generators.py), which
+calls ``handled``, ``answered`` and ``reply``; ``finish`` (leaving.py) replies to
 what is left.
 """
 
@@ -31,7 +31,7 @@ class Messages:
 
     Owns no Host attribute: its state is each entry's (``jseen``, ``rcache``,
     ``applied``, ``replay``).  Relies on the Host's ``w``, ``a``, ``dir``, ``who`` and
-    ``journal``, and on ``drive`` (host_generators.py).  A mixin, not an object: it runs
+    ``journal``, and on ``drive`` (generators.py).  A mixin, not an object: it runs
     once per message, on the Host's state.
     """
 

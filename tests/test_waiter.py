@@ -25,6 +25,7 @@ from rig import _py_hotpath
 
 import stealer
 from stealer.client import pool as pool_mod
+from stealer.client import waiting
 from tests import agents_lib as L
 
 try:
@@ -61,6 +62,8 @@ def test_a_thread_in_result_settles_every_kind_of_completion_itself(mode, monkey
     """With the result thread held and the waiter's poll longer than every timeout here,
     result() still returns each value: this thread settled it, woken by the worker."""
     monkeypatch.setattr(pool_mod, "MONITOR_INTERVAL", 120.0)
+    monkeypatch.setattr(waiting, "WAITER_POLL_MAX", 120.0)
+    monkeypatch.setattr(waiting, "BATCH_POLL", 120.0)
     with _executor(mode) as e:
         pool = e._pool
         ref = e.spawn_agent(L.Counter, 10)

@@ -1,4 +1,4 @@
-"""Yardstick benchmarks of DESIGN.md section 7: workloads, the ideal simulation, the command.
+"""Yardstick benchmarks (README: Benchmarks): workloads, the ideal simulation, the command.
 
 - :mod:`stealer.bench.workloads` -- module-level task functions (busy-wait CPU work, no-op,
   fork-join fib and a UTS-like binomial tree), importable by reference in worker processes.

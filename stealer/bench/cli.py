@@ -97,7 +97,7 @@ peers:
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="stealer bench",
-        description="Yardstick workloads (DESIGN.md §7) side by side with peers and the ideal.",
+        description="Yardstick workloads side by side with peers and the ideal.",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

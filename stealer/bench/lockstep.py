@@ -1,4 +1,4 @@
-"""The ``lockstep`` workload (DESIGN.md §7): a client steps N stateful agents in rounds.
+"""The ``lockstep`` workload (issue 19): a client steps N stateful agents in rounds.
 
 This is the reinforcement-learning "vector environment" (gymnasium's ``AsyncVectorEnv``,
 Stable-Baselines3's ``SubprocVecEnv``): every round the client sends each agent a small numpy

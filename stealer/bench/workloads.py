@@ -1,4 +1,4 @@
-"""Task functions for the yardstick workloads (DESIGN.md section 7).
+"""Task functions for the yardstick workloads (README: Benchmarks).
 
 Every function is defined at module level so a worker process imports it by reference
 (``stealer.bench.workloads.busy``) instead of receiving pickled code.

@@ -13,7 +13,6 @@ recovery of what it held are stealer/client/deaths.py's (WorkerDeaths, a mixin o
 
 from __future__ import annotations
 
-import _signal
 import atexit
 import collections
 import functools
@@ -22,7 +21,6 @@ import multiprocessing as mp
 import os
 import pickle
 import select
-import signal
 import threading
 import time
 import weakref
@@ -37,6 +35,7 @@ from stealer.client.deaths import (
 )
 from stealer.client.futures import _Future
 from stealer.client.hang import HangWatch, hang_message
+from stealer.client.waiting import Settling
 from stealer.errors import (
     BrokenExecutor,
     RemoteTraceback,
@@ -51,7 +50,7 @@ from stealer.shared._layout import (
     ST_OK,
 )
 from stealer.shared.arena import Arena
-from stealer.shared.idle import BATCH_ENTER, BATCH_LEAVE, BATCH_POLL, NOTIFIED, Idle, ResultPolicy
+from stealer.shared.idle import BATCH_POLL, NOTIFIED, Idle, ResultPolicy
 from stealer.shared.queues import impl as _default_queues
 from stealer.shared.recovery import Pings, Recovery
 from stealer.shared.shm import (
@@ -76,13 +75,7 @@ from stealer.worker.loop import main as worker_main
 
 __all__ = ["_Pool", "describe_exit", "describe_start_failure", "exited_by_itself"]
 
-MONITOR_INTERVAL = 0.05
-WAITER_POLL_MAX = 0.016  # seconds: the longest a thread in wait_for sleeps between looks
-NO_TARGET = (1 << 64) - 1  # a handle no record has: the waiter is woken for no completion
-# what a thread in _Pool.wait_for holds while it settles a batch (SIGKILL/SIGSTOP excepted)
-# (_signal's: signal.pthread_sigmask makes an enum of every signal in the old mask, each call)
-_ALL_SIGNALS = frozenset(int(s) for s in signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP}
-_sigmask = _signal.pthread_sigmask  # seconds between checks of worker liveness
+MONITOR_INTERVAL = 0.05  # seconds between checks of worker liveness
 
 _live: weakref.WeakSet[_Pool] = weakref.WeakSet()
 _exiting = False
@@ -119,7 +112,7 @@ def _forkserver() -> Any:
     return mp.get_context("forkserver")
 
 
-class _Pool(WorkerDeaths):
+class _Pool(Settling, WorkerDeaths):
     """Client-side state shared by the Executor facade and its result thread.
 
     Over 400 lines: the result thread's loop, the settling of completions (with the
@@ -369,116 +362,6 @@ class _Pool(WorkerDeaths):
                 continue
             self.settle(fid, value)
 
-    def consume(self, ring: Any, limit: int) -> int:
-        """Pop up to ``limit`` completions from ``ring`` and settle them (the result thread
-        and a thread in :meth:`wait_for`).  Popped and settled under ``consume_lock``; the
-        done callbacks of the futures settled run after it is released, in the result
-        thread (as before: a waiting thread never runs other futures' callbacks, which may
-        need a lock it holds)."""
-        with self.consume_lock:
-            hs = ring.pop_many(limit)
-            if not hs:
-                return 0
-            self.cb_owner = threading.get_ident()
-            try:
-                self.complete_batch(hs)
-            finally:
-                self.cb_owner = 0
-        if self.cb_later:
-            if threading.current_thread() is self.thread:
-                self.run_callbacks()
-            else:
-                self.wake()  # the result thread runs them (_loop)
-        return len(hs)
-
-    def run_callbacks(self) -> None:
-        """The done callbacks deferred while their futures were settled (:meth:`consume`)."""
-        q = self.cb_later
-        while q:
-            try:
-                f = q.popleft()
-            except IndexError:  # another thread took the last one
-                return
-            f._invoke_callbacks()
-
-    def wait_for(self, f: _Future, timeout: float | None) -> float | None:
-        """A client thread about to block on ``f`` (``result()``, ``exception()``): unless
-        another thread already does, settle completions here until ``f`` is settled.
-
-        The result thread would otherwise be woken for each completion and then wake this
-        thread through the future's condition: two context switches per result, which on
-        a machine with as many busy workers as cores cost the workers' CPU.  Here the
-        thread parks on the waiter word (Idle.waiter_park) with the handle of ``f``'s
-        record: the worker that completes that record wakes it; other completions wake
-        nobody (they are announced when their worker idles, and this thread polls every
-        ``BATCH_POLL`` to ``WAITER_POLL_MAX``), so a client that waits on one reply after
-        another is woken about once per reply it waits for, and replies that came first
-        are settled on the way.  Returns the time left of ``timeout`` (None: no limit);
-        the caller then waits as the stdlib does, which returns at once if ``f`` is
-        settled.  Done callbacks still run in the result thread (:meth:`consume`)."""
-        end = None if timeout is None else time.monotonic() + timeout
-        if (self.closed or threading.current_thread() is self.thread
-                or not self.waiter_role.acquire(blocking=False)):
-            return timeout
-        rings = self.completions
-        idle = self.idle
-        pending = _fbase.PENDING
-        poll = BATCH_POLL
-        enter, leave = BATCH_ENTER * self.n, BATCH_LEAVE * self.n
-        batch = False
-        # In the main thread a signal handler (Ctrl-C's KeyboardInterrupt) could raise in
-        # the middle of a batch it popped: completions lost. Signals are held while it
-        # consumes and handled right after (two system calls per batch, main thread only).
-        main = threading.current_thread() is threading.main_thread()
-        idle.waiter_take()
-        try:
-            while f._state == pending and not self.closed:
-                got = 0
-                for ring in rings:
-                    if not len(ring):
-                        continue
-                    if main:
-                        old = _sigmask(signal.SIG_BLOCK, _ALL_SIGNALS)
-                    try:
-                        got += self.consume(ring, 1024)
-                    except BaseException as exc:  # as in the result thread: a bug, reported
-                        self.internal_error(exc)
-                        return timeout
-                    finally:
-                        if main:
-                            _sigmask(signal.SIG_SETMASK, old)
-                if got and (self.backlog or self.requeue or self.ping_backlog):
-                    self.wake()  # records freed here: the result thread moves backlogs in
-                if f._state != pending:
-                    break
-                if got:
-                    poll = BATCH_POLL
-                    continue
-                left = poll
-                if end is not None:
-                    left = min(left, end - time.monotonic())
-                    if left <= 0:
-                        break
-                # With many tasks or calls outstanding (the result thread's throughput mode,
-                # ResultPolicy's thresholds) no completion wakes it: a batch is announced
-                # once, when its worker idles (a client stepping 256 agents in lockstep
-                # was woken for most of its replies, one by one); else its record's does.
-                batch = len(self.futures) >= (leave if batch else enter)
-                h = f._st_handle
-                if batch:
-                    h = NO_TARGET
-                elif h is None:
-                    h = -1  # no record known (an agent's final value): any completion
-                if not idle.waiter_park(lambda: f._state != pending or self.has_completions(),
-                                        left, h):
-                    poll = min(2 * poll, WAITER_POLL_MAX)  # nothing came: look less often
-        finally:
-            idle.waiter_leave()
-            self.waiter_role.release()
-            if self.has_completions():
-                self.wake()  # pushed after its last look by a worker that saw it awake
-        return None if end is None else max(0.0, end - time.monotonic())
-
     def settle(self, fid: int, value: Any) -> None:
         """Result thread: the plain result of task ``fid`` (or an agent's reply)."""
         f = self.futures.pop(fid, None)
@@ -510,7 +393,12 @@ class _Pool(WorkerDeaths):
         """Reference of HotPath.help_complete (native/_cqueues.pyx)."""
         peek = self.arena.peek_result
         taken = []
-        with self.consume_lock:  # the result thread pops under it (see __init__)
+        # Never wait for the lock: its holder may be settling a future whose condition this
+        # thread holds (cf.wait takes every future's condition in turn, and asks for the
+        # next one's here); helping is an optimization, the holder settles them anyway.
+        if not self.consume_lock.acquire(blocking=False):
+            return 0
+        try:
             for ring in rings:
                 while True:
                     h = ring.peek()
@@ -535,6 +423,8 @@ class _Pool(WorkerDeaths):
                     self.arena.free(h)
                     del futures[fid]
                     taken.append((f, value))
+        finally:
+            self.consume_lock.release()
         # Outside the lock: Python may switch threads between the checks above and here
         # (the native twin cannot), so _st_resolve publishes the state, then serves a
         # waiter or a callback that came meanwhile (a callback then runs in this thread)

@@ -5,7 +5,9 @@ read-modify-write atomics are needed; readers take relaxed snapshots that
 may be a few events behind, never torn words):
 
     counters   16 x u64      COUNTERS below; flushed by the worker every
-                             FLUSH_EVERY tasks and whenever it parks
+                             64 tasks (worker/loop.py FLUSH_MASK), at
+                             least every FLUSH_NS while busy, and whenever
+                             it parks
     histograms TIERS x KINDS each: count, sum, max (u64) + NBUCKETS x u64
 
 Histograms are log-linear (HDR-style): values below 64 ns have a bucket

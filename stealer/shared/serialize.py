@@ -6,7 +6,7 @@ into shared memory by the arena, after a small frame
 header; the reader copies each buffer once into a private ``bytearray`` so
 the object it gets owns its memory (the shared block is recycled at once).
 
-Frame of a payload with buffers (the record's FLAG_BUFFERS bit is set)::
+Frame of a payload with buffers (the record's F_BUFFERS bit is set)::
 
     u32 nbuf | u32 0 | u64 pickle_len | u64 len[nbuf] | pickle | buf0 | buf1 ...
 

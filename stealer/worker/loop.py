@@ -239,7 +239,7 @@ class Worker(ForkJoinHandling, PingHandling):
         self.held: list[int] = []
         self.orphans: list[int] = []
         # Metrics (metrics.py): local counters flushed to the shared block every
-        # FLUSH_EVERY steps and before parking; histograms recorded per step.
+        # FLUSH_MASK + 1 steps, FLUSH_NS while busy, and before parking; histograms recorded per step.
         self.c = [0] * metrics.NCOUNTERS
         self.mbase = layout.metrics(self.k)
         self.metrics_on = a.metrics

@@ -91,7 +91,9 @@ from stealer.worker.agents.runqueue import RunQueue
 __all__ = ["Host"]
 
 MSG_BATCH = 16  # messages an agent handles per turn before the others get theirs
-FLUSH_NS = 50_000_000  # publish the worker's counters at least this often while agents run
+# publish the worker's counters at least this often while agents' turns run (tasks:
+# worker/loop.py FLUSH_NS, 2 ms)
+TURN_FLUSH_NS = 50_000_000
 THROTTLE_WINDOW_NS = 100_000_000  # over which an agent's CPU share is measured
 
 
@@ -256,7 +258,7 @@ class Host(Adoption, Messages, Generators, Calls, Leaving):
             w.c[C_BUSY_NS] += dt
             if metrics_on:
                 r.hist_record(w.mbase_tier_run[e.tier], dt)
-                if t0 - self.flushed > FLUSH_NS:
+                if t0 - self.flushed > TURN_FLUSH_NS:
                     self.flushed = t0
                     w.flush()  # counters reach stats() while agents keep the worker busy
             if e.state != FINISHED:

@@ -102,13 +102,16 @@ def test_replacements_killed_while_starting_do_not_fill_its_inbox(monkeypatch):
         pool = ex._pool
         trees = [ex.submit(tasks.tree_sum, *TREE) for _ in range(8)]
         deadline = time.monotonic() + 30
-        while _waiting_frames(pool, 0) < 3 and time.monotonic() < deadline:
+        # one such frame is enough: each of the 12 recoveries below pings it, 12 pings for
+        # an 8-entry inbox, which the old code's duplicates filled (3 asked for more than
+        # a loaded full run gives within 30 s)
+        while _waiting_frames(pool, 0) < 1 and time.monotonic() < deadline:
             # until worker 0 waits on children stolen by worker 1; trees that all ended
             # before this look saw it (a loaded machine) are followed by more
             if all(f.done() for f in trees[-8:]):
                 trees += [ex.submit(tasks.tree_sum, *TREE) for _ in range(8)]
             time.sleep(0.001)
-        assert _waiting_frames(pool, 0) >= 3, "worker 0 never held such frames"
+        assert _waiting_frames(pool, 0) >= 1, "worker 0 never held such a frame"
         kills = _kill_replacements(pool, 0, rounds=12, timeout=20)
         assert kills == 12, f"only {kills} kills: no replacement was started after that"
         assert _pending_after(trees, WAIT) == 0, "trees hung after the kills"

@@ -181,6 +181,17 @@ def tree_sum(depth, fanout):
     return 1 + sum(vals)
 
 
+def slow_tree(depth, fanout, leaf_s):
+    """tree_sum whose leaves each busy-wait ``leaf_s``: frames wait on their children long
+    enough for peers to steal some of them."""
+    if depth == 0:
+        busy(leaf_s)
+        return 1
+    kids = [stealer.spawn(slow_tree, depth - 1, fanout, leaf_s) for _ in range(fanout)]
+    vals = yield kids
+    return 1 + sum(vals)
+
+
 def killer_tree(depth, victim_marker):
     """Fork-join tree whose leaf number 0 kills its own worker (SIGKILL) once."""
     if depth == 0:

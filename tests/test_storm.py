@@ -100,18 +100,24 @@ def test_replacements_killed_while_starting_do_not_fill_its_inbox(monkeypatch):
     with _storm_executor(monkeypatch, retries=100) as ex:
         assert ex.wait_ready(60)
         pool = ex._pool
-        trees = [ex.submit(tasks.tree_sum, *TREE) for _ in range(8)]
+        # leaves of 0.5 ms: frames wait on children long enough for worker 1 to steal some
+        # (instant leaves: a loaded full run finished whole trees between two looks)
+        trees = [ex.submit(tasks.slow_tree, *TREE, 0.0005) for _ in range(8)]
         deadline = time.monotonic() + 30
         # one such frame is enough: each of the 12 recoveries below pings it, 12 pings for
         # an 8-entry inbox, which the old code's duplicates filled (3 asked for more than
         # a loaded full run gives within 30 s)
-        while _waiting_frames(pool, 0) < 1 and time.monotonic() < deadline:
+        seen = 0
+        while time.monotonic() < deadline:
+            seen = _waiting_frames(pool, 0)  # (transient: kept, not looked at again)
+            if seen >= 1:
+                break
             # until worker 0 waits on children stolen by worker 1; trees that all ended
             # before this look saw it (a loaded machine) are followed by more
             if all(f.done() for f in trees[-8:]):
-                trees += [ex.submit(tasks.tree_sum, *TREE) for _ in range(8)]
+                trees += [ex.submit(tasks.slow_tree, *TREE, 0.0005) for _ in range(8)]
             time.sleep(0.001)
-        assert _waiting_frames(pool, 0) >= 1, "worker 0 never held such a frame"
+        assert seen >= 1, "worker 0 never held such a frame"
         kills = _kill_replacements(pool, 0, rounds=12, timeout=20)
         assert kills == 12, f"only {kills} kills: no replacement was started after that"
         assert _pending_after(trees, WAIT) == 0, "trees hung after the kills"

@@ -146,3 +146,22 @@ def ring_items(ring: Any) -> list[int]:
     for v in items:
         assert ring.push(v)
     return items
+
+
+def hold_result_thread(e: Any) -> tuple[Any, Any]:
+    """Park ``e``'s result thread inside a done callback until the returned event is set;
+    returns (that event, the future whose callback holds it)."""
+    import threading
+
+    import tasks
+
+    hold, held = threading.Event(), threading.Event()
+
+    def block(_f: Any) -> None:
+        held.set()
+        hold.wait(60)
+
+    blocker = e.submit(tasks.square, 2)
+    blocker.add_done_callback(block)
+    assert held.wait(30), "the result thread never ran the blocking callback"
+    return hold, blocker

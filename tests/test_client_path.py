@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 import tasks
-from rig import _py_hotpath
+from rig import _py_hotpath, hold_result_thread
 
 import stealer
 from stealer.client.futures import _NO_WAITERS, _SETTLED, _Future
@@ -248,20 +248,6 @@ def _one_worker(mode: str) -> stealer.Executor:
         return stealer.Executor(1)  # one worker, one ring: completions in submission order
 
 
-def _hold_result_thread(e) -> tuple[threading.Event, cf.Future]:
-    """Park the result thread inside a done callback until the returned event is set."""
-    hold, held = threading.Event(), threading.Event()
-
-    def block(_f):
-        held.set()
-        hold.wait(60)
-
-    blocker = e.submit(tasks.square, 2)
-    blocker.add_done_callback(block)
-    assert held.wait(30), "the result thread never ran the blocking callback"
-    return hold, blocker
-
-
 @pytest.mark.parametrize("mode", ["native", "python"])
 def test_a_waiting_thread_settles_the_silent_head_of_the_rings_and_leaves_the_rest(mode):
     """_Pool.help (HotPath.help_complete): with the result thread held inside a done
@@ -272,7 +258,7 @@ def test_a_waiting_thread_settles_the_silent_head_of_the_rings_and_leaves_the_re
     there; nothing is lost, and the wait made no condition for a future it settled."""
     with _one_worker(mode) as e:
         pool = e._pool
-        hold, blocker = _hold_result_thread(e)
+        hold, blocker = hold_result_thread(e)
         try:
             silent = [e.submit(tasks.square, i) for i in range(200)]
             _until(lambda: _ready_completions(e) == 200, "the worker did not finish")
@@ -316,7 +302,7 @@ def test_a_corrupt_handle_at_a_ring_head_is_left_to_the_result_thread(mode, capf
     breaks the executor (its usual answer), so the waiter gets BrokenExecutor, not a hang."""
     with _one_worker(mode) as e:
         pool = e._pool
-        hold, _blocker = _hold_result_thread(e)
+        hold, _blocker = hold_result_thread(e)
         try:
             assert pool.completions[0].push((1 << 32) | pool.layout.records)  # out of range
             late = e.submit(tasks.square, 3)

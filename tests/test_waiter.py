@@ -21,7 +21,7 @@ import time
 
 import pytest
 import tasks
-from rig import _py_hotpath
+from rig import _py_hotpath, hold_result_thread
 
 import stealer
 from stealer.client import pool as pool_mod
@@ -43,20 +43,6 @@ def _executor(mode: str, n: int = 1) -> stealer.Executor:
         return stealer.Executor(n)
 
 
-def _hold_result_thread(e) -> tuple[threading.Event, cf.Future]:
-    """Park the result thread inside a done callback until the returned event is set."""
-    hold, held = threading.Event(), threading.Event()
-
-    def block(_f):
-        held.set()
-        hold.wait(60)
-
-    blocker = e.submit(tasks.square, 2)
-    blocker.add_done_callback(block)
-    assert held.wait(30), "the result thread never ran the blocking callback"
-    return hold, blocker
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_a_thread_in_result_settles_every_kind_of_completion_itself(mode, monkeypatch):
     """With the result thread held and the waiter's poll longer than every timeout here,
@@ -68,7 +54,7 @@ def test_a_thread_in_result_settles_every_kind_of_completion_itself(mode, monkey
         pool = e._pool
         ref = e.spawn_agent(L.Counter, 10)
         assert ref.call("add", 0).result(30) == 10
-        hold, _blocker = _hold_result_thread(e)
+        hold, _blocker = hold_result_thread(e)
         try:
             assert e.submit(tasks.sleep_then, 0.05, 7).result(20) == 7  # a worker's wake
             assert e.submit(tasks.identity, (1, "two")).result(20) == (1, "two")  # pickled
@@ -91,7 +77,7 @@ def test_a_thread_in_result_settles_every_kind_of_completion_itself(mode, monkey
 @pytest.mark.parametrize("mode", MODES)
 def test_done_callbacks_of_futures_a_waiter_settled_run_in_the_result_thread(mode):
     with _executor(mode) as e:
-        hold, _blocker = _hold_result_thread(e)
+        hold, _blocker = hold_result_thread(e)
         ran: list[str] = []
         try:
             f = e.submit(tasks.square, 5)

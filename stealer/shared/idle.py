@@ -244,15 +244,9 @@ class Idle:
         """Worker side, about to idle after completions it did not announce (``owed``
         here or in its HotPath): wake the result thread from either park."""
         self.owed = False
-        r = self.r
-        r.fence()  # seq_cst: the completion pushes before reading the park words
-        v = r.load32(H_WAITER_PARK)  # seq_cst: pairs with waiter_park's store
-        if v in (PARKED, PARKED_BATCH) and r.cas32(H_WAITER_PARK, v, NOTIFIED):
-            r.futex_wake(H_WAITER_PARK, 1)
-            return
-        v = r.load32(H_CLIENT_PARK)  # seq_cst: pairs with client_park's store
-        if v in (PARKED, PARKED_BATCH) and r.cas32(H_CLIENT_PARK, v, NOTIFIED):
-            r.futex_wake(H_CLIENT_PARK, 1)
+        self.r.fence()  # seq_cst: the completion pushes before reading the park words
+        if not self._wake_parked(H_WAITER_PARK):
+            self._wake_parked(H_CLIENT_PARK)
 
     def waiter_take(self) -> None:
         """A client thread took the waiter role (``_Pool.wait_for``): awake."""
@@ -276,36 +270,42 @@ class Idle:
             v = PARKED_BATCH
         else:
             v = PARKED
-        r.store32(H_WAITER_PARK, v)  # seq_cst: pairs with wake_client's fence and CAS
-        try:
-            if has_work():
-                return True
-            return r.futex_wait(H_WAITER_PARK, v, timeout)
-        finally:
-            r.store32(H_WAITER_PARK, WAITER_AWAKE)  # seq_cst: overwrites NOTIFIED
+        return self._park(H_WAITER_PARK, v, has_work, timeout, WAITER_AWAKE)
 
     def poke_waiter(self) -> None:
         """Client: wake the thread parked in :meth:`waiter_park` (a future it may wait on was
         settled or cancelled by another thread); one load when none is parked."""
+        self._wake_parked(H_WAITER_PARK)
+
+    def _wake_parked(self, word: int) -> bool:
+        """Wake the client thread parked (either mode) on ``word``; True if it was."""
         r = self.r
-        # seq_cst load and CAS: pair with waiter_park's store of PARKED and its re-check
-        v = r.load32(H_WAITER_PARK)
-        if v in (PARKED, PARKED_BATCH) and r.cas32(H_WAITER_PARK, v, NOTIFIED):
-            r.futex_wake(H_WAITER_PARK, 1)
+        # seq_cst load and CAS: pair with the parker's store of its state and its re-check
+        v = r.load32(word)
+        if v in (PARKED, PARKED_BATCH) and r.cas32(word, v, NOTIFIED):
+            r.futex_wake(word, 1)
+            return True
+        return False
 
     def client_park(self, has_work: Any, timeout: float, batch: bool = False) -> bool:
         """The result thread: sleep until a worker or the API wakes it, or ``timeout``;
         ``batch``: it parks in throughput mode (:class:`ResultPolicy`), and a waking
         worker does not yield its CPU to it."""
+        return self._park(H_CLIENT_PARK, PARKED_BATCH if batch else PARKED, has_work, timeout,
+                          RUNNING)
+
+    def _park(self, word: int, v: int, has_work: Any, timeout: float, awake: int) -> bool:
+        """A client thread's sleep on ``word``: store ``v`` (its parked state), re-check
+        ``has_work``, wait; ``awake`` is stored after (it overwrites NOTIFIED, so a later
+        waker's CAS fails)."""
         r = self.r
-        v = PARKED_BATCH if batch else PARKED
-        r.store32(H_CLIENT_PARK, v)  # seq_cst: pairs with wake_client's fence and load
+        r.store32(word, v)  # seq_cst: pairs with wake_client's fence, load and CAS
         try:
             if has_work():
                 return True
-            return r.futex_wait(H_CLIENT_PARK, v, timeout)
+            return r.futex_wait(word, v, timeout)
         finally:
-            r.store32(H_CLIENT_PARK, RUNNING)
+            r.store32(word, awake)  # seq_cst: overwrites NOTIFIED
 
 
 class ResultPolicy:

@@ -89,3 +89,70 @@ def test_function_table_sends_a_function_once():
     for i in range(2, 16):
         client.id_of(eval(f"lambda x: x + {i}"))  # distinct function objects
     assert client.id_of(lambda x: x) == -1
+
+
+# -- small arrays: their bytes, dtype and shape, not numpy's reduction ---------------------
+
+SMALL_ARRAYS = [
+    np.zeros(2, np.float32),
+    np.arange(6, dtype=np.int16).reshape(2, 3),
+    np.array(3.5),  # 0-d
+    np.zeros(0),
+    np.array([True, False]),
+    np.array([1 + 2j, 3j], np.complex64),
+    np.arange(4, dtype=">i4"),  # big-endian: the dtype's string keeps the byte order
+]
+
+
+@pytest.mark.parametrize("a", SMALL_ARRAYS, ids=lambda a: f"{a.dtype.str}{a.shape}")
+def test_a_small_array_round_trips_writable_with_its_dtype_and_shape(a):
+    for obj in (a, (a,), (1, "act", (a, 2.0), None), [[a]], (a, a)):
+        data, bufs = serialize.dumps(obj)
+        assert not bufs
+        assert b"_small_array" in data  # the short way, not numpy's reduction
+        back = pickle.loads(data)
+        got = back
+        while not isinstance(got, np.ndarray):
+            got = got[-1] if not isinstance(got, tuple) or len(got) < 3 else got[2][0]
+        assert got.dtype == a.dtype and got.shape == a.shape
+        assert np.array_equal(got, a)
+        assert got.flags.writeable
+        got[...] = 0  # the handler may write into what it received
+
+
+@pytest.mark.parametrize("a", [
+    np.asfortranarray(np.ones((3, 4))),  # not C-contiguous
+    np.arange(10.0)[::2],  # a strided view
+    np.zeros(3, dtype=[("x", "f4"), ("y", "i2")]),  # structured: dtype.str drops the names
+    np.array(["ab", "c"]),  # strings
+    np.array([None, 1], dtype=object),
+    np.ma.masked_array([1.0, 2.0], mask=[0, 1]),  # a subclass
+    np.zeros(serialize.INBAND_MAX // 8 + 1),  # large: out of band, as before
+], ids=["fortran", "strided", "structured", "str", "object", "masked", "large"])
+def test_other_arrays_take_numpy_s_own_way(a):
+    data, bufs = serialize.dumps((a,))
+    assert b"_small_array" not in data
+    back = pickle.loads(data, buffers=bufs)[0]
+    assert type(back) is type(a) and back.dtype == a.dtype and back.shape == a.shape
+    assert np.array_equal(np.asarray(back), np.asarray(a))
+
+
+def test_arrays_deeper_than_two_levels_still_pickle():
+    obj = ((({"k": np.ones(2)},),),)
+    assert pickle.loads(serialize.dumps(obj)[0])[0][0][0]["k"].tolist() == [1.0, 1.0]
+
+
+def test_a_small_array_beside_a_lambda_falls_back_to_cloudpickle():
+    k = 2
+    data, _ = serialize.dumps((np.ones(2), lambda x: x * k))
+    a, f = pickle.loads(data)
+    assert a.tolist() == [1.0, 1.0] and f(3) == 6
+
+
+def test_serialize_never_imports_numpy():
+    import subprocess
+    import sys
+
+    code = ("import sys; from stealer.shared import serialize as s; "
+            "s.dumps((1, [2.0], 'x')); assert 'numpy' not in sys.modules, 'imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -3,6 +3,7 @@ the expected gain beats twice the measured cost of moving it; no processes here.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -60,3 +61,106 @@ def test_busy_moves_only_from_the_longer_backlog_and_never_overshoot(mine, their
     if n:
         assert mine > theirs and mine - n >= theirs + n  # never past even
         assert P.gain_to_busy(mine * avg, theirs * avg, avg, cost) > 2 * cost
+
+
+# -- the imbalance must last: busy shares (BusyShare, lasting, agents_for) ----------------
+
+MS = 1_000_000
+
+
+def test_a_busy_share_is_a_time_weighted_average_of_busy_and_idle():
+    b = P.BusyShare()
+    assert b.now(123) == 0.0  # never updated: nothing known, nothing to give
+    b.update(1 * MS, 1)
+    t = 1 * MS
+    for _ in range(200):  # 1 ms busy, 1 ms idle, for 400 ms (4 time constants)
+        t += MS
+        b.update(t, 0)
+        t += MS
+        b.update(t, 1)
+    assert abs(b.now(t) - 0.5) < 0.05
+    # idle from now on: it decays toward 0, by e after one time constant
+    b.update(t, 0)
+    assert abs(b.now(t + P.AVG_TAU_NS) - b.now(t) / 2.718281828) < 0.01
+
+
+def test_a_lockstep_round_s_tail_is_not_a_lasting_gap():
+    """Two even workers in lockstep: each is busy ~90% of a 10 ms round and idle at its
+    end, by turns the one or the other a little longer.  Their shares stay within the
+    noise, and no move is allowed, although at every round's end one holds a backlog
+    while the other idles (the momentary rule alone moved an agent every round)."""
+    a, b = P.BusyShare(), P.BusyShare()
+    t = 0
+    for r in range(100):
+        la, lb = (9.5, 8.5) if r % 2 else (8.5, 9.5)
+        a.update(t, 1)
+        b.update(t, 1)
+        a.update(t + int(la * MS), 0)
+        b.update(t + int(lb * MS), 0)
+        t += 10 * MS
+        gap = a.now(t) - b.now(t)
+        assert not P.lasting(gap)
+        assert not P.lasting(-gap)
+
+
+def test_a_structural_imbalance_is_a_lasting_gap_and_moves_half_of_it():
+    """One worker busy all the time with 100 agents, the other 40% of the time: the gap
+    lasts, and the moves close half of it (30 agents of 100 carry 0.3 of the time)."""
+    a, b = P.BusyShare(), P.BusyShare()
+    t = 0
+    for _ in range(100):
+        a.update(t, 1)
+        b.update(t, 1)
+        b.update(t + 4 * MS, 0)
+        t += 10 * MS
+    gap = a.now(t) - b.now(t)
+    assert P.lasting(gap)
+    assert P.agents_for(gap, a.now(t), 100) == pytest.approx(30, abs=3)
+    assert P.agents_for(0.0, a.now(t), 100) == 1  # the caller asks only for a lasting gap
+    assert P.agents_for(0.5, 0.0, 100) == 1  # never busy: one at a time
+
+
+def test_taking_a_share_off_moves_the_average_at_once():
+    b = P.BusyShare()
+    b.update(1, 1)  # monotonic ns are never 0: 0 is "never updated"
+    b.take(10 * MS, 0.3)
+    assert b.now(10 * MS) == pytest.approx(0.7)
+    assert b.now(10 * MS) >= 0.0
+    b.take(10 * MS, 5.0)
+    assert b.now(10 * MS) == 0.0  # never below nothing
+
+
+def test_a_gift_fades_as_the_peer_s_own_average_takes_it_in():
+    assert P.gift(0.4, 0, 0) == pytest.approx(0.4)
+    assert P.gift(0.4, 0, P.AVG_TAU_NS) == pytest.approx(0.4 / 2.718281828, rel=1e-3)
+    assert P.gift(0.4, 0, 10 * P.AVG_TAU_NS) < 0.001
+
+
+def test_the_budget_allows_a_burst_then_a_slow_rate():
+    m = P.MoveBudget()
+    assert m.left(1) == int(P.MOVE_BURST)
+    m.spend(int(P.MOVE_BURST))
+    assert m.left(2) == 0
+    assert m.left(2 + 10**9) == int(P.MOVE_RATE)  # one second later
+    m.spend(100)
+    assert m.left(3 + 10**9) == 0  # never below empty
+    assert m.left(10**12) == int(P.MOVE_BURST)  # never above the burst
+
+
+@given(st.lists(st.tuples(st.integers(0, 1), st.integers(0, 50 * MS)), min_size=1,
+                max_size=60))
+def test_a_busy_share_stays_a_share(steps):
+    b = P.BusyShare()
+    t = 0
+    for busy, dt in steps:
+        t += dt
+        b.update(t, busy)
+        assert -1e-9 <= b.now(t) <= 1 + 1e-9
+        assert -1e-9 <= b.now(t + 7 * MS) <= 1 + 1e-9
+
+
+def test_busy_moves_are_capped_by_the_lasting_gap():
+    cost = P.move_cost_ns(20 * US)
+    assert P.moves_to_busy(mine=20, theirs=10, avg_ns=500 * US, cost_ns=cost, cap=0) == 0
+    assert P.moves_to_busy(mine=20, theirs=10, avg_ns=500 * US, cost_ns=cost, cap=2) == 2
+    assert P.moves_to_busy(mine=20, theirs=10, avg_ns=500 * US, cost_ns=cost, cap=99) == 5

@@ -45,6 +45,7 @@ from stealer.shared._layout import (
     ST_ERROR,
 )
 from stealer.shared.records import Outcome
+from stealer.shared.shm import STATE_READY, STATE_STARTING, W_CURRENT, W_STATE
 
 __all__ = ["AgentClient", "AGENT_FID", "lookup", "encode_message"]
 
@@ -75,6 +76,7 @@ class AgentClient:
                              # signal a busy owner only where it handles it (inline.py)
                              worker_base=pool.layout.worker if pool.native else None)
         self.lock = threading.Lock()
+        self.next_worker = 0  # where place() puts the next new agent
         self.futures: dict[int, _Future] = {}  # agent handle -> its final value's Future
         self.finished: dict[int, tuple[int, Any]] = {}  # fid -> (status, value), nobody asked yet
         self.name = pool.name
@@ -143,16 +145,16 @@ class AgentClient:
         pool.check_open()
         h = self.alloc("a new agent")
         self.queue_agent(h, data, bufs, opts.mailbox, AF_CONTROL if opts.tier == 0 else 0,
-                         retries)
-        pool.idle.notify_one()
+                         retries, place=True)
         if uid is not None:
             self.by_uid[uid] = h
         return AgentRef(h, self.name, self, uid)
 
     def queue_agent(self, h: int, data: bytes, bufs: list, mailbox: int, flags: int,
-                    retries: int) -> None:
+                    retries: int, place: bool = False) -> None:
         """Set up agent record ``h`` (its directory entry first, then the record with its
-        spawn payload) and queue it; on an error the record is freed and nothing queued."""
+        spawn payload) and queue it (with ``place``, on the next worker in turn:
+        :meth:`place`); on an error the record is freed and nothing queued."""
         a = self.a
         try:
             self.dir.init(h, mailbox, flags)  # before the record is QUEUED
@@ -161,7 +163,40 @@ class AgentClient:
         except BaseException:
             a.free(h)
             raise
-        self.pool.push(h)
+        if place:
+            self.place(h)
+        else:
+            self.pool.push(h)
+
+    def place(self, h: int) -> None:
+        """Queue new agent ``h`` on the next worker in turn that is live and not running a
+        task (an agent's turn is fine): pushed into its inbox, where it starts it
+        (worker/join.py on_ping; a dead worker's inbox is handed on by recovery.py
+        dead_pings), so agents spawned in a row start spread evenly.  From the injector,
+        whichever worker took its batches adopted them (seen: 246 of 256 on one), and
+        the balancer then spent hundreds of moves evening them out.  A worker in a task
+        reads its inbox only after it: the agent would wait.  The injector if no worker
+        fits."""
+        pool = self.pool
+        r = pool.region
+        a = self.a
+        n = pool.n
+        for _ in range(n):
+            k = self.next_worker
+            self.next_worker = (k + 1) % n  # racing spawners may share a turn: harmless
+            base = pool.layout.worker(k)
+            # relaxed: the worker's store32s (starting, ready...); a stale one only delays
+            # the agent until recovery hands the dead worker's inbox on
+            if r.load32(base + W_STATE) not in (STATE_STARTING, STATE_READY):
+                continue
+            cur = r.load64(base + W_CURRENT)  # relaxed: a hint (pairs with nothing)
+            if cur and not a.kind_link(a.off(cur - 1))[0] & F_AGENT:
+                continue  # a task runs there
+            if pool.inboxes[k].push(h):
+                pool.idle.notify_worker(k)
+                return
+        pool.push(h)
+        pool.idle.notify_one()
 
     # -- the journal ------------------------------------------------------------------
     def recover(self, plan: Any) -> int:

@@ -61,6 +61,8 @@ from stealer.shared.shm import (
     STATE_READY,
     STATE_STARTING,
     W_ALLOC,
+    W_BUSY_AT,
+    W_BUSY_AVG,
     W_CURRENT,
     W_LEASE,
     W_RING_OP,
@@ -265,6 +267,8 @@ class _Pool(Settling, WorkerDeaths):
             r.store64(base + W_LEASE + 8 * i, 0)
         r.store64(base + W_RING_OP, 0)  # no claim named (ringfix.py)
         r.store64(base + W_ALLOC, 0)  # no record taken off the free ring (recovery.py)
+        r.store64(base + W_BUSY_AT, 0)  # no busy share yet: peers see it idle (placement.py)
+        r.store64(base + W_BUSY_AVG, 0)
         r.store32(base + W_STATE, STATE_STARTING)
         args = WorkerArgs(
             index=k, incarnation=self.incarnations[k], name=self.name,

@@ -137,6 +137,12 @@ W_ALLOC = 280  # u64 handle+1 of the record this worker's last pop took off the 
 #               cell (MPMCRing.set_take); the client reads it after the worker's death and
 #               frees the record if it is still FREE in that generation (never set up: alloc
 #               to setup, recovery.py ``allocated``); stale values name a newer generation
+W_BUSY_AVG = 288  # u64 this worker's busy share x BUSY_SCALE << 1 | 1 if busy now
+#                  (agents/placement.py BusyShare): the worker store64s it (relaxed, with
+#                  W_BUSY_AT) at its turns and when it starts searching for work; peers load64
+#                  both (relaxed: a hint for moving agents, a torn pair harmless)
+W_BUSY_AT = 296  # u64 monotonic ns of that share (see W_BUSY_AVG)
+BUSY_SCALE = 1 << 20  # W_BUSY_AVG's fixed point
 WORKER_BYTES = 320
 
 # Record (task) layout: RECORD_BYTES each (stealer/shared/_layout.py has the fields).

@@ -368,6 +368,7 @@ class Worker(ForkJoinHandling, PingHandling):
         idle = self.idle
         r = self.r
         self.flush_client()
+        self.host.went_idle()  # idle from now on: our busy share (agents/placement.py)
         searching = idle.try_search(self.k)
         rounds = 0
         while True:

@@ -62,6 +62,8 @@ from stealer.shared.shm import (
     H_SEARCHING,
     H_STOP_AGENTS,
     STATE_READY,
+    W_BUSY_AT,
+    W_BUSY_AVG,
     W_CURRENT,
     W_PID,
     W_RUNNABLE,
@@ -86,6 +88,7 @@ from stealer.worker.agents.entry import (
 from stealer.worker.agents.generators import Generators
 from stealer.worker.agents.leaving import Leaving
 from stealer.worker.agents.messages import Messages
+from stealer.worker.agents.placement import BusyShare, MoveBudget
 from stealer.worker.agents.runqueue import RunQueue
 
 __all__ = ["Host"]
@@ -145,6 +148,11 @@ class Host(Adoption, Messages, Generators, Calls, Leaving):
         self.poked: dict[int, int] = {}  # peer -> monotonic ns we last asked it for an agent
         self.turn_avg = 0  # ns per turn over every agent here (moving average): backlogs
         self.bal_prev = -1  # the peer balance() found short at its previous check
+        self.busy = BusyShare()  # our busy share, published (placement.py)
+        self.busy_avg_off = w.wbase + W_BUSY_AVG
+        self.busy_at_off = w.wbase + W_BUSY_AT
+        self.gifts: dict[int, tuple[float, int]] = {}  # peer -> (share given, ns): leaving.py
+        self.budget = MoveBudget()  # moves left to us (placement.py)
         # An idle peer asks (SIGUSR1) for one of the agents waiting behind our long step;
         # only with the native queues: the reference queues' lock is not reentrant.
         self.preempt = w.native
@@ -196,6 +204,8 @@ class Host(Adoption, Messages, Generators, Calls, Leaving):
             idle = (r.load64(H_SEARCHING) | r.load64(H_PARKED)) & self.peers_mask
             if idle and self.pays_to_idle(e, idle):
                 self.publish_one()
+        if not self.busy.cur and self.balancing:
+            self.note_busy(1)  # busy from now on; readers extrapolate until we idle
         if self.turns & 7 == 0 and self.rq.n >= 2 and self.balancing:
             self.balance()
         if self.turns & 63 == 0:

@@ -21,8 +21,29 @@ The rules (pure functions, tested without processes in tests/test_placement.py):
   notifications in its inbox) at two checks in a row, and the gain of the
   first move, computed the same way on both backlogs, is more than twice its
   cost: :func:`moves_to_busy`.
-* **An agent that just arrived** stays for :data:`COOLDOWN_NS`: no agent
-  bounces between two workers faster than that, whatever the counts say.
+* **Either way, the imbalance must last.**  Counts at one moment mislead in
+  the lockstep pattern: whichever worker got the round's last calls holds a
+  backlog at the round's end while its peer idles, every round, with the
+  agents already even.  Moving one then makes the peer the straggler of the
+  next round, which moves it back (one move per round: 11 to 25 per 1,000
+  calls before this rule).  Queue lengths averaged over time mislead too:
+  they follow the order the calls arrive in.  What lasts is the share of
+  time a worker is busy.  Each worker keeps its own as a time-weighted
+  moving average (:class:`BusyShare`, time constant :data:`AVG_TAU_NS`,
+  several rounds; busy from its turns, idle from the moment it searches for
+  work) and publishes it; agents move only while ours exceeds the peer's by
+  :data:`BUSY_GAP` or more (:func:`lasting`), and at most enough of them to
+  close half the gap (:func:`agents_for`).  A move is taken off at once (our
+  share down, the peer's up by a :func:`gift` that fades as its own average
+  takes the agents in), so one gap is not closed twice.
+* **And moves are budgeted** (:class:`MoveBudget`): a burst of
+  :data:`MOVE_BURST` agents, then :data:`MOVE_RATE` per second per worker.  A
+  busy client shares a core with one worker and makes it the slower one
+  until the OS moves the client to the other core: the busy shares then
+  swap, and without a budget the agents would follow the client back and
+  forth.  New agents start spread over the workers (the client places them
+  in turn), so the burst is for a real imbalance, and the rate for a slow
+  drift.
 
 Costs are measured: every checkpoint times its pickling (``ckpt_ns``); the
 restore is taken to cost as much, plus :data:`MOVE_FIXED_NS` for the
@@ -33,12 +54,24 @@ for the backlog.
 
 from __future__ import annotations
 
+import math
+
 __all__ = [
+    "AVG_TAU_NS",
     "COOLDOWN_NS",
     "DEFAULT_CKPT_NS",
+    "BUSY_GAP",
+    "BusyShare",
+    "MOVE_BURST",
     "MOVE_FIXED_NS",
+    "MOVE_RATE",
+    "MoveBudget",
+    "decayed",
     "gain_to_busy",
+    "gift",
+    "agents_for",
     "gain_to_idle",
+    "lasting",
     "move_cost_ns",
     "moves_to_busy",
     "pays_to_idle",
@@ -50,6 +83,95 @@ MOVE_FIXED_NS = 50_000
 DEFAULT_CKPT_NS = 30_000  # ns: pickling time assumed for an agent never checkpointed yet
 COOLDOWN_NS = 50_000_000  # ns an agent stays on the worker it moved to before moving again
 MAX_BATCH = 32  # agents handed to a busy peer at one check (each move pickles one state)
+AVG_TAU_NS = 100_000_000  # ns: time constant of the load averages (several lockstep rounds)
+BUSY_GAP = 0.2  # busy share by which ours must exceed a peer's before an agent moves to it
+MOVE_BURST = 32.0  # agents a worker may move at once after a quiet while (MAX_BATCH)
+MOVE_RATE = 1.0  # agents per second a worker may move, after its burst
+
+
+class MoveBudget:
+    """A token bucket of moves (:data:`MOVE_BURST`, refilled at :data:`MOVE_RATE` per
+    second); one per worker, owned by its host."""
+
+    __slots__ = ("at", "tokens")
+
+    def __init__(self) -> None:
+        self.tokens = MOVE_BURST
+        self.at = 0  # monotonic ns of the last refill; 0: none yet
+
+    def left(self, now_ns: int) -> int:
+        """Moves allowed now."""
+        if self.at:
+            self.tokens = min(MOVE_BURST, self.tokens + (now_ns - self.at) * MOVE_RATE / 1e9)
+        self.at = now_ns
+        return int(self.tokens)
+
+    def spend(self, n: int) -> None:
+        self.tokens = max(0.0, self.tokens - n)
+
+
+class BusyShare:
+    """The share of its time a worker has been busy, as a time-weighted moving average
+    (time constant :data:`AVG_TAU_NS`): kept by that worker's host (busy at each turn,
+    idle when the loop searches for work; leaving.py) and published for its peers
+    (shm.W_BUSY_AVG), who bring it to their own moment with :func:`decayed`.  Each
+    worker averages only its own: one sampling its peers would sample them only while
+    busy itself, and every worker would see itself the busier."""
+
+    __slots__ = ("at", "avg", "cur")
+
+    def __init__(self) -> None:
+        self.avg = 0.0
+        self.at = 0  # monotonic ns of the last update; 0: none yet
+        self.cur = 0  # 1 busy, 0 idle, since ``at``
+
+    def update(self, now_ns: int, busy: int) -> float:
+        """Busy (1) or idle (0) from ``now_ns`` on; returns the share at ``now_ns``."""
+        if self.at:
+            self.avg = decayed(self.avg, self.at, now_ns, self.cur)
+        else:
+            self.avg = float(busy)
+        self.at = now_ns
+        self.cur = busy
+        return self.avg
+
+    def now(self, now_ns: int) -> float:
+        """The share at ``now_ns``."""
+        return decayed(self.avg, self.at, now_ns, self.cur) if self.at else 0.0
+
+    def take(self, now_ns: int, share: float) -> None:
+        """Take ``share`` off (agents that carried it left)."""
+        self.avg = max(0.0, self.now(now_ns) - share)
+        if self.at:
+            self.at = now_ns
+
+
+def decayed(avg: float, at_ns: int, now_ns: int, value: float) -> float:
+    """The average ``avg`` of ``at_ns`` brought to ``now_ns``, ``value`` between."""
+    dt = now_ns - at_ns
+    if dt <= 0:
+        return avg
+    return avg + (1.0 - math.exp(-dt / AVG_TAU_NS)) * (value - avg)
+
+
+def gift(share: float, at_ns: int, now_ns: int) -> float:
+    """What is left at ``now_ns`` of a busy ``share`` handed to a peer at ``at_ns`` that
+    its own average does not show yet (it takes it in over :data:`AVG_TAU_NS`)."""
+    dt = now_ns - at_ns
+    return share if dt <= 0 else share * math.exp(-dt / AVG_TAU_NS)
+
+
+def lasting(gap: float) -> bool:
+    """Is a busy-share ``gap`` (ours minus a peer's) one that moving agents closes, not
+    the noise of a lockstep round's arrival order?"""
+    return gap >= BUSY_GAP
+
+
+def agents_for(gap: float, mine: float, agents: int) -> int:
+    """How many of our ``agents`` (busy ``mine`` of our time between them) close half a
+    busy-share ``gap`` with a peer, at least one."""
+    per = mine / max(agents, 1)
+    return max(1, int(gap / 2 / per)) if per > 0 else 1
 
 
 def move_cost_ns(ckpt_ns: int) -> int:
@@ -73,14 +195,19 @@ def gain_to_busy(mine_ns: int, theirs_ns: int, work_ns: int, cost_ns: int) -> in
     return max(mine_ns, theirs_ns) - max(mine_ns - work_ns, theirs_ns + work_ns + cost_ns)
 
 
-def moves_to_busy(mine: int, theirs: int, avg_ns: int, cost_ns: int) -> int:
+def moves_to_busy(mine: int, theirs: int, avg_ns: int, cost_ns: int,
+                  cap: int | None = None) -> int:
     """How many agents to hand to a busy peer holding ``theirs`` (runnable agents plus
     pending notifications) when we hold ``mine``, each ``avg_ns`` per turn: half the
     difference (a start-up batch evens out in one go), none unless the first move pays
-    twice its cost."""
+    twice its cost, never more than ``cap`` (:func:`agents_for` when the busy-share gap
+    :func:`lasting`, 0 when it does not)."""
     if mine - theirs < 2:
         return 0
     w = max(avg_ns, 1)
     if gain_to_busy(mine * w, theirs * w, w, cost_ns) <= 2 * cost_ns:
         return 0
-    return min(MAX_BATCH, (mine - theirs) // 2)
+    n = (mine - theirs) // 2
+    if cap is not None:
+        n = min(n, cap)
+    return min(MAX_BATCH, n)

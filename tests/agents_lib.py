@@ -17,6 +17,23 @@ def busy(seconds: float) -> None:
         pass
 
 
+def hog_one_worker(ex: Any, seconds: float = 0.3) -> Any:
+    """Keep one worker in a plain task for ``seconds`` (its future is returned once the
+    task runs): new agents then all start on the other worker (the client places none
+    behind a task), and the first, idle once its task ends, takes a share of them from
+    the loaded one: migrations, whatever the machine's speed."""
+    from stealer.shared.shm import W_CURRENT
+
+    f = ex.submit(busy, seconds)
+    pool = ex._pool
+    deadline = time.monotonic() + 30
+    while not any(pool.region.load64(pool.layout.worker(k) + W_CURRENT)
+                  for k in range(pool.n)):
+        assert time.monotonic() < deadline and not f.done(), "the hog task never ran"
+        time.sleep(0.001)
+    return f
+
+
 class Counter(stealer.Agent):
     """Message-only: add/get; records every (sender, seq) it saw."""
 

@@ -15,16 +15,30 @@ from tests import agents_lib as L
 T = 60  # seconds: only to turn a hang into a failure
 
 
+def _started(e: stealer.Executor) -> stealer.Executor:
+    """Every worker up: timing tests measure agents, not a worker start on a loaded
+    machine (seen: a 0.4 s window in which four hogs ran no step at all)."""
+    from stealer.shared.shm import STATE_READY, W_STATE
+
+    pool = e._pool
+    deadline = time.monotonic() + T
+    while any(pool.region.load32(pool.layout.worker(k) + W_STATE) != STATE_READY
+              for k in range(pool.n)):
+        assert time.monotonic() < deadline, "the workers never started"
+        time.sleep(0.005)
+    return e
+
+
 @pytest.fixture(scope="module")
 def ex():
     with stealer.Executor(2) as e:
-        yield e
+        yield _started(e)
 
 
 @pytest.fixture
 def ex1():
     with stealer.Executor(1) as e:
-        yield e
+        yield _started(e)
 
 
 # -- the contract ------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Every agent failpoint armed in turn (SIGKILL once, mid-run): every agent still reaches
 the final state of a run without the crash, every call is answered, nothing hangs.
 
-The load: a slow agent that keeps one worker busy (so the other runs out of work and its
-peer publishes agents for it: migrations), 24 self-driven agents whose state is a counter
+The load: a task that keeps one worker busy at first (so the other adopts every agent, and
+publishes agents for the first once its task ends: migrations), a slow agent, 24 self-driven
+agents whose state is a counter
 and a numpy array, checkpointed every 3 events and poked with messages, counters taking
 sends and calls, and agents stopped at the end.
 """
@@ -25,6 +26,7 @@ T = 90
 
 
 def _load(ex: stealer.Executor) -> None:
+    hog = L.hog_one_worker(ex, 0.15)  # the other worker adopts every agent: migrations
     slow = ex.spawn_agent(L.Stepper, 6, 0.03, 10, checkpoint_every=2)
     steppers = [ex.spawn_agent(L.Stepper, 16, 0.002, 200, tier="bulk", checkpoint_every=3)
                 for _ in range(24)]
@@ -44,6 +46,7 @@ def _load(ex: stealer.Executor) -> None:
     for c in counters:
         c.stop()
     assert [c.result(T) for c in counters] == ["stopped at 4"] * 4
+    hog.result(T)
 
 
 @pytest.mark.kills_workers

@@ -8,7 +8,6 @@ import time
 
 import numpy as np
 import pytest
-import tasks
 
 import stealer
 from tests import agents_lib as L
@@ -32,27 +31,11 @@ def _run_steppers(ex, n: int, steps: int, work: float, pokes: int, kill: bool):
     return refs, killed
 
 
-def _hog(ex, seconds: float = 0.3):
-    """Keep one worker in a plain task for ``seconds``: new agents then all start on the
-    other (the client places none behind a task), and the first worker, idle once its
-    task ends, takes a share of them from the loaded one (migrations)."""
-    from stealer.shared.shm import W_CURRENT
-
-    f = ex.submit(tasks.busy, seconds)
-    pool = ex._pool
-    deadline = time.monotonic() + 10
-    while not any(pool.region.load64(pool.layout.worker(k) + W_CURRENT)
-                  for k in range(pool.n)):
-        assert time.monotonic() < deadline and not f.done()
-        time.sleep(0.001)
-    return f
-
-
 def test_agents_migrate_with_numpy_state_intact():
     with stealer.Executor(2) as ex:
         migrations = 0
         for _attempt in range(3):  # thieves appear when one worker runs out first
-            hog = _hog(ex)
+            hog = L.hog_one_worker(ex)
             refs, _ = _run_steppers(ex, 60, 20, 0.001, 2, kill=False)
             hog.result(T)
             assert [r.result(T) for r in refs] == [(20, 20.0 * 500, 2)] * 60
@@ -140,7 +123,7 @@ def test_agent_out_of_retries_fails_its_waiting_calls_instead_of_hanging():
 def test_migration_keeps_the_generation():
     with stealer.Executor(2) as ex:
         for _attempt in range(3):
-            hog = _hog(ex)
+            hog = L.hog_one_worker(ex)
             refs = [ex.spawn_agent(L.GenReporter, 20, 0.001, checkpoint_every=2)
                     for _ in range(40)]
             assert [r.result(T) for r in refs] == [[0]] * 40

@@ -104,6 +104,9 @@ def _check_agent_results(results: dict[str, Any]) -> None:
         assert r["calls"] == wl_agents.TIERS_CALLS["tiny"] == len(r["samples_ms"])
         assert 0 < r["p50_ms"] <= r["p99_ms"] <= r["max_ms"]
         assert r["bulk_busy"] > 0 and r["info"]["bulk_steps"] > 0
+    c = tiers["systems"]["stealer"]  # the control tier: stealer's agents only
+    assert 0 < c["control_p50_ms"] <= c["control_p99_ms"] <= c["control_max_ms"]
+    assert "control_p99_ms" not in tiers["systems"]["process"]
     assert tiers["ideal"]["max_ms"] <= tiers["ideal"]["bound_ms"]
 
     over = results["agent_overhead"]["systems"]["stealer"]

@@ -91,6 +91,9 @@ _ROWS: dict[str, list[tuple[str, str, str]]] = {
         ("p50_ms", "reply p50 ms", ".2f"),
         ("p99_ms", "reply p99 ms", ".2f"),
         ("max_ms", "reply max ms", ".2f"),
+        ("control_p50_ms", "control reply p50 ms", ".2f"),
+        ("control_p99_ms", "control reply p99 ms", ".2f"),
+        ("control_max_ms", "control reply max ms", ".2f"),
         ("bulk_busy", "bulk busy share", ".2f"),
     ],
     "agent_overhead": [

@@ -266,15 +266,20 @@ TIERS_SEED = 13
 
 
 def run_tiers(system: System, workers: int, quick: bool | str) -> dict[str, Any]:
-    """Bulk agents saturate every worker; an interactive agent gets a call every 10 ms."""
+    """Bulk agents saturate every worker; an interactive agent gets a call every 10 ms,
+    and (stealer's agents) a control-tier agent one every 10 ms too, 5 ms after each
+    interactive call: a control message is handled inside the running bulk step
+    (stealer/worker/agents/inline.py), an interactive one at the step's end."""
     n = TIERS_CALLS[_size(quick)]
     native = system.agents == "native"
     sent = [0.0] * n
     done_at = [math.nan] * n
+    csent = [0.0] * n
+    cdone_at = [math.nan] * n
 
-    def on_done(i: int) -> Callable[[cf.Future[Any]], None]:
+    def on_done(i: int, into: list[float] = done_at) -> Callable[[cf.Future[Any]], None]:
         def record(_f: cf.Future[Any]) -> None:
-            done_at[i] = time.perf_counter()
+            into[i] = time.perf_counter()
 
         return record
 
@@ -292,9 +297,13 @@ def run_tiers(system: System, workers: int, quick: bool | str) -> dict[str, Any]
                 spawn(_wl.BulkAgent, TIERS_BULK_STEP_S, tier="bulk") for _ in range(TIERS_BULK)
             ]
             inter = spawn(_wl.InteractiveAgent, TIERS_CALL_S, tier="interactive")
+            ctrl = spawn(_wl.InteractiveAgent, TIERS_CALL_S, tier="control")
 
             def call(i: int) -> cf.Future[Any]:
                 return inter.call("hit", i)
+
+            def control(i: int) -> cf.Future[Any] | None:
+                return ctrl.call("hit", i)
 
         else:
             feeder = _bulk_feeder(ex, stop, bulk_ends)
@@ -302,12 +311,20 @@ def run_tiers(system: System, workers: int, quick: bool | str) -> dict[str, Any]
             def call(i: int) -> cf.Future[Any]:
                 return ex.submit(_wl.tier_call, i, TIERS_CALL_S)
 
+            def control(i: int) -> cf.Future[Any] | None:
+                return None  # no control tier: tasks are all one tier
+
         time.sleep(TIERS_WARMUP_S)  # the bulk work spreads over every worker
         if call(-1).result(WAIT_TIMEOUT_S)[0] != -1:  # warm: the agent is adopted
             raise RuntimeError(f"{system.name}: the warm-up call returned a wrong result")
+        warm = control(-1)
+        if warm is not None and warm.result(WAIT_TIMEOUT_S)[0] != -1:
+            raise RuntimeError(f"{system.name}: the control warm-up call returned a wrong "
+                               "result")
         if native:
             counts0 = [f.result(WAIT_TIMEOUT_S) for f in [r.call("count") for r in bulk_refs]]
         futures: list[cf.Future[Any]] = []
+        cfutures: list[cf.Future[Any]] = []
         t_start = time.perf_counter() + 0.005
         w0 = time.perf_counter()
         for i in range(n):
@@ -318,9 +335,16 @@ def run_tiers(system: System, workers: int, quick: bool | str) -> dict[str, Any]
             f = call(i)
             f.add_done_callback(on_done(i))
             futures.append(f)
-        _wait_all(futures)
+            precise_sleep_until(t_start + (i + 0.5) * TIERS_INTERVAL_S)
+            csent[i] = time.perf_counter()
+            c = control(i)
+            if c is not None:
+                c.add_done_callback(on_done(i, cdone_at))
+                cfutures.append(c)
+        _wait_all(futures + cfutures)
         w1 = time.perf_counter()
         got = [f.result() for f in futures]
+        cgot = [f.result() for f in cfutures]
         if native:
             counts1 = [f.result(WAIT_TIMEOUT_S) for f in [r.call("count") for r in bulk_refs]]
             for r in bulk_refs:
@@ -328,6 +352,9 @@ def run_tiers(system: System, workers: int, quick: bool | str) -> dict[str, Any]
             bulk_steps = [r.result(WAIT_TIMEOUT_S) for r in bulk_refs]
             inter.stop()
             calls_seen = inter.result(WAIT_TIMEOUT_S)
+            ctrl.stop()
+            if ctrl.result(WAIT_TIMEOUT_S) != n + 1:
+                raise RuntimeError(f"{system.name}: the control agent lost calls")
             window_steps = sum(counts1) - sum(counts0)
         else:
             stop.set()
@@ -342,6 +369,8 @@ def run_tiers(system: System, workers: int, quick: bool | str) -> dict[str, Any]
         ex.shutdown(wait=True, cancel_futures=True)
     if [g[0] for g in got] != list(range(n)) or calls_seen != n + 1:
         raise RuntimeError(f"{system.name}: wrong replies ({calls_seen} calls handled)")
+    if cgot and [g[0] for g in cgot] != list(range(n)):
+        raise RuntimeError(f"{system.name}: wrong control replies")
     if not all(bulk_steps):
         raise RuntimeError(f"{system.name}: a bulk agent never stepped: {bulk_steps}")
     reply = [d - s for d, s in zip(done_at, sent)]
@@ -349,6 +378,10 @@ def run_tiers(system: System, workers: int, quick: bool | str) -> dict[str, Any]
     result: dict[str, Any] = {"calls": n, "bulk": TIERS_BULK, "bulk_step_ms": TIERS_BULK_STEP_S * 1e3}
     result.update({f"{k}_ms": v for k, v in _ideal.latency_summary(reply).items()})
     result["start_p99_ms"] = _ideal.percentile(start, 99) * 1e3
+    if cgot:  # the control tier: handled inside the bulk step running on its worker
+        creply = [d - s for d, s in zip(cdone_at, csent)]
+        result.update({f"control_{k}_ms": v
+                       for k, v in _ideal.latency_summary(creply).items()})
     # Share of the workers' time spent in bulk steps while the calls ran (~1: saturated): the
     # bulk agents' step counts asked before and after (native; each answered at the agent's
     # next turn, so the window is fuzzy by a step) or the bulk tasks that completed in it.
@@ -402,6 +435,8 @@ def ideal_tiers(workers: int) -> dict[str, Any]:
     )
     out: dict[str, Any] = {f"{k}_ms": v for k, v in _ideal.latency_summary(reply).items()}
     out["bound_ms"] = (TIERS_BULK_STEP_S + TIERS_CALL_S) * 1e3
+    for k in ("p50", "p99", "max"):  # a control call runs at once, inside the bulk step
+        out[f"control_{k}_ms"] = TIERS_CALL_S * 1e3
     out["bulk_busy"] = 1.0
     out["samples_ms"] = downsample([x * 1e3 for x in reply])
     return out

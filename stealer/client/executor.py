@@ -395,7 +395,7 @@ class Executor(_fbase.Executor):
         self._parent: Executor | None = None
         cj = jplan = None
         if journal is not None:
-            from stealer.agents.journal import open_for_client
+            from stealer.agents.journal.opening import open_for_client
 
             cj, jplan = open_for_client(journal, durability, max_workers, recover)
         elif recover:

@@ -127,7 +127,6 @@ def plan(path: str, quiet: bool = False) -> Plan:
             _warn(warnings, f"{name}: cannot be opened ({exc}); its events are cut")
             continue
         try:
-            cut: set[str] = set()
             for rid, uid, nm, parent, _epoch, cls, body, oob, crc in _rows(
                     c, "spawns", "uid,name,parent,epoch,cls,body,oob,crc", name, warnings):
                 nrows += 1

@@ -19,11 +19,15 @@ Payloads live in one of:
 
 The call payload stays until the record is freed, so a task whose worker
 died can run again.  Records come from a free ring too; when none is free
-the client keeps the task in a local backlog until one is (see pool.py).
+the client keeps the task in a local backlog until one is (stealer/client/pool.py).
 
 Ownership: a record's plain fields are written by its holder only (the
 state word says who) and handed on through a queue push (release) and pop
 (acquire) or a CAS of the state word; only that word is contended.
+
+The client creates the arena (stealer/client/pool.py, for stealer/client/executor.py's
+submit), every worker attaches to it (stealer/worker/loop.py); the recovery of a dead
+worker's records (stealer/shared/recovery.py) frees and gives back through it.
 """
 
 from __future__ import annotations
@@ -147,7 +151,7 @@ class Arena:
     def set_worker(self, wbase: int) -> None:
         """A worker's arena (worker block at ``wbase``): every record its pops take off the
         free ring is named at ``wbase + W_ALLOC`` (recovery.py ``allocated``), and its
-        record failpoints fire.  (Its ring intents are set by the worker, worker.py.)"""
+        record failpoints fire.  (Its ring intents are set by the worker, stealer/worker/loop.py.)"""
         self.worker = True
         self.rec_free.set_take(wbase + W_ALLOC, self.rec_base, self.nrecords)
 

@@ -20,6 +20,12 @@ Futures are real ``concurrent.futures.Future`` objects, so ``wait``,
 ``as_completed``, ``asyncio.wrap_future`` and ``loop.run_in_executor`` work.
 A task's exception is re-raised in the caller with the worker-side
 traceback chained as ``__cause__`` (as in CPython's ProcessPoolExecutor).
+
+Owns :class:`Executor` (submit, map, the agents' entry points, shutdown) and
+:func:`recover`, both re-exported by ``stealer``; users, stealer.joblib and the tools call
+them.  The result thread, the workers and their supervision are stealer/client/pool.py's
+``_Pool``; the agents' client is stealer/client/agents.py; the journal is opened here
+(stealer/agents/journal/opening.py).
 """
 
 from __future__ import annotations

@@ -345,6 +345,12 @@ class Executor(_fbase.Executor):
       (a blocking join counts as the time its children take).  See
       stealer/client/hang.py; ``stealer top`` shows a frozen worker as "frozen Ns".
     * tasks may :func:`stealer.spawn` children and join them by ``yield``.
+
+    Over 400 lines: it is the whole public API of an executor, and more than a quarter of
+    it is the documentation users read (``help(stealer.Executor)``); each method is the
+    checks and the hand-off of one call, the work being elsewhere (stealer/client/pool.py's
+    ``_Pool``, the agents' client in stealer/client/agents.py, ``map``'s feed and results in
+    this module's functions).
     """
 
     def __init__(

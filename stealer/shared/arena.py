@@ -100,7 +100,15 @@ _U64 = struct.Struct("=Q")
 
 
 class Arena:
-    """Record and payload allocation over a :class:`~stealer.shared.shm.Segment`."""
+    """Record and payload allocation over a :class:`~stealer.shared.shm.Segment`.
+
+    Over 400 lines: one object per process owns the records, the blocks and the overflow
+    files, and its composite calls (``submit_inline``, ``spawn_inline``, ``start``,
+    ``finish_inline``..., the reference twins of native/_cqueues.pyx's HotPath, which
+    replaces them on the instance when it is built) allocate, store and read payloads in
+    one step; its sections, in order: allocation (alloc, free, release), a task's steps
+    (the composites), the record's fields, and payload storage (put, take, read, drop).
+    """
 
     def __init__(self, seg: Segment, injector: Any = None) -> None:
         Q = seg.Q

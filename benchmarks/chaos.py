@@ -1,5 +1,5 @@
-"""SIGKILL chaos at full size: DESIGN.md §8 "faults" (>= 100 random SIGKILLs during 20,000
-tasks: 0 lost, 0 duplicated, 0 wrong).
+"""SIGKILL chaos at full size; the target: >= 100 random SIGKILLs during 20,000 tasks, and
+0 lost, 0 duplicated, 0 wrong (README "How it works": Faults).
 
 20,000 short tasks, each returning ``(i, i*i)`` (every 50th also echoes a 2 KB blob, so
 it goes through the block/overflow path), and 40 fork-join trees (fib with a cutoff,
@@ -457,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="issue 20's storm for SECONDS instead (see the docstring)")
     p.add_argument("--kills", type=int, default=300,
                    help="at least this many kills while tasks are in flight (default 300: "
-                        "about 30 s here; DESIGN.md's target asks for >= 100)")
+                        "about 30 s here; the target asks for >= 100)")
     p.add_argument("--interval", type=float, nargs=2, default=(20.0, 50.0), metavar=("MIN", "MAX"),
                    help="milliseconds between kills, uniform (default 20 50)")
     p.add_argument("--p-starting", type=float, default=0.15,
@@ -529,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
               f"max {k['max']} ms over {k['n']} kills (polled every {k['poll_ms']} ms)")
         print(f"time        {res['seconds_killing']} s under kills, {res['seconds_total']} s "
               f"in all (start-up {res['startup_s']} s)")
-        print("target met" if not bad else "TARGET MISSED (DESIGN.md §8: 0 lost, 0 "
+        print("target met" if not bad else "TARGET MISSED (the target: 0 lost, 0 "
               "duplicated, 0 wrong)")
     code = 1 if bad else 0
     if not res["result_thread_exited"]:  # the interpreter would hang at exit joining it

@@ -1,6 +1,10 @@
 """stealer: run CPU-heavy Python work and agents on every core, with work stealing.
 
-Public names only; each lives in its own module.
+Public names only; each lives in its own module: the agents' API (stealer/agents/api.py),
+the errors (stealer/errors.py), fork-join (stealer/forkjoin.py), and, loaded on first use,
+the executor (stealer/client/executor.py: ``Executor``, ``recover``) and ``AgentRefs``
+(stealer/client/agents_batch.py).  What users import (``import stealer``); a worker process
+imports it too, before stealer.worker.loop, so it stays free of the client side.
 """
 
 from typing import TYPE_CHECKING

@@ -1,3 +1,5 @@
+"""``python -m stealer``: the ``stealer`` command (stealer/cli.py's ``main``)."""
+
 import sys
 
 from stealer.cli import main

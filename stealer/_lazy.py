@@ -1,5 +1,6 @@
 """Import numpy on first use: a worker that never reads a histogram or scans the records
-with numpy never pays for it at start (issue 10, start-up)."""
+with numpy never pays for it at start (issue 10, start-up).  Used by
+stealer/shared/metrics.py, stealer/shared/recovery.py and stealer/bench/lockstep.py."""
 
 from __future__ import annotations
 

@@ -39,6 +39,11 @@ Policies (:func:`plan`):
 ``reserve_client=True`` keeps the last physical core of the chosen order (all its siblings)
 free for the client process.  Compact and scatter wrap around with a :class:`RuntimeWarning`
 when there are more workers than usable CPUs (allowed CPUs, cgroup quota, reserved core).
+
+Used by the executor (stealer/client/executor.py: ``cpus=`` planned with :func:`plan` and
+:func:`steal_order`), each worker process (stealer/worker/loop.py pins itself and sets its
+thread limits), ``stealer topo`` (stealer/cli.py), ``stealer tune`` and stealer.joblib
+(``n_jobs=-1``: the usable CPUs).
 """
 
 from __future__ import annotations

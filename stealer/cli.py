@@ -74,7 +74,7 @@ def _tune(argv: Sequence[str]) -> int:
 
 
 def _journal(args: argparse.Namespace) -> int:
-    from stealer.agents.journal import describe
+    from stealer.agents.journal.inspection import describe
     from stealer.errors import JournalError
 
     try:

@@ -20,7 +20,9 @@ written for :class:`~concurrent.futures.ProcessPoolExecutor` keeps working:
           └── DeadlineExceeded a call or an agent missed its deadline
 
 Errors on the hot path are values (queue operations return EMPTY / RETRY);
-exceptions appear only at the API boundary.
+exceptions appear only at the API boundary.  Raised by every part (client, worker, shared
+structures, agents, journal) and re-exported by ``stealer``; of them this module imports
+only the result status codes (stealer/shared/_layout.py).
 """
 
 from __future__ import annotations

@@ -30,6 +30,12 @@ Outside a worker :func:`spawn` raises :class:`~stealer.errors.NotInTaskError`;
 :func:`run_inline` runs a fork-join task sequentially in the calling process
 (children are evaluated depth-first at the ``spawn`` call), which is the
 one-process baseline and handy in unit tests of user code.
+
+Called by users' tasks (re-exported as ``stealer.spawn``, ``stealer.join``,
+``stealer.run_inline``); the running worker sets ``_current`` (stealer/worker/loop.py),
+whose fork-join mixin (stealer/worker/join.py) does the work; stealer/client/executor.py
+makes the NestedExecutor and runs ``map`` chunks through :func:`run_items`; the agents
+(stealer/agents/api.py) and stealer.joblib read ``_current`` too.
 """
 
 from __future__ import annotations

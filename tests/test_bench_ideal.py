@@ -313,7 +313,7 @@ def test_round_robin_steps_hand_computed() -> None:
 
 
 def test_round_robin_steps_design_numbers() -> None:
-    # DESIGN.md: 200 agents x 25 steps of 0.5 ms on 2 workers, per-step latency ~ 50 ms.
+    # the agents workload: 200 agents x 25 steps of 0.5 ms on 2 workers, per-step latency ~ 50 ms.
     lat, makespan = ideal.round_robin_steps(200, 25, 0.5e-3, 2)
     assert len(lat) == 200 * 25
     assert makespan == pytest.approx(200 * 25 * 0.5e-3 / 2)  # no idle worker: efficiency 1

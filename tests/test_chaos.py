@@ -1,4 +1,4 @@
-"""Chaos: the kill-safe task lifecycle under random faults (DESIGN.md §4, §8 "faults", §11).
+"""Chaos: the kill-safe task lifecycle under random faults (README "How it works": Faults).
 
 A killer thread SIGKILLs random workers (ready ones, and ones still starting) while
 20,000 short tasks and fork-join trees run; SIGINT hits task bodies; workers are killed

@@ -205,7 +205,7 @@ def test_durability_modes_configure_sqlite_as_documented(tmp_path, monkeypatch, 
     """always: SQLite fsyncs every commit (synchronous=FULL); batch: commits reach the OS
     and a thread fsyncs the log every few ms; none: no fsync of ours.  (Power loss itself is
     not simulated here: that needs a block device that drops unsynced writes.)"""
-    from stealer.agents import journal as J
+    from stealer.agents.journal import store as J
 
     synced: list[int] = []
     real = os.fsync

@@ -22,6 +22,7 @@ import pytest
 import stealer
 from stealer import cli
 from stealer.agents import journal
+from stealer.agents.journal import opening  # MIN_FREE is patched where it is read
 from tests import journal_lib as L
 
 T = 60  # seconds: only to turn a hang into a failure
@@ -458,7 +459,7 @@ def test_a_journal_held_by_a_live_executor(tmp_path):
 
 
 def test_a_full_disk(tmp_path, monkeypatch):
-    monkeypatch.setattr(journal, "MIN_FREE", 1 << 62)
+    monkeypatch.setattr(opening, "MIN_FREE", 1 << 62)
     d = tmp_path / "fresh"
     with pytest.raises(stealer.JournalError, match="disk is full"):
         stealer.Executor(2, journal=d)
@@ -468,7 +469,7 @@ def test_a_full_disk(tmp_path, monkeypatch):
     e = tmp_path / "old"
     _bare_journal(e)
     before, epochs = _listing(e), _epochs(e)
-    monkeypatch.setattr(journal, "MIN_FREE", 1 << 62)
+    monkeypatch.setattr(opening, "MIN_FREE", 1 << 62)
     with pytest.raises(stealer.JournalError, match="disk is full"):
         stealer.Executor(2, journal=e, recover=True)
     assert _listing(e) == before and _epochs(e) == epochs
@@ -486,7 +487,7 @@ def test_a_directory_that_is_not_writable(tmp_path, monkeypatch):
             return False
         return real(p, mode, *a, **kw)
 
-    monkeypatch.setattr(journal.os, "access", access)
+    monkeypatch.setattr(os, "access", access)
     with pytest.raises(stealer.JournalError, match="not writable"):
         stealer.Executor(2, journal=d)
     assert os.listdir(d) == []

@@ -1,5 +1,7 @@
-"""The journal's blobs and keys, without SQLite (journal.py has the store): what a worker
-imports on its hot path stays light when no journal is used."""
+"""The journal's blobs and keys, without SQLite (journal/store.py has the store): what a
+worker imports on its hot path stays light when no journal is used.  Used by the agents'
+client (stealer/client/agents.py) and host (stealer/worker/agents/: calls, messages,
+leaving) to pack what they log, and by the journal (stealer/agents/journal/)."""
 
 from __future__ import annotations
 

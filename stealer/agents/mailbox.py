@@ -35,6 +35,10 @@ Backpressure: D_COUNT counts messages accepted and not yet handled; a
 sender reserves a slot (add32) before it pushes and gives it back if that
 overshot D_CAP.  The owner gives slots back as it handles messages and
 futex-wakes blocked client senders when the count falls from the cap.
+
+Used by both sides: the agents' client (stealer/client/agents.py: send, call, stop from the
+client) and their host on each worker (stealer/worker/agents/: host, inline, dormant), on
+the directory that stealer/shared/shm.py places in the segment.
 """
 
 from __future__ import annotations

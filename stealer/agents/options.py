@@ -1,4 +1,9 @@
-"""Validated per-agent options (``Executor.spawn_agent(..., **options)``)."""
+"""Validated per-agent options (``Executor.spawn_agent(..., **options)``): :class:`AgentOptions`.
+
+Built and checked on the client (stealer/client/executor.py, stealer/client/agents.py and
+agents_batch.py), carried with the spawn, and read by the agents' host on the worker
+(stealer/worker/agents/: host, entry, adopt, calls).
+"""
 
 from __future__ import annotations
 

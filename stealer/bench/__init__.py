@@ -11,8 +11,14 @@
   :mod:`~stealer.bench.wl_forkjoin`, :mod:`~stealer.bench.wl_agents` (agents, tiers,
   agent_overhead, lockstep, agent_scale) and :mod:`~stealer.bench.wl_user` (``--workload``),
   on what :mod:`~stealer.bench.harness` shares; the systems in :mod:`~stealer.bench.systems`
-  (peers: :mod:`~stealer.bench.peers`); the table and JSON in :mod:`~stealer.bench.report`.
+  (peers: :mod:`~stealer.bench.peers`); the table and JSON in :mod:`~stealer.bench.report`,
+  the PNG plots in :mod:`~stealer.bench.plots`, the progress bar in
+  :mod:`~stealer.bench.progress`.
+- :mod:`stealer.bench.lockstep` -- the lockstep agents (also benchmarks/lockstep.py).
+- :mod:`stealer.bench.teardown` -- closing an executor chaos left broken
+  (benchmarks/chaos.py, the kill tests).
 
-Nothing here is imported by ``stealer`` itself; importing this package does not import the
-executor.
+Called by ``stealer bench`` (stealer/cli.py), ``stealer tune`` (stealer/tune.py),
+benchmarks/ and tests/.  Nothing here is imported by ``stealer`` itself; importing this
+package does not import the executor.
 """

@@ -105,7 +105,7 @@ def downsample(values: Sequence[float], k: int = MAX_SAMPLES, digits: int = 4) -
     return [round(x, digits) for x in xs]
 
 
-# The runner's progress bar, while one is shown: workloads report how far they are (0..1).
+# ``stealer bench``'s progress bar, while one is shown: workloads report how far they are (0..1).
 _progress_hook: Callable[[float], None] | None = None
 
 

@@ -15,7 +15,8 @@ first bulk step to end (preemption at step boundaries).
 
 Also here: seeded trace generators (Poisson arrivals, capped Pareto durations), percentile
 helpers, and Brent's bound for fork-join speedup.  Everything is deterministic and pure
-(no clocks, no global random state).
+(no clocks, no global random state).  Used by the workload modules (wl_tasks, wl_forkjoin,
+wl_agents, wl_user, lockstep) and by tests/test_bench_ideal.py.
 """
 
 from __future__ import annotations

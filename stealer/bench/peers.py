@@ -18,8 +18,9 @@ and ``shutdown``:
   function) and ``ObjectRef.future()``.
 
 None of these libraries is a dependency of stealer; a peer that is not installed is skipped,
-and the runner reports a peer that fails mid-run as skipped with its error.  Fork-join work
-runs client-driven on every peer (``forkjoin="flat"`` in the runner).
+and ``stealer bench`` reports a peer that fails mid-run as skipped with its error.  Fork-join
+work runs client-driven on every peer (``forkjoin="flat"``, :class:`~stealer.bench.systems.
+System`).  Loaded by :mod:`stealer.bench.systems` (``--systems``).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ class System:
 
     ``make(workers)`` returns a fresh :class:`concurrent.futures.Executor`.  ``forkjoin`` is
     ``"native"`` when the executor runs generator tasks that ``stealer.spawn`` children, else
-    ``"flat"`` (the runner decomposes fork-join work on the client side).  ``agents`` is
+    ``"flat"`` (the workload decomposes fork-join work on the client side).  ``agents`` is
     ``"native"`` when the executor has ``spawn_agent`` (stealer agents; ``make`` then also takes
     ``records=``), else ``"flat"``: the agent workloads drive the same agents from the client,
     one task per step, and the stealer-only ones (``agent_overhead``, ``agent_scale``) are n/a.

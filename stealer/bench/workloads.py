@@ -1,7 +1,9 @@
 """Task functions for the yardstick workloads (README: Benchmarks).
 
 Every function is defined at module level so a worker process imports it by reference
-(``stealer.bench.workloads.busy``) instead of receiving pickled code.
+(``stealer.bench.workloads.busy``) instead of receiving pickled code.  Imported by the
+workload modules (wl_tasks, wl_forkjoin, wl_agents), the harness, ``stealer demo``
+(stealer/cli.py) and tests.
 
 CPU work is a busy-wait on :func:`time.perf_counter`, so a task of 1 ms takes 1 ms of wall
 time on any core speed; the results measure the scheduler, not the CPU.

@@ -2,6 +2,7 @@
 
 ``executor`` (the public ``Executor`` facade: submit, map, agents), ``futures`` (cheap
 Futures), ``pool`` (the result thread: completions, backlogs, worker start and watch),
+``waiting`` (settling completions: the result thread's batches and a waiting thread's),
 ``deaths`` (what a worker's death means, and the recovery of what it held), ``ringfix``
 (repair of a dead worker's half-done ring operations), ``hang`` (frozen workers),
 ``stats`` (``ex.stats()``), ``progress`` (map progress), ``agents`` and ``agents_batch``

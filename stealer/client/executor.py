@@ -20,6 +20,12 @@ Futures are real ``concurrent.futures.Future`` objects, so ``wait``,
 ``as_completed``, ``asyncio.wrap_future`` and ``loop.run_in_executor`` work.
 A task's exception is re-raised in the caller with the worker-side
 traceback chained as ``__cause__`` (as in CPython's ProcessPoolExecutor).
+
+Owns :class:`Executor` (submit, map, the agents' entry points, shutdown) and
+:func:`recover`, both re-exported by ``stealer``; users, stealer.joblib and the tools call
+them.  The result thread, the workers and their supervision are stealer/client/pool.py's
+``_Pool``; the agents' client is stealer/client/agents.py; the journal is opened here
+(stealer/agents/journal/opening.py).
 """
 
 from __future__ import annotations
@@ -339,6 +345,12 @@ class Executor(_fbase.Executor):
       (a blocking join counts as the time its children take).  See
       stealer/client/hang.py; ``stealer top`` shows a frozen worker as "frozen Ns".
     * tasks may :func:`stealer.spawn` children and join them by ``yield``.
+
+    Over 400 lines: it is the whole public API of an executor, and more than a quarter of
+    it is the documentation users read (``help(stealer.Executor)``); each method is the
+    checks and the hand-off of one call, the work being elsewhere (stealer/client/pool.py's
+    ``_Pool``, the agents' client in stealer/client/agents.py, ``map``'s feed and results in
+    this module's functions).
     """
 
     def __init__(
@@ -395,7 +407,7 @@ class Executor(_fbase.Executor):
         self._parent: Executor | None = None
         cj = jplan = None
         if journal is not None:
-            from stealer.agents.journal import open_for_client
+            from stealer.agents.journal.opening import open_for_client
 
             cj, jplan = open_for_client(journal, durability, max_workers, recover)
         elif recover:

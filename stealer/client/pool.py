@@ -120,7 +120,8 @@ class _Pool(Settling, WorkerDeaths):
     Over 400 lines: the result thread's loop, the settling of completions (with the
     reference twins of the native HotPath calls), worker start and watch, and the
     backlogs all read and write the same futures, rings and records, under the rules
-    of one thread; the death handling is already a mixin (client/deaths.py).
+    of one thread; the death handling and the waiter are already mixins
+    (client/deaths.py, client/waiting.py).
     """
 
     def __init__(self, n: int, ctx: Any, cpus: list[int | None], steal: list[list[int]],
@@ -129,7 +130,7 @@ class _Pool(Settling, WorkerDeaths):
                  retries: int = 3, journal: Any = None,
                  hang_timeout: float | None = None) -> None:
         self.n = n
-        self.journal = journal  # agents.journal.ClientJournal or None
+        self.journal = journal  # agents.journal.opening.ClientJournal or None
         self.retries = retries
         self.ctx = ctx
         # Replacements start from the result thread, while the other workers run. Forking

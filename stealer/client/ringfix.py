@@ -7,7 +7,7 @@ there for every process: consumers see "empty" at a push's stuck cell, producers
 see "full" one lap after a pop's.  So every MPMC op of a worker names its claim
 before the CAS (``set_intent``: W_RING_OP = ring offset << 2 | RING_PUSH/RING_POP,
 W_RING_POS = position), and after its death the client's ``recover``
-(stealer/client/pool.py) calls :func:`repair` with those two words:
+(stealer/client/deaths.py) calls :func:`repair` with those two words:
 
 * a push on a free-record or free-block ring (``fill``): the dead worker was giving
   that record or block (W_RING_VAL) back, and no other rule would (it is FREE, and no

@@ -4,7 +4,8 @@
 executor's own client (``Executor.stats()``), or ``stealer top`` attached to
 a running executor by its id (the segment name).  Reading never blocks a
 worker: counters are published by their single writer and read relaxed, so
-a snapshot may be a few events behind, never torn.
+a snapshot may be a few events behind, never torn.  Also read by stealer.prometheus
+(every scrape); stealer/client/hang.py's Stalls observe these snapshots.
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ the Cython hot path and the Python side can never disagree.  A test checks
 that the compiled module's ``LAYOUT`` equals this file.
 
 A record (RECORD_BYTES) describes one task; see stealer/shared/records.py for the
-lifecycle and stealer/shared/arena.py for payload storage.
+lifecycle and stealer/shared/arena.py for payload storage.  Imported by every module that
+reads or writes a record, a directory entry or a result status, on both sides (the shared
+structures, the client, the worker, the agents) and by stealer/errors.py.
 """
 
 # -- record fields (byte offsets) ---------------------------------------------

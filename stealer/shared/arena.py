@@ -19,11 +19,15 @@ Payloads live in one of:
 
 The call payload stays until the record is freed, so a task whose worker
 died can run again.  Records come from a free ring too; when none is free
-the client keeps the task in a local backlog until one is (see pool.py).
+the client keeps the task in a local backlog until one is (stealer/client/pool.py).
 
 Ownership: a record's plain fields are written by its holder only (the
 state word says who) and handed on through a queue push (release) and pop
 (acquire) or a CAS of the state word; only that word is contended.
+
+The client creates the arena (stealer/client/pool.py, for stealer/client/executor.py's
+submit), every worker attaches to it (stealer/worker/loop.py); the recovery of a dead
+worker's records (stealer/shared/recovery.py) frees and gives back through it.
 """
 
 from __future__ import annotations
@@ -96,7 +100,15 @@ _U64 = struct.Struct("=Q")
 
 
 class Arena:
-    """Record and payload allocation over a :class:`~stealer.shared.shm.Segment`."""
+    """Record and payload allocation over a :class:`~stealer.shared.shm.Segment`.
+
+    Over 400 lines: one object per process owns the records, the blocks and the overflow
+    files, and its composite calls (``submit_inline``, ``spawn_inline``, ``start``,
+    ``finish_inline``..., the reference twins of native/_cqueues.pyx's HotPath, which
+    replaces them on the instance when it is built) allocate, store and read payloads in
+    one step; its sections, in order: allocation (alloc, free, release), a task's steps
+    (the composites), the record's fields, and payload storage (put, take, read, drop).
+    """
 
     def __init__(self, seg: Segment, injector: Any = None) -> None:
         Q = seg.Q
@@ -147,7 +159,7 @@ class Arena:
     def set_worker(self, wbase: int) -> None:
         """A worker's arena (worker block at ``wbase``): every record its pops take off the
         free ring is named at ``wbase + W_ALLOC`` (recovery.py ``allocated``), and its
-        record failpoints fire.  (Its ring intents are set by the worker, worker.py.)"""
+        record failpoints fire.  (Its ring intents are set by the worker, stealer/worker/loop.py.)"""
         self.worker = True
         self.rec_free.set_take(wbase + W_ALLOC, self.rec_base, self.nrecords)
 

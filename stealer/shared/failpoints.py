@@ -13,7 +13,9 @@ Actions: ``kill`` (SIGKILL this process), ``exit`` (``os._exit(7)``),
 ``raise`` (raise :class:`FailpointError`), ``interrupt`` (raise
 KeyboardInterrupt), ``sleep<ms>`` (e.g. ``sleep50``).
 
-The names (a test arms each in turn, tests/test_failpoints.py):
+Hit (``hit(name)``) by the worker (stealer/worker/: loop, join, agents/), the client
+(stealer/client/pool.py, deaths.py), the arena and the recovery (stealer/shared/).  The
+names (a test arms each in turn, tests/test_failpoints.py):
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ POINTS = {
     "worker.ping_before_clear": "a ping was popped (leased in W_PING_IN), before its bit is cleared",
     "worker.ping_after_clear": "a ping's bit is cleared, before the frame's children are looked at",
     "recovery.after_take_over": "a recoverer claimed a dead worker's task, before re-run/fail",
-    # agents (stealer/agents/host*.py, the Host and its pieces)
+    # agents (stealer/worker/agents/, the Host and its pieces)
     "agent.adopt": "an agent record was started here, before its mailbox is walked",
     "agent.after_step": "an agent step returned, before its outcome is applied",
     "agent.after_handler": "a message handler returned, before the message is marked done",
@@ -57,7 +59,7 @@ POINTS = {
     "dormant.adopt_built": "an idle agent's object is built, before it is held dormant",
     "dormant.stop_after_close": "shutdown: a dormant agent's mailbox is closed, before its "
     "final value is published",
-    # the agents' journal (stealer/agents/host*.py; Executor(journal=...))
+    # the agents' journal (stealer/worker/agents/; Executor(journal=...))
     "journal.after_msg_logged": "a worker logged a message, before it reaches the mailbox",
     "journal.after_reply_logged": "a call's reply is logged, before it is stored for the caller",
     "journal.before_snap_logged": "a checkpoint is in shared memory, before its snapshot row",

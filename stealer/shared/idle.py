@@ -35,6 +35,10 @@ executor has at most ``MAX_WORKERS`` workers.
 
 The native ``HotPath.c_notify_one`` in native/_cqueues.pyx is the same
 notify as :meth:`Idle.notify_one`, in one call after a submit.
+
+Used by every worker (stealer/worker/loop.py: search, park, wake a peer), the client
+(stealer/client/pool.py and waiting.py: its own park word, the wakes after a submit) and
+the reference queues' composite operations (stealer/shared/arena.py).
 """
 
 from __future__ import annotations

@@ -23,6 +23,9 @@ next executor's ``cleanup_stale`` removes whatever is left.
 
 ``prctl(PR_SET_PDEATHSIG)`` is not used: it fires on the death of the
 parent, which for ``forkserver`` is the wrong process.
+
+The client (stealer/client/pool.py) reads its own pid and start time into the worker's
+arguments; the worker (stealer/worker/loop.py) watches with :class:`ProcessWatch`.
 """
 
 from __future__ import annotations

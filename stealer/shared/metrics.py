@@ -5,7 +5,7 @@ read-modify-write atomics are needed; readers take relaxed snapshots that
 may be a few events behind, never torn words):
 
     counters   16 x u64      COUNTERS below; flushed by the worker every
-                             64 tasks (worker/loop.py FLUSH_MASK), at
+                             64 tasks (stealer/worker/loop.py FLUSH_MASK), at
                              least every FLUSH_NS while busy, and whenever
                              it parks
     histograms TIERS x KINDS each: count, sum, max (u64) + NBUCKETS x u64
@@ -16,6 +16,11 @@ is at most 1/64 = 1.6% wide and reporting its midpoint is within 0.8% of
 any value in it.  Values are nanoseconds; 2**40 ns (18 minutes) and above
 land in the last bucket.  ``bucket_of`` is mirrored in C in
 native/_cqueues.pyx (``st_hist_bucket``); tests check they agree.
+
+Written by each worker (stealer/worker/loop.py and join.py, the agents' turns in
+stealer/worker/agents/entry.py); read by the client's snapshots (stealer/client/stats.py,
+hang.py), ``stealer top`` and stealer.prometheus; the blocks are placed by
+stealer/shared/shm.py.
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ COUNTERS = (
     "migrations",       # agents this worker published for an idle peer (state pickled once)
     "throttled",        # agent turns demoted or delayed for using more than their cpu_share
     "preempt_publishes",  # agents published from inside a long step, for an idle peer's request
-    "inline_controls",  # control-tier turns run inside another agent's step (agents/inline.py)
+    "inline_controls",  # control-tier turns run inside another agent's step (worker/agents/inline.py)
 )
 NCOUNTERS = 16
 TIERS = 3

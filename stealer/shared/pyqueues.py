@@ -16,6 +16,10 @@ is trivially linearizable, so the reference is slow but exact.
 
 Parking uses the real futex through ``ctypes`` when libc exposes
 ``syscall``; otherwise it polls with short sleeps.
+
+Loaded through stealer/shared/queues.py (by the client's pool and every worker, the same
+implementation on both sides); stealer/client/ringfix.py takes its ring constants from
+here; tests/ run each queue test against both.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """Select the queue implementation: native (Cython) or the pure-Python reference.
 
 ``STEALER_NO_EXTENSIONS=1`` forces the reference; if the extension fails to
-import, the reference is used and a warning says so once.
+import, the reference is used and a warning says so once.  Used by the client
+(stealer/client/pool.py picks the implementation and passes the choice to its workers),
+each worker (stealer/worker/loop.py) and stealer/shared/shm.py.
 """
 
 from __future__ import annotations

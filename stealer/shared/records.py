@@ -41,9 +41,14 @@ and it gets a named outcome back instead.
   child: a ping to the parent's owner).  If k dies in between, the
   recoverer sees DONE|k and publishes it again where that is idempotent.
 
-Recovery after worker k dies (stealer/client/pool.py) reads only words: W_CURRENT
-and W_LEASE of the dead worker name at most two handles; the state and
-holder in their words say what the dead worker had done with them.
+Recovery after worker k dies (stealer/shared/recovery.py's rules, run by
+stealer/client/deaths.py) reads only words: W_CURRENT and W_LEASE of the dead worker name
+at most two handles; the state and holder in their words say what the dead worker had done
+with them.
+
+Used by everything that moves a record through these states: the client (its executor,
+futures, pool's deaths, the agents' client), the worker (its loop, the agents' host), the
+arena and the recovery.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """What happens to the records a dead worker held: re-run, fail, publish, or free them.
 
-Used by the client's result thread when it sees a worker die (stealer/client/pool.py)
-and by a replacement worker that receives a ping for a fork-join frame its
-dead predecessor held (stealer/worker/loop.py).  Both act only through the
-transitions of stealer/shared/records.py, so when two recoverers (or a recoverer and
-a stale ping) race, exactly one CAS wins and the other gets a named outcome.
+Used by the client's result thread when it sees a worker die (stealer/client/deaths.py,
+a mixin of stealer/client/pool.py's _Pool) and by a replacement worker that receives a
+ping for a fork-join frame its dead predecessor held (stealer/worker/loop.py and
+pings.py).  Both act only through the transitions of stealer/shared/records.py, so when
+two recoverers (or a recoverer and a stale ping) race, exactly one CAS wins and the other
+gets a named outcome.
 
 The rules, by what the state word of a record says (who = dead worker + 1):
 

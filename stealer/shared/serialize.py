@@ -35,6 +35,11 @@ Functions are sent once: :class:`FunctionTable` writes a function's pickle
 into the segment's function area and tasks then carry its integer id.
 Only plain functions and builtins are cached this way; bound methods,
 partials and other callables carry state and travel with every task.
+
+Used wherever a payload is written or read: the client (stealer/client/executor.py's
+submit, pool.py's results, the agents' client), the worker (loop.py, join.py, outcome.py,
+the agents' host), the arena (frames in blocks) and the agents' messages and journal blobs
+(stealer/agents/message.py, jblob.py).
 """
 
 from __future__ import annotations

@@ -29,6 +29,11 @@ need a guess for segments of other namespaces, the lock needs none.
 Segments without the lock marker (older versions, or a file still being
 created) fall back to the pid in the name.  Nothing here uses
 ``multiprocessing.shared_memory``, so the resource tracker never warns.
+
+The client creates the segment (stealer/client/pool.py) and every worker attaches to it
+(stealer/worker/loop.py); both sides and the agents read its words through the offsets
+here; ``stealer top`` and stealer.prometheus attach read-side by id, for the snapshots of
+stealer/client/stats.py.
 """
 
 from __future__ import annotations
@@ -104,7 +109,7 @@ W_PARK = 0  # u32 0 running, 1 parked, 2 notified: worker sets 1, notifier CASes
 W_CURRENT = 64  # u64 handle+1 of the task running now (0 none): worker store64 release, client load64 after death
 W_INCARNATION = 72  # u32 bumped by the client before starting a (replacement) worker process
 W_STATE = 76  # u32 0 starting, 1 ready, 2 exiting, 3 retired, 4 init failed: worker store32, client load32
-#   its values: written by the worker (worker.py), read by the client (pool.py, stats.py) and peers (agents/host*.py)
+#   its values: written by the worker (worker/loop.py), read by the client (client/pool.py, stats.py) and peers (worker/agents/)
 STATE_STARTING, STATE_READY, STATE_EXITING, STATE_RETIRED, STATE_INIT_FAILED = range(5)
 W_PID = 84  # u32 pid of the current incarnation: worker store32 at start; read by stats/top
 W_CPU = 88  # u32 CPU the worker is pinned to + 1 (0: not pinned): worker store32 at start

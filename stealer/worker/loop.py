@@ -262,7 +262,7 @@ class Worker(ForkJoinHandling, PingHandling):
         self.journal: Any = None  # the agents' journal (Executor(journal=PATH)): our shard
         jcfg = a.journal
         if jcfg is not None:
-            from stealer.agents.journal import WorkerJournal
+            from stealer.agents.journal.opening import WorkerJournal
 
             self.journal = WorkerJournal(*jcfg, a.index, a.incarnation)
         from stealer.worker.agents.host import Host

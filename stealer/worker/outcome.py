@@ -5,8 +5,8 @@ Owns :func:`error_payload` (an exception with its formatted traceback), :func:`s
 (for an exception that does not pickle) and :func:`encode_result` (never raises).  Called
 by stealer/worker/loop.py's Worker (report, complete_root), by its fork-join mixin
 (stealer/worker/join.py: a child's result that cannot be read), and through the Worker's
-``encode_result`` / ``error_payload`` by the agents (stealer/agents/) and forkjoin.run_items.
-Still importable from stealer.worker.loop.
+``encode_result`` / ``error_payload`` by the agents' host (stealer/worker/agents/) and
+forkjoin.run_items.  Still importable from stealer.worker.loop.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Lockstep agents (issue 19, DESIGN.md §7 "lockstep"): a client steps N stateful agents in
+"""Lockstep agents (issue 19): a client steps N stateful agents in
 rounds, one call per agent per round, as a reinforcement-learning vector environment does.
 
 Every system runs the same environments (:class:`stealer.bench.lockstep.Env`: 64 particles,
@@ -21,7 +21,7 @@ the share of the W cores' time spent in handlers (the same fraction, but with th
 time measured in that run: the shared VM's load moves a handler's cost between runs), round
 time p50/p99, the client's CPU per call (outside handlers), the workers' CPU per call
 beyond the handlers, the handlers' CPU per call where they ran, and stealer's agent migrations
-per 1,000 calls.  Targets (DESIGN.md §8): stealer >= 0.9 of ideal (32 x 0.5 ms), >= 0.8
+per 1,000 calls.  Targets (issue 19): stealer >= 0.9 of ideal (32 x 0.5 ms), >= 0.8
 (256 x 0.05 ms), >= 1.5x the pipes; <= 10 µs client and <= 10 µs worker overhead per call.
 
     PYTHONPATH=$PWD python benchmarks/lockstep.py [--quick] [--workers 2] [--rounds 200]

@@ -30,7 +30,7 @@ def encode_message(target: int, method: str, args: tuple, kwargs: dict | None, r
                    deadline: float | None, sender: str | None = None,
                    seq: int = 0, ack: int = 0) -> tuple[bytes, list]:
     """A message record's payload.  ``sender``/``seq`` (journaled executors only) name it
-    for the receiver's deduplication (see journal.py); ``ack``: the sender's messages up to
+    for the receiver's deduplication (see the journal package, stealer/agents/journal/); ``ack``: the sender's messages up to
     this seq are covered by its latest checkpoint (the receiver forgets their replies)."""
     if not isinstance(method, str) or not method or method.startswith("_"):
         raise ValueError(f"a message names a public method of the agent, not {method!r}")

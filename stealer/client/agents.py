@@ -66,7 +66,13 @@ class _AgentFuture(_Future):
 
 
 class AgentClient:
-    """Per-executor client state of its agents (created with the pool)."""
+    """Per-executor client state of its agents (created with the pool).
+
+    Over 400 lines because it is the client's whole side of the agent protocol, one
+    operation per method group (spawn and placement, the journal's spawn and message
+    records, final values, send/call/call_all, abandoning an agent that failed outside
+    its worker, recovery from a journal), all on the same few fields (the arena, the
+    directory, the futures); splitting it would pass those fields around instead."""
 
     def __init__(self, pool: Any) -> None:
         self.pool = pool
@@ -253,7 +259,7 @@ class AgentClient:
             a.put(off, data, bufs)
             for body, oob, _sender, _seq in p.msgs:
                 m = self.alloc("a replayed message")
-                moff = a.setup(m, K_MSG, 1, now)  # link 1: replayed (journal.py)
+                moff = a.setup(m, K_MSG, 1, now)  # link 1: replayed (agents/journal/)
                 a.put(moff, *unpack(body, oob))
                 # the replayed messages may exceed the capacity: counted, never refused
                 # (seq_cst RMW, pairs with the owner's give_back)

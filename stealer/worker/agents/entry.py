@@ -136,7 +136,7 @@ class _Entry:
         self.win_cpu = 0
         self.restarts: list[float] | None = None
         self.ctx: Ctx | None = None  # made at the first step or handler
-        # the journal (journal.py): durable id, snapshot version, messages applied per
+        # the journal (agents/journal/): durable id, snapshot version, messages applied per
         # sender (seq), messages sent and agents spawned so far, replies logged for calls
         # a replay makes again, and the last reply given to each calling agent
         self.uid: str | None = None

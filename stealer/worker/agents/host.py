@@ -62,8 +62,6 @@ from stealer.shared.shm import (
     H_SEARCHING,
     H_STOP_AGENTS,
     STATE_READY,
-    W_BUSY_AT,
-    W_BUSY_AVG,
     W_CURRENT,
     W_PID,
     W_RUNNABLE,
@@ -72,6 +70,7 @@ from stealer.shared.shm import (
 )
 from stealer.worker.agents import inline
 from stealer.worker.agents.adopt import Adoption
+from stealer.worker.agents.balance import Balancer
 from stealer.worker.agents.calls import Calls
 from stealer.worker.agents.entry import (
     C_BUSY_NS,
@@ -88,7 +87,6 @@ from stealer.worker.agents.entry import (
 from stealer.worker.agents.generators import Generators
 from stealer.worker.agents.leaving import Leaving
 from stealer.worker.agents.messages import Messages
-from stealer.worker.agents.placement import BusyShare, MoveBudget
 from stealer.worker.agents.runqueue import RunQueue
 
 __all__ = ["Host"]
@@ -147,16 +145,10 @@ class Host(Adoption, Messages, Generators, Calls, Leaving):
         self.in_api = 0  # > 0 while a step calls into us (send, call, spawn_agent...)
         self.poked: dict[int, int] = {}  # peer -> monotonic ns we last asked it for an agent
         self.turn_avg = 0  # ns per turn over every agent here (moving average): backlogs
-        self.bal_prev = -1  # the peer balance() found short at its previous check
-        self.busy = BusyShare()  # our busy share, published (placement.py)
-        self.busy_avg_off = w.wbase + W_BUSY_AVG
-        self.busy_at_off = w.wbase + W_BUSY_AT
-        self.gifts: dict[int, tuple[float, int]] = {}  # peer -> (share given, ns): leaving.py
-        self.budget = MoveBudget()  # moves left to us (placement.py)
         # An idle peer asks (SIGUSR1) for one of the agents waiting behind our long step;
         # only with the native queues: the reference queues' lock is not reentrant.
         self.preempt = w.native
-        self.balancing = w.n > 1
+        self.bal = Balancer(self)  # our busy share and the moves to peers (balance.py)
         self.journal: Any = getattr(w, "journal", None)  # journal.WorkerJournal or None
         if self.journal is not None:
             api._remap.append(self._remap)
@@ -202,12 +194,12 @@ class Host(Adoption, Messages, Generators, Calls, Leaving):
         # by the thief's own steal): publish one more runnable agent for it, if that pays
         if self.rq.n:
             idle = (r.load64(H_SEARCHING) | r.load64(H_PARKED)) & self.peers_mask
-            if idle and self.pays_to_idle(e, idle):
+            if idle and self.bal.pays_to_idle(e, idle):
                 self.publish_one()
-        if not self.busy.cur and self.balancing:
-            self.note_busy(1)  # busy from now on; readers extrapolate until we idle
-        if self.turns & 7 == 0 and self.rq.n >= 2 and self.balancing:
-            self.balance()
+        bal = self.bal
+        bal.turn()
+        if self.turns & 7 == 0 and self.rq.n >= 2 and bal.on:
+            bal.balance()
         if self.turns & 63 == 0:
             if not self.stopping and self.r.load32(H_STOP_AGENTS):
                 self.stop_all()
@@ -382,6 +374,10 @@ class Host(Adoption, Messages, Generators, Calls, Leaving):
                     self.w.c[C_PREEMPT] += 1
             finally:
                 self.in_api -= 1
+
+    def went_idle(self) -> None:
+        """The worker loop is about to search for work (balance.py)."""
+        self.bal.went_idle()
 
     def poke_peers(self) -> bool:
         """About to park: ask each peer that has agents waiting behind a running step for

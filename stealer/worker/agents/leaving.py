@@ -3,9 +3,9 @@ moves to other workers.
 
 :class:`Leaving` is a mixin of :class:`stealer.worker.agents.host.Host`: the turn (host.py)
 calls ``stop_entry``, ``finish``, ``failed``, ``checkpoint`` (after a turn), and, to
-spread agents over the workers, ``pays_to_idle``, ``publish_one`` and ``balance``
-(placement.py decides when a move pays); the preemption handler calls ``publish_one``
-too; the worker loop calls ``stop_all`` at shutdown.
+spread agents over the workers, ``publish_one`` when the host's Balancer (balance.py,
+with placement.py's rules) says a move pays; the Balancer and the preemption handler
+call ``publish_one`` too; the worker loop calls ``stop_all`` at shutdown.
 """
 
 from __future__ import annotations
@@ -39,13 +39,7 @@ from stealer.shared._layout import (
 )
 from stealer.shared.records import Outcome
 from stealer.shared.shm import (
-    BUSY_SCALE,
     H_STOP_AGENTS,
-    STATE_READY,
-    W_BUSY_AT,
-    W_BUSY_AVG,
-    W_RUNNABLE,
-    W_STATE,
 )
 from stealer.worker.agents import dormant
 from stealer.worker.agents.entry import (
@@ -57,17 +51,7 @@ from stealer.worker.agents.entry import (
     CallPending,
     _Entry,
 )
-from stealer.worker.agents.placement import (
-    BUSY_GAP,
-    COOLDOWN_NS,
-    agents_for,
-    decayed,
-    gift,
-    lasting,
-    move_cost_ns,
-    moves_to_busy,
-    pays_to_idle,
-)
+from stealer.worker.agents.placement import COOLDOWN_NS
 
 
 def _unpicklable(obj: Any) -> str:
@@ -85,10 +69,8 @@ class Leaving:
     (the state pickled into a K_CKPT record); migration (publish one agent for an idle
     peer, or hand it to a shorter one).
 
-    Owns: ``away`` (agents we published, ours again if we start them), ``bal_prev``
-    (balance's previous pick), ``busy`` (our busy share, placement.BusyShare, published
-    at ``busy_avg_off``/``busy_at_off``), ``gifts`` (peer -> busy share handed to it
-    lately, and when), ``budget`` (placement.MoveBudget) and ``stopping`` (set by ``stop_all``).  Relies on the
+    Owns: ``away`` (agents we published, ours again if we start them) and ``stopping``
+    (set by ``stop_all``).  Relies on the
     Host's ``w``, ``a``, ``r``, ``dir``, ``who``, ``journal``, ``agents``, ``controls``,
     ``blocked``, ``rq``, ``runnable_off`` and ``turn_avg``, and on ``schedule``,
     ``tries``, ``_ckpt_mark`` (adopt.py), ``reply`` (messages.py) and
@@ -300,108 +282,6 @@ class Leaving:
             except JournalError as exc:
                 print(f"stealer: {exc}", file=sys.stderr)
         return state is not None
-
-    def note_busy(self, busy: int) -> None:
-        """Busy (1: a turn runs) or idle (0: the loop searches for work) from now on:
-        folded into our busy share and published for the peers (W_BUSY_AVG)."""
-        now = time.monotonic_ns()
-        avg = self.busy.update(now, busy)
-        r = self.r
-        r.store64(self.busy_avg_off, int(avg * BUSY_SCALE) << 1 | busy)  # relaxed: a hint
-        r.store64(self.busy_at_off, now)  # relaxed, read with W_BUSY_AVG (shm.py)
-
-    def went_idle(self) -> None:
-        """The worker loop is about to search for work."""
-        if self.busy.cur:
-            self.note_busy(0)
-
-    def peer_share(self, j: int, now: int) -> float:
-        """Peer ``j``'s busy share: its published one brought to now, plus the share we
-        handed it lately (not in its average yet)."""
-        r = self.r
-        base = self.w.seg.layout.worker(j)
-        at = r.load64(base + W_BUSY_AT)  # relaxed: a hint, with W_BUSY_AVG (shm.py)
-        v = r.load64(base + W_BUSY_AVG)
-        theirs = decayed((v >> 1) / BUSY_SCALE, at, now, v & 1) if at else 0.0
-        g = self.gifts.get(j)
-        if g is not None:
-            theirs += gift(g[0], g[1], now)
-        return theirs
-
-    def cap(self, j: int, now: int) -> int:
-        """How many agents may move to peer ``j`` now: none unless the gap between our
-        busy shares lasts, and within the move budget unless the peer has been all but
-        idle (a replacement, a worker left without agents: not a swap of shares)."""
-        theirs = self.peer_share(j, now)
-        mine = self.busy.now(now)
-        if not lasting(mine - theirs):
-            return 0
-        n = agents_for(mine - theirs, mine, len(self.agents))
-        return n if theirs < BUSY_GAP else min(n, self.budget.left(now))
-
-    def gave(self, j: int, n: int, now: int) -> None:
-        """``n`` agents went to peer ``j`` (or may have: a publish for any idle thief):
-        their share of our busy time goes with them."""
-        share = n * self.busy.now(now) / max(len(self.agents) + n, 1)
-        g = self.gifts.get(j)
-        self.gifts[j] = (share + (gift(g[0], g[1], now) if g is not None else 0.0), now)
-        self.busy.take(now, share)
-        self.budget.spend(n)
-
-    def balance(self) -> None:
-        """Hand runnable agents to the least-loaded peer when that pays and the busy-share gap
-        lasts (placement.py): busy peers never steal, so without this a worker that
-        adopted more agents at the start keeps a longer round-robin for good.  A peer's
-        load is its runnable agents (W_RUNNABLE) plus the notifications in its inbox
-        (calls on their way to its agents); it must be the shortest at two checks in a
-        row."""
-        w = self.w
-        r = self.r
-        mine = self.rq.n + len(w.inbox)
-        best, low = -1, mine
-        for j in range(w.n):
-            if j == w.k:
-                continue
-            base = w.seg.layout.worker(j)
-            if r.load32(base + W_STATE) != STATE_READY:
-                continue
-            # relaxed: a hint, re-read at every check
-            v = r.load32(base + W_RUNNABLE) + len(w.inboxes[j])
-            if v < low:
-                best, low = j, v
-        prev, self.bal_prev = self.bal_prev, best
-        if best < 0 or best != prev:
-            return
-        c = self.rq.last()
-        now = time.monotonic_ns()
-        n = moves_to_busy(mine, low, self.turn_avg,
-                          move_cost_ns(c.ckpt_ns if c is not None else 0),
-                          self.cap(best, now))
-        moved = 0
-        while moved < n and self.publish_one(to=best):
-            moved += 1
-        if moved:
-            self.gave(best, moved, now)
-
-    def pays_to_idle(self, e: _Entry, idle: int) -> bool:
-        """Publish the next runnable agent for an idle peer (``idle``: their bits)?  Only
-        if one of them has nothing on its way, our load has exceeded its load for a while
-        (not only at this round's end: placement.py) and the move pays."""
-        w = self.w
-        now = time.monotonic_ns()
-        for j in range(min(w.n, 64)):
-            if idle >> j & 1 and not len(w.inboxes[j]) and self.cap(j, now):
-                break
-        else:
-            return False  # every idle peer has work on its way, or has had as much as we
-        c = self.rq.candidate()
-        if c is None:
-            return False
-        backlog = (e.turn_ns or self.turn_avg) + self.rq.n * self.turn_avg
-        if not pays_to_idle(backlog, c.turn_ns or self.turn_avg, move_cost_ns(c.ckpt_ns)):
-            return False
-        self.gave(j, 1, now)  # the thief may be another idle peer: a hint all the same
-        return True
 
     def publish_one(self, to: int = -1) -> bool:
         """Publish one runnable agent: for an idle peer (on our deque, for a thief), or

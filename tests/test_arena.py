@@ -669,3 +669,18 @@ def test_a_full_injector_is_told_apart_from_a_corrupt_free_ring_at_any_generatio
     h = 0x8000 << 32
     assert a.submit_inline(K_ROOT, 1, b"x") == -2 - h
     assert a.tr.load(h) == (0x8000, S_QUEUED, 0)
+
+
+def test_default_blocks_hold_what_just_misses_a_record_inline():
+    """A 256-byte class, one block per record up to 65,536: 256 lockstep agents keep up
+    to 64 handled messages of ~120 bytes each until their checkpoints (16,384), which
+    overflowed the 4,096 1 KiB blocks into files."""
+    from stealer.shared.shm import Layout, default_blocks
+
+    assert default_blocks(16384)[0] == (256, 16384)
+    assert default_blocks(1 << 21)[0] == (256, 1 << 16)  # capped: 16 MiB of segment
+    assert [s for s, _ in default_blocks(64)] == [256, 1024, 16384, 262144]
+    assert Layout(2).block_classes == default_blocks(16384)
+    assert Layout(2, records=100).block_classes == default_blocks(128)  # records: a power of 2
+    explicit = ((512, 8),)
+    assert Layout(2, block_classes=explicit).block_classes == explicit

@@ -169,13 +169,25 @@ def _align(n: int) -> int:
     return (n + LINE - 1) & ~(LINE - 1)
 
 
+def default_blocks(records: int) -> tuple[tuple[int, int], ...]:
+    """The payload block classes of a segment of ``records`` records: 256-byte blocks, one
+    per record up to 65,536 (16 MiB), for what just misses a record's 96 inline bytes (an
+    agent message with a small array is ~120 bytes, a small agent's checkpoint ~150, and
+    each agent keeps its handled messages until its next checkpoint: 256 lockstep agents
+    held 16,384 of them, past the 4,096 1 KiB blocks, and 40% of their messages went to
+    overflow files, an open, write and close on each side); then 1 KiB, 16 KiB and
+    256 KiB blocks."""
+    return ((256, min(records, 1 << 16)), (1024, 4096), (16384, 512), (262144, 32))
+
+
 @dataclass(frozen=True)
 class Layout:
     """Offsets of every structure in the segment; computed identically by every process."""
 
     nworkers: int
     records: int = 16384  # max tasks alive at once (queued, running, waiting on children, results unread)
-    block_classes: tuple[tuple[int, int], ...] = ((1024, 4096), (16384, 512), (262144, 32))
+    # (size, count) of each payload block class; () for the default (default_blocks)
+    block_classes: tuple[tuple[int, int], ...] = ()
     fn_entries: int = 4096
     fn_data: int = 1 << 20
     # Capacity of each worker's inbox; 0: ``records``.  Tests only (STEALER_TEST_INBOX_CAP,
@@ -188,6 +200,8 @@ class Layout:
             raise ValueError("nworkers must be >= 1")
         object.__setattr__(self, "records", _pow2(self.records))
         object.__setattr__(self, "inbox_cap", _pow2(self.inbox_cap or self.records))
+        if not self.block_classes:
+            object.__setattr__(self, "block_classes", default_blocks(self.records))
         off = HEADER_BYTES
         o: dict[str, int] = {}
 

@@ -41,6 +41,8 @@ from stealer.worker.agents.placement import (
 
 __all__ = ["Balancer"]
 
+QUIET_NS = 1_000_000  # ns pays_to_idle waits after a "no" before it looks again
+
 
 class _Host(Protocol):
     """What a Balancer reads of its host (host.Host: named here by shape, not imported,
@@ -75,6 +77,7 @@ class Balancer:
         self.avg_off = w.wbase + W_BUSY_AVG
         self.at_off = w.wbase + W_BUSY_AT
         self.on = w.n > 1  # nothing to balance with one worker
+        self.quiet_until = 0  # monotonic ns before which pays_to_idle says no at once
 
     # -- our busy share ------------------------------------------------------------------
     def note_busy(self, busy: int) -> None:
@@ -175,11 +178,17 @@ class Balancer:
         host = self.host
         w = self.w
         now = time.monotonic_ns()
+        if now < self.quiet_until:
+            return False
         for j in range(min(w.n, 64)):
             if idle >> j & 1 and not len(w.inboxes[j]) and self.cap(j, now):
                 break
         else:
-            return False  # every idle peer has work on its way, or has had as much as we
+            # every idle peer has work on its way, or has had as much as we: asked at
+            # every turn while a peer idles, so not again for 1 ms (the shares move
+            # over 100 ms)
+            self.quiet_until = now + QUIET_NS
+            return False
         c = host.rq.candidate()
         if c is None:
             return False

@@ -27,8 +27,11 @@ generators that yield what they wait for (a reply, a blocking call,
 fork-join children); the agent is then *suspended* (not in the run queue)
 until a notification (inbox) says it may go on.
 
-The Host is one class split over modules by its seams (each a mixin: they share
-the Host's state and run on its hot paths, so no indirection is added):
+The Host is one class split over modules by its seams.  Most are mixins: they share
+the Host's agents, run queue and counters and run once per message or turn, where an
+owned object would add an attribute hop per access (``self.x.y``) on the hot path.  A
+seam with state of its own that is asked once per turn is an object the host owns:
+the Balancer (balance.py, where agents go).  The modules:
 
 * host.py: the Host itself, the worker loop's questions, a turn, steps;
 * entry.py: an agent's entry (``_Entry``), its states, the counters;
@@ -36,7 +39,10 @@ the Host's state and run on its hot paths, so no indirection is added):
 * messages.py: messages, and the journal's replies and duplicates;
 * generators.py: steps and handlers that are generators;
 * calls.py: sends, calls and spawns from inside a worker;
-* leaving.py: leaving, checkpoints and migration.
+* leaving.py: leaving, checkpoints and migration (the move itself);
+* balance.py: the Balancer, an owned object: the busy share, when an agent moves
+  (placement.py: its rules, pure);
+* inline.py: a control-tier agent's turn inside another agent's step.
 
 A message's payload has one format, message.py's, which the client shares.
 """

@@ -608,8 +608,10 @@ class _Pool(Settling, WorkerDeaths):
                 return
             if not got:
                 batch = policy.update(len(self.futures))
-                self.idle.client_park(self.has_result_work,
-                                      BATCH_POLL if batch else MONITOR_INTERVAL, batch)
+                # in throughput mode a thread in wait_for polls every BATCH_POLL itself:
+                # both polling doubled the wake-ups (a lockstep client's CPU per call)
+                poll = BATCH_POLL if batch and not self.waiter_role.locked() else MONITOR_INTERVAL
+                self.idle.client_park(self.has_result_work, poll, batch)
 
     def check_steps(self) -> None:
         """Kill a worker whose agent step ran far past its step_timeout (stuck in C code,

@@ -43,6 +43,10 @@ from stealer.shared._layout import R_TRIES, S_QUEUED, S_RUNNING
 from stealer.shared.shm import SHM_DIR, W_CURRENT, W_LEASE, W_STATE
 from stealer.worker.loop import STATE_READY, STATE_STARTING
 
+# Every test here SIGKILLs (or SIGINTs) workers from outside: not on the pure-Python
+# queues, whose one lock a killed worker may hold (tests/test_fallback.py).
+pytestmark = pytest.mark.kills_workers
+
 FIB = (15, 8)  # fib(15) with a sequential cutoff of 8: a few dozen frames
 TREE = (3, 4)  # tree_sum(3, 4): 85 tasks, 21 of them frames
 BLOB_EVERY = 50  # every 50th task sends and gets back a 2 KB blob (not inline)

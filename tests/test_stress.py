@@ -46,6 +46,7 @@ def test_map_large_chunked_input():
         assert sum(ex.map(tasks.square, range(n), chunksize=500)) == sum(i * i for i in range(n))
 
 
+@pytest.mark.kills_workers
 def test_random_kill_9_under_load_never_hangs():
     """Kill workers with SIGKILL at random while plain and fork-join tasks run.
 

@@ -26,6 +26,7 @@ from rig import _py_hotpath, hold_result_thread
 import stealer
 from stealer.client import pool as pool_mod
 from stealer.client import waiting
+from stealer.shared import queues as _queues
 from tests import agents_lib as L
 
 try:
@@ -114,6 +115,7 @@ def test_only_one_thread_is_the_waiter_and_the_others_are_still_served():
         assert e._pool.stray == 0
 
 
+@pytest.mark.kills_workers
 def test_replies_settled_by_the_waiter_and_by_the_result_thread_under_kills():
     """Rounds of call_all over Counter agents: the main thread waits with result() (the
     waiter) while a second thread waits on the same rounds with cf.wait (the result
@@ -158,6 +160,8 @@ class _Tick(Exception):
     pass
 
 
+@pytest.mark.skipif(not _queues.NATIVE, reason="the reference queues' lock is not "
+                    "async-signal-safe: an exception raised by a handler inside it leaves it held")
 def test_a_signal_handler_raising_in_the_waiting_thread_loses_no_completion():
     """SIGALRM every millisecond raises in the main thread while it waits: the exception
     may end a wait, never a batch half-settled (signals are held while the waiter settles

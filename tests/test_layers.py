@@ -1,8 +1,8 @@
 """Module layers: the tools sit on top of the core, and no stealer modules import in a circle.
 
 The tools are the command line and what it runs (cli, top, tune, prometheus, bench/, and
-``python -m stealer``); the optional integrations (stealer.joblib: it imports joblib, which the
-core does not depend on) sit on top too.  Every other module under stealer/ is the core, the
+``python -m stealer``); the optional integrations (stealer.joblib: it imports joblib, and
+stealer.cluster: it imports Ray, neither of which the core depends on) sit on top too.  Every other module under stealer/ is the core, the
 package's own ``__init__`` included.  The core never imports a tool or an integration, not
 even lazily inside a function.
 
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 TOOLS = ("stealer.cli", "stealer.top", "stealer.tune", "stealer.prometheus", "stealer.bench",
          "stealer.__main__")
 #: Optional integrations with third-party packages (extras): leaves on top of the core.
-INTEGRATIONS = ("stealer.joblib",)
+INTEGRATIONS = ("stealer.joblib", "stealer.cluster")
 
 
 def is_tool(module: str) -> bool:

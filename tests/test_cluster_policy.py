@@ -11,6 +11,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
+import subprocess
+import sys
 from collections import Counter, deque
 
 import pytest
@@ -367,3 +369,31 @@ def test_thieves_on_lifelines_get_work_pushed_later():
     assert net.pushed >= 1
     assert net.done["b"] > 0 and net.done["c"] > 0
     assert sum(net.done.values()) == 300
+
+
+# -- the extra stays optional -------------------------------------------------------------
+
+
+def test_import_stealer_never_imports_ray_or_the_cluster():
+    code = ("import sys, stealer, stealer.client.executor, stealer.cluster.policy\n"
+            "stealer.Executor\n"
+            "assert 'ray' not in sys.modules, 'import stealer imported ray'\n"
+            "assert 'stealer.cluster.client' not in sys.modules\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_without_ray_the_cluster_executor_says_what_to_install(tmp_path):
+    """Ray hidden (a stub that fails to import): Executor(cluster=...) raises ClusterError
+    naming the extra; a local Executor is not affected."""
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "__init__.py").write_text("raise ImportError('no ray here')\n")
+    code = ("import stealer\n"
+            "try:\n"
+            "    stealer.Executor(cluster='auto')\n"
+            "except stealer.ClusterError as e:\n"
+            "    assert \"pip install 'stealer[ray]'\" in str(e), e\n"
+            "    assert isinstance(e, stealer.StealerError)\n"
+            "else:\n"
+            "    raise SystemExit('no ClusterError')\n")
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=env)

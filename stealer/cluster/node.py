@@ -1,0 +1,400 @@
+"""The node agent: one async Ray actor per node, running that node's local stealer executor.
+
+Created by the cluster client (``stealer/cluster/client.py``) on every alive node, with hard
+node affinity (``NodeAffinitySchedulingStrategy(node_id, soft=False)``) and ``num_cpus``
+equal to the cores it owns; called by the client (batches in, results out, pings) and by
+the other node agents (steals, lifelines, pushes).
+
+What lives here:
+
+* **The local executor**: ``Executor(workers, cpus=...)`` of the class the client hands over
+  (the core's ``stealer.Executor``; handed, not imported, so the cluster layer and the core
+  never import each other in a circle).  Its workers are spawned by the core's own entry
+  point (``stealer.worker.loop.main``), never from the driver's ``__main__``; each worker
+  sets its BLAS/OpenMP limits itself (``thread_limit``, default 1), whatever Ray put in the
+  actor's environment (Ray sets ``OMP_NUM_THREADS`` from ``num_cpus``).  The cores: the
+  node's ``STEALER_NODE_CPUS`` (a list such as ``0,1`` or ``0-3``, set in the environment of
+  ``ray start``), else the core's ``"auto"`` pinning within the allowed CPUs.  Shared-memory
+  segments are named ``stealer-<pid>-<128-bit random token>`` by the core, and their
+  cleanup of the dead is judged by an ``flock`` the creator holds, so node executors of
+  test nodes sharing one ``/dev/shm`` neither collide nor clean up each other's segments.
+* **The node's queue**: tasks accepted from the client and not yet handed to the local
+  executor.  The local executor holds a small window (a few tasks per worker, sized so the
+  window covers about ``window_s`` of work) where its workers steal from each other in
+  shared memory (local stealing first); the rest waits here, and this queue is the steal
+  end for other nodes: a thief takes from its back, the node's own workers from its front.
+  The window refills from the local futures' done callbacks (the local executor's result
+  thread), so the hot path never goes through the event loop.
+* **Results** go back to the client in batches, when it asks (``results``: a long poll, at
+  most one outstanding per node), with the node's load report riding on them; tasks that a
+  thief took are reported as moved, so the client's ledger follows them.
+* **Stealing between nodes**: a :class:`~stealer.cluster.policy.Thief` polled while the node
+  idles (one outstanding request), a :class:`~stealer.cluster.policy.Victim` answering peers
+  and pushing surplus to lifelines.  The peers' load reports come from the client (it
+  forwards the table it has with each ``results`` call).  Steals and pings run in their own
+  concurrency groups (their own threads and event loops), so they never wait behind work.
+* **Fencing**: a node agent that hears nothing from the client (no ``results``, no ping) for
+  ``fence_s`` shuts its local executor down, drops its queue and refuses further work with
+  :class:`~stealer.errors.NodeFencedError`; the client has by then re-run its tasks
+  elsewhere, so duplicates never run on indefinitely.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import math
+import os
+import pickle
+import random
+import signal
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import ray
+
+from stealer.cluster.policy import Load, StealConfig, Thief, Victim
+from stealer.errors import NodeFencedError, RemoteError, RemoteTraceback
+
+__all__ = ["NodeAgent", "node_cpus", "run_chunk"]
+
+WINDOW_MIN, WINDOW_MAX = 2, 256  # tasks per worker in the local executor's window
+
+
+def node_cpus(default: Any = "auto") -> Any:
+    """The cores of this node's executor: ``$STEALER_NODE_CPUS`` ("0,2" or "0-3,6"), else
+    ``default`` (the core's pinning policy)."""
+    spec = os.environ.get("STEALER_NODE_CPUS", "").strip()
+    if not spec:
+        return default
+    out: list[int] = []
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def run_chunk(fn: Any, chunk: list[tuple]) -> list[Any]:
+    """One task of ``map(chunksize=N)``: every input of the chunk, in order."""
+    return [fn(*args) for args in chunk]
+
+
+def _approx_size(args: tuple, kwargs: dict) -> int:
+    """A cheap estimate of a task's payload bytes, for the steal batch's bytes cap."""
+    n = 64
+    for v in (*args, *kwargs.values()):
+        nbytes = getattr(v, "nbytes", None)
+        if isinstance(nbytes, int):
+            n += nbytes
+        elif isinstance(v, (bytes, bytearray, str, list, tuple, dict)):
+            n += len(v) * (1 if isinstance(v, (bytes, bytearray, str)) else 16)
+        else:
+            n += 16
+    return n
+
+
+def _outcome(f: Any) -> tuple[bool, Any]:
+    """A finished local future as (ok, value) for the client: an error is (exc, traceback
+    text), and an exception Ray could not pickle back becomes a RemoteError."""
+    if f.cancelled():
+        return False, (RemoteError("the task was cancelled on its node"), "")
+    exc = f.exception()
+    if exc is None:
+        return True, f.result()
+    cause = exc.__cause__
+    tb = cause.tb if isinstance(cause, RemoteTraceback) else ""
+    exc.__cause__ = None
+    try:
+        pickle.dumps(exc)
+    except Exception:
+        exc = RemoteError(f"{type(exc).__name__}: {exc}")
+    return False, (exc, tb)
+
+
+@ray.remote(concurrency_groups={"steal": 2, "health": 1})
+class NodeAgent:
+    def __init__(self, node_id: str, executor_cls: type, workers: int, local: dict,
+                 fence_s: float, window_s: float, steal: StealConfig | None,
+                 seed: int) -> None:
+        self.node = node_id
+        self.workers = workers
+        local = dict(local)
+        local["cpus"] = node_cpus(local.get("cpus", "auto"))
+        self.ex = executor_cls(workers, **local)
+        self.ex.wait_ready(60)
+        self.lock = threading.Lock()
+        self.queue: deque[tuple] = deque()  # (tid, fn, args, kwargs, hops)
+        self.inflight = 0
+        self.out: list[tuple] = []  # (tid, ok, value) not yet sent to the client
+        self.moved: list[tuple[int, str, int]] = []  # (tid, thief, hops) not yet reported
+        self.done_n = 0
+        self.task_s = 0.0  # measured mean task duration
+        self._busy_mark = (time.monotonic(), 0)  # (when, done_n) while continuously busy
+        self.window_s = window_s
+        self.fence_s = fence_s
+        self.fenced = False
+        self.last_contact = time.monotonic()
+        self.waiter: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+        self.cfg = steal
+        self.peers: dict[str, Any] = {}
+        self.peer_loads: dict[str, Load] = {}
+        self.thief = Thief(node_id, steal or StealConfig(), random.Random(seed))
+        self.victim = Victim(node_id, steal or StealConfig())
+        self.steals = {"asked": 0, "got": 0, "given": 0, "pushed": 0}
+        self._stealer: asyncio.Task | None = None
+        threading.Thread(target=self._watch, name="stealer-node-fence", daemon=True).start()
+
+    # -- the client's calls --------------------------------------------------------------
+
+    async def submit(self, batch: list[tuple]) -> Load:
+        """Tasks from the client: (tid, fn, args, kwargs, hops) each.  Returns the load."""
+        self._contact()
+        self._accept(batch)
+        return self.load()
+
+    async def results(self, wait_s: float, linger_s: float, loads: dict[str, Load] | None,
+                      peers: dict[str, Any] | None) -> tuple[list, list, Load]:
+        """The long poll: waits up to ``wait_s`` for results, then lingers ``linger_s`` to
+        batch more; returns (results, moved, load).  ``loads``/``peers``: the client's view
+        of the other nodes, for stealing."""
+        self._contact()
+        if peers is not None:
+            self.peers = {n: h for n, h in peers.items() if n != self.node}
+        if loads is not None:
+            self.peer_loads = loads
+        if self.cfg is not None and self._stealer is None:
+            self._stealer = asyncio.get_running_loop().create_task(self._steal_loop())
+        if not self.out and not self.moved and wait_s > 0:
+            ev = asyncio.Event()
+            self.waiter = (asyncio.get_running_loop(), ev)
+            if not self.out:
+                try:
+                    await asyncio.wait_for(ev.wait(), wait_s)
+                except asyncio.TimeoutError:
+                    pass
+            self.waiter = None
+            if linger_s > 0 and len(self.out) < 256:
+                await asyncio.sleep(linger_s)
+        with self.lock:
+            out, self.out = self.out, []
+            moved, self.moved = self.moved, []
+        return out, moved, self.load()
+
+    @ray.method(concurrency_group="health")
+    def ping(self) -> Load:
+        self._contact()
+        return self.load()
+
+    @ray.method(concurrency_group="health")
+    def status(self) -> dict:
+        """For tests and stats: the node's counters, fenced or not."""
+        return {"node": self.node, "fenced": self.fenced, "queued": len(self.queue),
+                "inflight": self.inflight, "done": self.done_n, "steals": dict(self.steals),
+                "worker_pids": [p for p in self.ex.worker_pids() if p] if not self.fenced else [],
+                "segment": self.ex.segment_name, "pid": os.getpid()}
+
+    @ray.method(concurrency_group="health")
+    def stop(self) -> None:
+        """Shut the local executor down (the client's shutdown)."""
+        self._fence(reason=None)
+
+    # -- other nodes' calls ---------------------------------------------------------------
+
+    @ray.method(concurrency_group="steal")
+    def steal(self, thief: str) -> tuple[list[tuple], Load]:
+        """A thief's request: up to half the surplus from the back of the queue, one batch."""
+        batch = self._give(thief, lambda q, sizes: self.victim.grant(q, sizes))
+        self.steals["given"] += len(batch)
+        return batch, self.load()
+
+    @ray.method(concurrency_group="steal")
+    def lifeline(self, thief: str) -> None:
+        """A thief that gave up asking: push to it when this node has surplus."""
+        self.victim.register(thief)
+        self._push()
+
+    @ray.method(concurrency_group="steal")
+    def take(self, batch: list[tuple], source: str) -> None:
+        """A lifeline push from ``source`` (it reports the move to the client)."""
+        self._accept(batch)
+
+    # -- the queue and the window ---------------------------------------------------------
+
+    def _accept(self, batch: list[tuple]) -> None:
+        if self.fenced:
+            raise NodeFencedError(f"node {self.node[:12]} fenced itself (no word from the "
+                                  "client for fence_s); its tasks run elsewhere")
+        if not batch:
+            return
+        self.queue.extend(batch)
+        self.thief.on_work()
+        self._fill()
+        if self.victim.lifelines:
+            self._push()
+
+    def _window(self) -> int:
+        if self.task_s <= 0:
+            per = 8
+        else:
+            per = min(WINDOW_MAX, max(WINDOW_MIN, math.ceil(self.window_s / self.task_s)))
+        return per * self.workers
+
+    def _fill(self) -> None:
+        """Hand queued tasks to the local executor up to the window (any thread)."""
+        window = self._window()
+        while True:
+            with self.lock:
+                if self.inflight >= window or not self.queue or self.fenced:
+                    return
+                tid, fn, args, kwargs, _hops = self.queue.popleft()
+                self.inflight += 1
+            try:
+                f = self.ex.submit(fn, *args, **kwargs)
+            except BaseException as exc:  # unpicklable, or the executor broke
+                with self.lock:
+                    self.inflight -= 1
+                self._finished(tid, False, (exc, ""))
+                continue
+            f.add_done_callback(functools.partial(self._done, tid))
+
+    def _done(self, tid: int, f: Any) -> None:
+        ok, value = _outcome(f)
+        with self.lock:
+            self.inflight -= 1
+            self.done_n += 1
+            self._measure()
+        self._finished(tid, ok, value)
+        self._fill()
+
+    def _measure(self) -> None:
+        """Mean task duration: completions per worker over a span the node stayed busy
+        (under self.lock)."""
+        now = time.monotonic()
+        when, n0 = self._busy_mark
+        if self.inflight < self.workers:  # not every worker busy: restart the span
+            self._busy_mark = (now, self.done_n)
+            return
+        n = self.done_n - n0
+        if n >= 4 * self.workers or now - when > 0.05:
+            sample = (now - when) * self.workers / max(1, n)
+            self.task_s = sample if self.task_s <= 0 else 0.7 * self.task_s + 0.3 * sample
+            self._busy_mark = (now, self.done_n)
+
+    def _finished(self, tid: int, ok: bool, value: Any) -> None:
+        with self.lock:
+            first = not self.out
+            self.out.append((tid, ok, value))
+        w = self.waiter
+        if first and w is not None:
+            loop, ev = w
+            loop.call_soon_threadsafe(ev.set)
+
+    def load(self) -> Load:
+        return Load(self.node, self.workers, queued=len(self.queue), running=self.inflight,
+                    task_s=self.task_s, at=time.monotonic())
+
+    # -- stealing between nodes -------------------------------------------------------------
+
+    def _give(self, thief: str, count: Any) -> list[tuple]:
+        with self.lock:
+            q = len(self.queue)
+            look = min(q, self.victim.cfg.max_count)
+            sizes = [_approx_size(self.queue[-1 - i][2], self.queue[-1 - i][3])
+                     for i in range(look)]
+            n = count(q, sizes)
+            batch = [(*t[:4], t[4] + 1) for t in (self.queue.pop() for _ in range(n))]
+            # hops: the client applies a move only if it is newer than the last it applied
+            # (the reports of a task pushed on twice may reach it in either order)
+            self.moved.extend((t[0], thief, t[4]) for t in batch)
+        if batch:
+            self._wake_results()
+        return batch
+
+    def _wake_results(self) -> None:
+        w = self.waiter
+        if w is not None:
+            w[0].call_soon_threadsafe(w[1].set)
+
+    def _push(self) -> None:
+        """A lifeline push, if this node has surplus and a thief waits (one batch)."""
+        with self.lock:
+            q = len(self.queue)
+            push = self.victim.pushes(q, [64] * q, alive=lambda n: n in self.peers)
+        if push is None:
+            return
+        thief, n = push
+        batch = self._give(thief, lambda _q, _s: n)
+        if batch:
+            self.steals["pushed"] += len(batch)
+            self.peers[thief].take.remote(batch, self.node)
+
+    async def _steal_loop(self) -> None:
+        cfg = self.thief.cfg
+        registered: list[str] = []
+        while not self.fenced:
+            await asyncio.sleep(cfg.idle_s / 2)
+            if self.queue or self.inflight:
+                registered = []
+                continue
+            now = time.monotonic()
+            self.thief.idle(now)
+            loads = {n: ld for n, ld in self.peer_loads.items() if n in self.peers}
+            loads[self.node] = self.load()
+            victim = self.thief.poll(now, loads)
+            if victim is None:
+                lines = self.thief.registrations()
+                if lines and lines != registered:
+                    for b in lines:
+                        if b in self.peers:
+                            self.peers[b].lifeline.remote(self.node)
+                    registered = lines
+                continue
+            self.steals["asked"] += 1
+            got: list[tuple] = []
+            try:
+                got, vload = await asyncio.wait_for(self.peers[victim].steal.remote(self.node),
+                                                    max(1.0, 20 * self.thief.rtt.s))
+                self.peer_loads[victim] = vload
+            except Exception:  # lost, dead or slow victim: a failed attempt
+                got = []
+            self.thief.on_reply(time.monotonic(), victim, len(got), loads)
+            if got:
+                self.steals["got"] += len(got)
+                self._accept(got)
+
+    # -- fencing -----------------------------------------------------------------------------
+
+    def _contact(self) -> None:
+        self.last_contact = time.monotonic()
+
+    def _watch(self) -> None:
+        while not self.fenced:
+            time.sleep(min(0.25, self.fence_s / 4))
+            if time.monotonic() - self.last_contact > self.fence_s:
+                self._fence("no word from the client")
+
+    def _fence(self, reason: str | None) -> None:
+        """Stop: queued tasks dropped, the local executor shut down.  Cut off from the client
+        (``reason``), running tasks are killed too (their workers, and the replacements that
+        re-run them under ``retries``), since the client runs them elsewhere by now."""
+        with self.lock:
+            if self.fenced:
+                return
+            self.fenced = True
+            self.queue.clear()
+        if reason is None:
+            self.ex.shutdown(wait=True, cancel_futures=True)
+            return
+        stopper = threading.Thread(target=self.ex.shutdown, kwargs={"cancel_futures": True},
+                                   name="stealer-node-fence-stop", daemon=True)
+        stopper.start()
+        deadline = time.monotonic() + 30
+        while stopper.is_alive() and time.monotonic() < deadline:
+            for pid in self.ex.worker_pids():
+                if pid:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
+            stopper.join(0.05)

@@ -47,3 +47,23 @@ def fib_seq(n: int) -> int:
 def threads_env() -> dict[str, str | None]:
     return {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                                            "MKL_NUM_THREADS")}
+
+
+class Counter(stealer.Agent):
+    """A message-only agent: its state is a counter."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.n = start
+
+    def add(self, k: int) -> int:
+        self.n += k
+        return self.n
+
+    def get(self) -> int:
+        return self.n
+
+    def where(self) -> str:
+        return os.environ.get("STEALER_NODE_CPUS", "?")
+
+    def on_stop(self) -> int:
+        return self.n

@@ -158,6 +158,27 @@ def test_a_skew_submitted_to_one_node_is_stolen_by_the_other(ex):
     assert sum(s["steals"]["got"] + s["steals"]["pushed"] for s in st.nodes.values()) > 0
 
 
+def test_agents_live_on_both_nodes_and_answer_through_them(ex):
+    refs = [ex.spawn_agent(ct.Counter, 10 * i, name=f"c{i}") for i in range(8)]
+    assert {r.call("where").result(timeout=60) for r in refs} == {"0", "1"}
+    assert [r.call("add", 1).result(timeout=30) for r in refs] == [10 * i + 1
+                                                                   for i in range(8)]
+    for r in refs:
+        r.send("add", 5)
+    assert [r.call("get").result(timeout=30) for r in refs] == [10 * i + 6 for i in range(8)]
+    assert ex.agent("c3").call("get").result(timeout=30) == 36
+    assert sorted(ex.agents()) == [f"c{i}" for i in range(8)]
+    with pytest.raises(stealer.AgentNotFound):
+        ex.agent("nobody")
+    futs = ex.call_all(refs, "add", [(100,)] * 8)
+    assert [f.result(timeout=30) for f in futs] == [10 * i + 106 for i in range(8)]
+    with pytest.raises(AttributeError):
+        refs[0].call("no_such_handler").result(timeout=30)
+    for r in refs:
+        r.stop()
+    assert [r.result(timeout=30) for r in refs] == [10 * i + 106 for i in range(8)]
+
+
 def test_submit_after_shutdown_is_refused(cluster, own):
     e = stealer.Executor(cluster=True)
     assert e.submit(ct.square, 3).result(timeout=30) == 9
@@ -214,6 +235,11 @@ def test_node_loss_resubmits_its_tasks_and_new_nodes_join(cluster, own):
     try:
         head = ray.get_runtime_context().get_node_id()
         (other,) = [n for n in e.nodes if n != head]
+        agents = [e.spawn_agent(ct.Counter, 1000 * i) for i in range(6)]
+        assert [r.call("add", 1).result(timeout=30) for r in agents] == [
+            1000 * i + 1 for i in range(6)]
+        on_other = [r for r in agents if r.node == other]
+        assert on_other, "no agent on the node to be removed"
         fs = [e.submit(ct.spin, 0.02, i) for i in range(150)]  # 3 s of work on 2 cores
         fs += [e.submit_to(other, ct.spin, 0.02, i) for i in range(150, 200)]
         cf.wait(fs[:20], timeout=60)
@@ -227,6 +253,11 @@ def test_node_loss_resubmits_its_tasks_and_new_nodes_join(cluster, own):
         assert loss["node"] == other and loss["tasks"] > 0 and loss["replaced"] == loss["tasks"]
         assert st.resubmitted >= loss["tasks"] and st.outstanding == 0
         assert e.nodes == [head]
+        # the agents of the lost node started again on the head from their spawn arguments
+        assert all(r.node == head for r in agents)
+        got = [r.call("add", 1).result(timeout=60) for r in agents]
+        assert [g % 1000 for g in got] == [
+            1 if r in on_other else 2 for r in agents]  # restarted ones lost their state
         # a node joins: it gets a node agent and takes work
         cluster.add_node(num_cpus=1, env_vars=node_env("1"))
         deadline = time.monotonic() + 60

@@ -51,9 +51,10 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from stealer.cluster.node import NodeAgent, run_chunk
+from stealer.cluster.node import AgentOp, NodeAgent, run_chunk
 from stealer.cluster.policy import Load, StealConfig, place
 from stealer.errors import (
+    AgentNotFound,
     ClusterError,
     ExecutorShutdownError,
     NodeFencedError,
@@ -61,7 +62,7 @@ from stealer.errors import (
     with_remote_tb,
 )
 
-__all__ = ["ClusterExecutor", "ClusterStats"]
+__all__ = ["ClusterAgentRef", "ClusterExecutor", "ClusterStats"]
 
 DEFAULT_STEAL = StealConfig()  # frozen: one instance serves every executor
 START_S = 60.0  # node agents must be ready this long after Executor(cluster=...)
@@ -72,14 +73,87 @@ LOCAL_OPTIONS = ("cpus", "thread_limit", "records", "metrics", "hang_timeout",
 
 
 class _Task:
-    __slots__ = ("call", "fut", "hops", "losses", "node")
+    __slots__ = ("agent", "call", "fut", "hops", "losses", "node")
 
-    def __init__(self, fut: Future, call: tuple, node: _Node | None) -> None:
+    def __init__(self, fut: Future, call: tuple, node: _Node | None,
+                 agent: _Agent | None = None) -> None:
         self.fut = fut
-        self.call = call  # (fn, args, kwargs)
+        self.call = call  # (fn, args, kwargs); an agent's operation: (AgentOp, (), {})
         self.node = node
         self.losses = 0
         self.hops = 0  # moves between nodes so far: a move report with fewer is stale
+        self.agent = agent
+
+
+class _Agent:
+    """The client's record of one agent: where it lives and how to start it again."""
+
+    def __init__(self, aid: int, spawn: tuple, name: str | None, retries: int) -> None:
+        self.aid = aid
+        self.spawn = spawn  # (cls, args, init_kwargs, options)
+        self.name = name
+        self.retries = retries
+        self.node: _Node | None = None
+        self.losses = 0
+        self.result: Future | None = None  # the final value, once somebody asked
+        self.failed: BaseException | None = None
+        self.over = False  # stopped, or its final value came: never restarted
+
+
+class ClusterAgentRef:
+    """A handle on an agent of a cluster executor: ``call`` (a Future), ``send``, ``stop``,
+    ``result``, as :class:`stealer.AgentRef`.  Its messages go through the node agent of
+    the node it lives on, batched with that node's tasks."""
+
+    __slots__ = ("_a", "_ex")
+
+    def __init__(self, ex: ClusterExecutor, agent: _Agent) -> None:
+        self._ex = ex
+        self._a = agent
+
+    @property
+    def id(self) -> int:
+        return self._a.aid
+
+    @property
+    def name(self) -> str | None:
+        return self._a.name
+
+    @property
+    def node(self) -> str | None:
+        """The node it lives on now (it moves when its node is lost)."""
+        n = self._a.node
+        return None if n is None else n.id
+
+    def call(self, method: str, /, *args: Any, **kwargs: Any) -> Future:
+        """Request/reply: a Future of handler ``method``'s return value."""
+        return self._ex._agent_op(self._a, "call", (method, args, kwargs))
+
+    def send(self, method: str, /, *args: Any, **kwargs: Any) -> None:
+        """One-way message (its handler's errors are not reported back)."""
+        self._ex._agent_op(self._a, "send", (method, args, kwargs))
+
+    def stop(self) -> None:
+        """Stop the agent at its next step boundary."""
+        self._ex._agent_op(self._a, "stop", None)
+        self._a.over = True
+
+    @property
+    def future(self) -> Future:
+        """The Future of the agent's final value."""
+        a = self._a
+        with self._ex._lock:
+            if a.result is None:
+                a.result = self._ex._agent_op(a, "result", None)
+                a.result.add_done_callback(lambda _f: setattr(a, "over", True))
+            return a.result
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The agent's final value (``ctx.done(value)``, or ``on_stop()`` after stop)."""
+        return self.future.result(timeout)
+
+    def __repr__(self) -> str:
+        return f"<stealer ClusterAgentRef {self._a.aid} on {str(self.node)[:12]}>"
 
 
 class _Node:
@@ -186,6 +260,8 @@ class ClusterExecutor(_fbase.Executor):
         self._wake = threading.Condition(self._lock)
         self._tids = itertools.count()
         self._ledger: dict[int, _Task] = {}
+        self._agents: dict[int, _Agent] = {}
+        self._names: dict[str, _Agent] = {}
         self._nodes: dict[str, _Node] = {}
         self._orphans: list[int] = []  # tasks with no alive node to go to
         self._waits: dict[Any, tuple] = {}  # ObjectRef -> (kind, node, extra)
@@ -307,8 +383,7 @@ class ClusterExecutor(_fbase.Executor):
             t.node = None
             self._orphans.append(tid)
             return None
-        sent = {n: self._nodes[n].sent + len(self._nodes[n].pending) for n in loads}
-        return self._enqueue(self._nodes[place(loads, self._rng, sent)], tid, t)
+        return self._enqueue(self._nodes[place(loads, self._rng, self._sent(loads))], tid, t)
 
     def _enqueue(self, node: _Node, tid: int, t: _Task) -> _Node | None:
         t.node = node
@@ -353,6 +428,102 @@ class ClusterExecutor(_fbase.Executor):
         chunks = iter(lambda: list(itertools.islice(items, chunksize)), [])
         results = super().map(lambda c: run_chunk(fn, c), chunks, timeout=timeout)
         return itertools.chain.from_iterable(results)
+
+    # -- agents ---------------------------------------------------------------------------------
+
+    def spawn_agent(self, cls: type, /, *args: Any, init_kwargs: dict | None = None,
+                    retries: int | None = None, name: str | None = None,
+                    **options: Any) -> ClusterAgentRef:
+        """Start an agent on a node (power of two choices): ``cls(*args, **init_kwargs)``
+        lives in that node's executor (options as :meth:`stealer.Executor.spawn_agent`).
+        When its node is lost it starts again on another from its spawn arguments (its
+        state since is lost; at most ``retries`` times, default the executor's) and the
+        calls it had not answered go to it there (at-least-once)."""
+        r = self._retries if retries is None else retries
+        with self._lock:
+            if self._shutdown:
+                raise ExecutorShutdownError("cannot spawn agents after shutdown")
+            if name is not None and name in self._names:
+                raise ValueError(f"an agent named {name!r} exists already in this executor")
+            a = _Agent(next(self._tids), (cls, args, init_kwargs or {}, options), name, r)
+            loads = self._alive()
+            if not loads:
+                raise ClusterError("no alive node to spawn the agent on")
+            a.node = self._nodes[place(loads, self._rng, self._sent(loads))]
+            self._agents[a.aid] = a
+            if name is not None:
+                self._names[name] = a
+            self._agent_op(a, "spawn", a.spawn)
+        return ClusterAgentRef(self, a)
+
+    def agent(self, name: str) -> ClusterAgentRef:
+        """The agent spawned with ``name`` (wherever it lives now)."""
+        a = self._names.get(name)
+        if a is None:
+            raise AgentNotFound(f"no agent named {name!r} in this cluster executor; "
+                                "spawn_agent(..., name=NAME) names one")
+        return ClusterAgentRef(self, a)
+
+    def agents(self) -> dict[str, ClusterAgentRef]:
+        """The named agents, by name."""
+        return {n: ClusterAgentRef(self, a) for n, a in sorted(self._names.items())}
+
+    def call_all(self, refs: Iterable[ClusterAgentRef], method: str,
+                 args: Iterable[tuple] | None = None) -> list[Future]:
+        """One call per agent, the i-th with the i-th tuple of arguments (batched per node)."""
+        refs = list(refs)
+        args = [()] * len(refs) if args is None else list(args)
+        return [r.call(method, *a) for r, a in zip(refs, args)]
+
+    def _agent_op(self, a: _Agent, kind: str, arg: Any) -> Future:
+        fut: Future = Future()
+        with self._lock:
+            if self._shutdown and kind in ("call", "send"):
+                raise ExecutorShutdownError("cannot message agents after shutdown")
+            if a.failed is not None:
+                fut.set_exception(a.failed)
+                return fut
+            tid = next(self._tids)
+            t = _Task(fut, (AgentOp(kind, a.aid, arg), (), {}), a.node, a)
+            self._ledger[tid] = t
+            full = self._enqueue(a.node, tid, t)
+        if full is not None:
+            self._send(full)
+        return fut
+
+    def _restart(self, a: _Agent, tids: list[int], lost: _Node) -> None:
+        """An agent whose node was lost: spawned again elsewhere, then its unanswered
+        operations in their first order (under the lock)."""
+        a.losses += 1
+        loads = self._alive()
+        if a.losses > a.retries or not loads:
+            why = ("no node is left" if not loads
+                   else f"it had been restarted {a.losses - 1} time(s) (retries={a.retries})")
+            a.failed = NodeLostError(f"the agent's node {lost.id[:12]} was lost and {why}; "
+                                     "its calls fail")
+            for tid in tids:
+                t = self._ledger.pop(tid)
+                t.fut.set_exception(a.failed)
+            return
+        a.node = self._nodes[place(loads, self._rng, self._sent(loads))]
+        tid = next(self._tids)
+        t = _Task(Future(), (AgentOp("spawn", a.aid, a.spawn), (), {}), a.node, a)
+        self._ledger[tid] = t
+        full = {self._enqueue(a.node, tid, t)}
+        for tid in sorted(tids):
+            t = self._ledger[tid]
+            if t.call[0].kind == "spawn":
+                del self._ledger[tid]  # the old start's ack: the new one replaces it
+                continue
+            t.hops += 1 << 16
+            full.add(self._enqueue(a.node, tid, t))
+        self._stats.resubmitted += len(tids)
+        full.discard(None)
+        for n in full:
+            threading.Thread(target=self._send, args=(n,), daemon=True).start()
+
+    def _sent(self, loads: dict[str, Load]) -> dict[str, int]:
+        return {n: self._nodes[n].sent + len(self._nodes[n].pending) for n in loads}
 
     # -- results, losses -----------------------------------------------------------------------
 
@@ -475,7 +646,16 @@ class ClusterExecutor(_fbase.Executor):
                 del self._waits[ref]
             tids = [tid for tid, t in self._ledger.items() if t.node is node]
             node.pending = []
-            n = self._replace(tids, node)
+            ops: dict[_Agent, list[int]] = {a: [] for a in self._agents.values()
+                                            if a.node is node and a.failed is None
+                                            and not a.over}
+            for tid in tids:
+                a = self._ledger[tid].agent
+                if a is not None:
+                    ops.setdefault(a, []).append(tid)
+            n = self._replace([tid for tid in tids if self._ledger[tid].agent is None], node)
+            for a, its in ops.items():
+                self._restart(a, its, node)
             self._stats.losses.append({"node": node.id, "why": why, "tasks": len(tids),
                                        "replaced": n, "at": time.time(),
                                        "replace_s": time.monotonic() - t0})

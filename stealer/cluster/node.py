@@ -59,7 +59,7 @@ import ray
 from stealer.cluster.policy import Load, StealConfig, Thief, Victim
 from stealer.errors import NodeFencedError, RemoteError, RemoteTraceback
 
-__all__ = ["NodeAgent", "node_cpus", "run_chunk"]
+__all__ = ["AgentOp", "NodeAgent", "node_cpus", "run_chunk"]
 
 WINDOW_MIN, WINDOW_MAX = 2, 256  # tasks per worker in the local executor's window
 
@@ -75,6 +75,23 @@ def node_cpus(default: Any = "auto") -> Any:
         lo, _, hi = part.strip().partition("-")
         out.extend(range(int(lo), int(hi or lo) + 1))
     return out
+
+
+class AgentOp:
+    """An operation on an agent, travelling in a task batch in place of a function: the
+    node agent runs it on its local executor's agent at once (agents never wait in the
+    node's queue, so thieves never take them).  ``kind``: spawn (``a``: cls, args,
+    init_kwargs, options), call / send (method, args, kwargs), stop, result."""
+
+    __slots__ = ("a", "aid", "kind")
+
+    def __init__(self, kind: str, aid: int, a: Any = None) -> None:
+        self.kind = kind
+        self.aid = aid
+        self.a = a
+
+    def __reduce__(self) -> tuple:
+        return (AgentOp, (self.kind, self.aid, self.a))
 
 
 def run_chunk(fn: Any, chunk: list[tuple]) -> list[Any]:
@@ -144,6 +161,7 @@ class NodeAgent:
         self.thief = Thief(node_id, steal or StealConfig(), random.Random(seed))
         self.victim = Victim(node_id, steal or StealConfig())
         self.steals = {"asked": 0, "got": 0, "given": 0, "pushed": 0}
+        self.agents: dict[int, Any] = {}  # client's agent id -> local AgentRef
         self._stealer: asyncio.Task | None = None
         threading.Thread(target=self._watch, name="stealer-node-fence", daemon=True).start()
 
@@ -193,6 +211,7 @@ class NodeAgent:
         """For tests and stats: the node's counters, fenced or not."""
         return {"node": self.node, "fenced": self.fenced, "queued": len(self.queue),
                 "inflight": self.inflight, "done": self.done_n, "steals": dict(self.steals),
+                "agents": len(self.agents),
                 "worker_pids": [p for p in self.ex.worker_pids() if p] if not self.fenced else [],
                 "segment": self.ex.segment_name, "pid": os.getpid()}
 
@@ -229,6 +248,13 @@ class NodeAgent:
                                   "client for fence_s); its tasks run elsewhere")
         if not batch:
             return
+        if any(isinstance(b[1], AgentOp) for b in batch):
+            for b in batch:
+                if isinstance(b[1], AgentOp):
+                    self._agent_op(b[0], b[1])
+            batch = [b for b in batch if not isinstance(b[1], AgentOp)]
+            if not batch:
+                return
         self.queue.extend(batch)
         self.thief.on_work()
         self._fill()
@@ -291,6 +317,33 @@ class NodeAgent:
         if first and w is not None:
             loop, ev = w
             loop.call_soon_threadsafe(ev.set)
+
+    def _agent_op(self, tid: int, op: AgentOp) -> None:
+        """Run an agent operation on the local executor; its outcome goes out as tid's."""
+        try:
+            if op.kind == "spawn":
+                cls, args, init_kwargs, options = op.a
+                self.agents[op.aid] = self.ex.spawn_agent(cls, *args, init_kwargs=init_kwargs,
+                                                          **options)
+                self._finished(tid, True, None)
+                return
+            ref = self.agents[op.aid]
+            if op.kind in ("call", "send"):
+                method, args, kwargs = op.a
+                f = ref.call(method, *args, **kwargs)
+            elif op.kind == "result":
+                f = ref.future
+            else:  # stop
+                ref.stop()
+                self._finished(tid, True, None)
+                return
+            f.add_done_callback(functools.partial(self._agent_done, tid))
+        except BaseException as exc:
+            self._finished(tid, False, (exc, ""))
+
+    def _agent_done(self, tid: int, f: Any) -> None:
+        ok, value = _outcome(f)
+        self._finished(tid, ok, value)
 
     def load(self) -> Load:
         return Load(self.node, self.workers, queued=len(self.queue), running=self.inflight,

@@ -170,7 +170,7 @@ class _Node:
         self.ready = False
         self.alive = True
         self.backoff = 0.0
-        self.last_status: dict | None = None
+        self.peers_seen = -1  # the membership version whose peers it was sent
 
 
 @dataclass
@@ -225,7 +225,9 @@ class ClusterExecutor(_fbase.Executor):
     ``max_workers``: worker processes per node at most (default: the node's CPUs).
     ``retries``: node losses (and worker deaths on a node) a task survives.  ``batch_size``
     and ``batch_s``: a batch to a node goes when it has that many tasks or that long after its
-    first.  ``fence_s``: a node agent that hears nothing from this client for that long stops
+    first.  ``linger_s``: a node holds results back up to that long to batch them while it
+    still runs work (never when it has nothing left).  ``fence_s``: a node agent that hears
+    nothing from this client for that long stops
     its workers.  ``steal``: the steal rules between nodes (a StealConfig; None: no stealing
     between nodes).  Other keyword arguments (``cpus``, ``thread_limit``, ``records``,
     ``metrics``, ``hang_timeout``, ``max_tasks_per_child``, ``initializer``, ``initargs``)
@@ -235,6 +237,7 @@ class ClusterExecutor(_fbase.Executor):
     def __init__(self, cluster: Any, *, executor_cls: type, max_workers: int | None = None,
                  retries: int = 3, batch_size: int = 256, batch_s: float = 0.002,
                  fence_s: float = 10.0, health_s: float = 0.5, window_s: float = 0.005,
+                 linger_s: float = 0.05,
                  steal: StealConfig | None = DEFAULT_STEAL, seed: int | None = None,
                  **local: Any) -> None:
         bad = sorted(set(local) - set(LOCAL_OPTIONS))
@@ -254,6 +257,7 @@ class ClusterExecutor(_fbase.Executor):
         self._fence_s = fence_s
         self._health_s = health_s
         self._window_s = window_s
+        self._linger_s = linger_s
         self._steal = steal
         self._rng = random.Random(seed)
         self._lock = threading.RLock()
@@ -265,6 +269,7 @@ class ClusterExecutor(_fbase.Executor):
         self._nodes: dict[str, _Node] = {}
         self._orphans: list[int] = []  # tasks with no alive node to go to
         self._waits: dict[Any, tuple] = {}  # ObjectRef -> (kind, node, extra)
+        self._membership = 0  # bumped whenever a node becomes ready or is lost
         self._stats = ClusterStats()
         self._shutdown = False
         self._closing = False
@@ -310,6 +315,7 @@ class ClusterExecutor(_fbase.Executor):
             try:
                 node.load = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
                 node.ready = True
+                self._membership += 1
                 self._poll(node)
             except Exception as exc:
                 node.alive = False
@@ -328,10 +334,15 @@ class ClusterExecutor(_fbase.Executor):
                         "free the node's CPUs") from exc
 
     def _poll(self, node: _Node) -> None:
-        """The node's next long poll for results (one outstanding per node)."""
+        """The node's next long poll for results (one outstanding per node).  The peers'
+        handles go only when the set of nodes changed since this node last got them
+        (deserializing actor handles costs the node agent more than the rest of a call)."""
         loads = {n.id: n.load for n in self._nodes.values() if n.alive and n.ready}
-        peers = {n.id: n.handle for n in self._nodes.values() if n.alive and n.ready}
-        ref = node.handle.results.remote(0.5, 0.001, loads, peers)
+        peers = None
+        if node.peers_seen != self._membership:
+            peers = {n.id: n.handle for n in self._nodes.values() if n.alive and n.ready}
+            node.peers_seen = self._membership
+        ref = node.handle.results.remote(0.5, self._linger_s, loads, peers)
         with self._lock:
             self._waits[ref] = ("results", node, None)
 
@@ -569,6 +580,7 @@ class ClusterExecutor(_fbase.Executor):
         node.backoff = 0.0
         if kind == "ready":
             node.load, node.ready = value, True
+            self._membership += 1
             with self._lock:
                 orphans, self._orphans = self._orphans, []
                 full = {self._place(tid, self._ledger[tid]) for tid in orphans
@@ -642,6 +654,7 @@ class ClusterExecutor(_fbase.Executor):
             if not node.alive:
                 return
             node.alive = False
+            self._membership += 1
             for ref in [r for r, (_k, n, _e) in self._waits.items() if n is node]:
                 del self._waits[ref]
             tids = [tid for tid, t in self._ledger.items() if t.node is node]

@@ -61,7 +61,10 @@ from stealer.errors import NodeFencedError, RemoteError, RemoteTraceback
 
 __all__ = ["AgentOp", "NodeAgent", "node_cpus", "run_chunk"]
 
-WINDOW_MIN, WINDOW_MAX = 2, 256  # tasks per worker in the local executor's window
+WINDOW_MIN, WINDOW_MAX = 8, 256  # tasks per worker in the local executor's window (8: its
+# result thread then batches completions instead of being woken for each)
+BATCH_OUT = 512  # results that end a results() call's linger
+LIFELINE_POLL_S = 0.05  # an idle node on lifelines looks again this often
 
 
 def node_cpus(default: Any = "auto") -> Any:
@@ -154,7 +157,7 @@ class NodeAgent:
         self.fence_s = fence_s
         self.fenced = False
         self.last_contact = time.monotonic()
-        self.waiter: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+        self.waiter: tuple[asyncio.AbstractEventLoop, asyncio.Event, int] | None = None
         self.cfg = steal
         self.peers: dict[str, Any] = {}
         self.peer_loads: dict[str, Load] = {}
@@ -162,7 +165,10 @@ class NodeAgent:
         self.victim = Victim(node_id, steal or StealConfig())
         self.steals = {"asked": 0, "got": 0, "given": 0, "pushed": 0}
         self.agents: dict[int, Any] = {}  # client's agent id -> local AgentRef
+        self.polls = 0  # results() calls answered
         self._stealer: asyncio.Task | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the default group's loop
+        self.idle_ev: asyncio.Event | None = None  # set (in that loop) when the node idles
         threading.Thread(target=self._watch, name="stealer-node-fence", daemon=True).start()
 
     # -- the client's calls --------------------------------------------------------------
@@ -175,10 +181,15 @@ class NodeAgent:
 
     async def results(self, wait_s: float, linger_s: float, loads: dict[str, Load] | None,
                       peers: dict[str, Any] | None) -> tuple[list, list, Load]:
-        """The long poll: waits up to ``wait_s`` for results, then lingers ``linger_s`` to
-        batch more; returns (results, moved, load).  ``loads``/``peers``: the client's view
-        of the other nodes, for stealing."""
+        """The long poll: waits up to ``wait_s`` for results, then up to ``linger_s`` more
+        while work is still running here and fewer than ``BATCH_OUT`` results wait (a node
+        with nothing left to run answers at once: a lone task's result is not held back);
+        returns (results, moved, load).  ``loads``/``peers``: the client's view of the
+        other nodes, for stealing.  Every Ray call costs the client and this process about
+        half a millisecond of CPU, so results of short tasks must travel in batches."""
         self._contact()
+        self.polls += 1
+        self.loop = asyncio.get_running_loop()
         if peers is not None:
             self.peers = {n: h for n, h in peers.items() if n != self.node}
         if loads is not None:
@@ -186,20 +197,37 @@ class NodeAgent:
         if self.cfg is not None and self._stealer is None:
             self._stealer = asyncio.get_running_loop().create_task(self._steal_loop())
         if not self.out and not self.moved and wait_s > 0:
-            ev = asyncio.Event()
-            self.waiter = (asyncio.get_running_loop(), ev)
-            if not self.out:
-                try:
-                    await asyncio.wait_for(ev.wait(), wait_s)
-                except asyncio.TimeoutError:
-                    pass
-            self.waiter = None
-            if linger_s > 0 and len(self.out) < 256:
-                await asyncio.sleep(linger_s)
+            await self._wait(1, wait_s)
+        if linger_s > 0:
+            await self._wait(BATCH_OUT, linger_s)
         with self.lock:
             out, self.out = self.out, []
             moved, self.moved = self.moved, []
         return out, moved, self.load()
+
+    async def _wait(self, need: int, timeout: float) -> None:
+        """Until ``need`` results wait (1: or a move to report; more: or the node has
+        nothing left to run), at most ``timeout``.  Woken once, by :meth:`_notify`."""
+        ev = asyncio.Event()
+        self.waiter = (asyncio.get_running_loop(), ev, need)
+        self._notify()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(ev.wait(), timeout)
+        self.waiter = None
+
+    def _notify(self) -> None:
+        """Wake the results() call waiting if what it waits for is there (any thread)."""
+        w = self.waiter
+        if w is None:
+            return
+        loop, ev, need = w
+        if need == 1:
+            ready = bool(self.out or self.moved)
+        else:
+            ready = len(self.out) >= need or not (self.inflight or self.queue) or self.fenced
+        if ready:
+            self.waiter = None
+            loop.call_soon_threadsafe(ev.set)
 
     @ray.method(concurrency_group="health")
     def ping(self) -> Load:
@@ -211,7 +239,7 @@ class NodeAgent:
         """For tests and stats: the node's counters, fenced or not."""
         return {"node": self.node, "fenced": self.fenced, "queued": len(self.queue),
                 "inflight": self.inflight, "done": self.done_n, "steals": dict(self.steals),
-                "agents": len(self.agents),
+                "agents": len(self.agents), "polls": self.polls,
                 "worker_pids": [p for p in self.ex.worker_pids() if p] if not self.fenced else [],
                 "segment": self.ex.segment_name, "pid": os.getpid()}
 
@@ -294,6 +322,11 @@ class NodeAgent:
             self._measure()
         self._finished(tid, ok, value)
         self._fill()
+        if not self.inflight and not self.queue:
+            self._notify()  # a linger ends: nothing more is coming soon
+            ev, loop = self.idle_ev, self.loop
+            if ev is not None and loop is not None:
+                loop.call_soon_threadsafe(ev.set)
 
     def _measure(self) -> None:
         """Mean task duration: completions per worker over a span the node stayed busy
@@ -311,12 +344,8 @@ class NodeAgent:
 
     def _finished(self, tid: int, ok: bool, value: Any) -> None:
         with self.lock:
-            first = not self.out
             self.out.append((tid, ok, value))
-        w = self.waiter
-        if first and w is not None:
-            loop, ev = w
-            loop.call_soon_threadsafe(ev.set)
+        self._notify()
 
     def _agent_op(self, tid: int, op: AgentOp) -> None:
         """Run an agent operation on the local executor; its outcome goes out as tid's."""
@@ -363,13 +392,8 @@ class NodeAgent:
             # (the reports of a task pushed on twice may reach it in either order)
             self.moved.extend((t[0], thief, t[4]) for t in batch)
         if batch:
-            self._wake_results()
+            self._notify()
         return batch
-
-    def _wake_results(self) -> None:
-        w = self.waiter
-        if w is not None:
-            w[0].call_soon_threadsafe(w[1].set)
 
     def _push(self) -> None:
         """A lifeline push, if this node has surplus and a thief waits (one batch)."""
@@ -385,12 +409,18 @@ class NodeAgent:
             self.peers[thief].take.remote(batch, self.node)
 
     async def _steal_loop(self) -> None:
+        """The thief: sleeps while the node is busy (woken when it idles), asks while it
+        idles, and waits on its lifelines once it gave up."""
         cfg = self.thief.cfg
         registered: list[str] = []
+        self.idle_ev = ev = asyncio.Event()
         while not self.fenced:
-            await asyncio.sleep(cfg.idle_s / 2)
             if self.queue or self.inflight:
                 registered = []
+                ev.clear()
+                if self.queue or self.inflight:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(ev.wait(), 1.0)
                 continue
             now = time.monotonic()
             self.thief.idle(now)
@@ -404,6 +434,7 @@ class NodeAgent:
                         if b in self.peers:
                             self.peers[b].lifeline.remote(self.node)
                     registered = lines
+                await asyncio.sleep(LIFELINE_POLL_S if lines else cfg.idle_s)
                 continue
             self.steals["asked"] += 1
             got: list[tuple] = []

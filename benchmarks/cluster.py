@@ -5,7 +5,8 @@ health checks (the settings are printed), node k's executor pinned to CPU k.  On
 
 1. submit throughput: ``--tasks`` no-op tasks through ``Executor(cluster=True)`` (submit
    all, then every result), against plain Ray tasks (``f.remote`` for each, then one
-   ``ray.get``) and calls to one Ray actor per node, ``--ray-tasks`` of each;
+   ``ray.get``); ``--tasks`` calls to 8 agents (placed over both nodes) against calls to
+   one Ray actor per node (``--ray-tasks``), pipelined both;
 2. skew: 2,000 tasks of Pareto durations (shape 1.5, mean 2 ms, cap 200 ms, busy-waits):
    makespan and efficiency (sum of work / 2 CPUs / makespan) for the three;
 3. fork-join roots: 8 fib(27) trees (cutoff 16, children by stealer.spawn) on both nodes
@@ -35,6 +36,13 @@ from stealer.bench.workloads import busy, fib, noop
 
 HEALTH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 200,
           "health_check_failure_threshold": 3, "health_check_timeout_ms": 200}
+
+
+class Echo(stealer.Agent):
+    """A message-only agent: ``echo`` returns its argument."""
+
+    def echo(self, x):
+        return x
 
 
 @ray.remote(num_cpus=1)
@@ -123,6 +131,15 @@ def main() -> None:
         dt = timed(lambda: [f.result() for f in [ex.submit(busy, s) for s in work]])
         out["skew_stealer"] = {"makespan_s": dt, "efficiency": ideal / dt,
                                "moved": ex.stats().moved}
+        refs = [ex.spawn_agent(Echo) for _ in range(8)]
+        assert [r.call("echo", i).result() for i, r in enumerate(refs)] == list(range(8))
+        on = {r.node for r in refs}
+        dt = timed(lambda: [f.result() for f in [refs[i % 8].call("echo", i)
+                                                 for i in range(a.tasks)]])
+        out["stealer_agent_calls_per_s"] = a.tasks / dt
+        out["stealer_agent_nodes"] = len(on)
+        for r in refs:
+            r.stop()
         ex.submit(fib, 20, 16).result()
         two = timed(lambda: [f.result() for f in [ex.submit(fib, 27, 16) for _ in range(8)]])
         ex.shutdown()
@@ -158,6 +175,8 @@ def main() -> None:
         ray.shutdown()
         c.shutdown()
     out["submit_ratio_vs_ray_tasks"] = out["stealer_tasks_per_s"] / out["ray_tasks_per_s"]
+    out["agent_call_ratio_vs_ray_actors"] = (out["stealer_agent_calls_per_s"]
+                                             / out["ray_actor_calls_per_s"])
     if a.json:
         json.dump(out, sys.stdout, indent=1)
         print()

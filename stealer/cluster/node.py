@@ -20,7 +20,10 @@ What lives here:
   test nodes sharing one ``/dev/shm`` neither collide nor clean up each other's segments.
 * **The node's queue**: tasks accepted from the client and not yet handed to the local
   executor.  The local executor holds a small window (a few tasks per worker, sized so the
-  window covers about ``window_s`` of work) where its workers steal from each other in
+  window covers about ``window_s`` of work, and 8 per worker while the length of the
+  current function's tasks is not measured yet: a workload of long tasks after one of
+  no-ops must not fill the window with seconds of unstealable work) where its workers
+  steal from each other in
   shared memory (local stealing first); the rest waits here, and this queue is the steal
   end for other nodes: a thief takes from its back, the node's own workers from its front.
   The window refills from the local futures' done callbacks (the local executor's result
@@ -151,7 +154,8 @@ class NodeAgent:
         self.out: list[tuple] = []  # (tid, ok, value) not yet sent to the client
         self.moved: list[tuple[int, str, int]] = []  # (tid, thief, hops) not yet reported
         self.done_n = 0
-        self.task_s = 0.0  # measured mean task duration
+        self.task_s = 0.0  # measured mean task duration (0: unknown)
+        self.last_fn: tuple = ()  # the function of the last task handed to the window
         self._busy_mark = (time.monotonic(), 0)  # (when, done_n) while continuously busy
         self.window_s = window_s
         self.fence_s = fence_s
@@ -305,6 +309,12 @@ class NodeAgent:
                     return
                 tid, fn, args, kwargs, _hops = self.queue.popleft()
                 self.inflight += 1
+                key = (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None))
+                if key != self.last_fn:  # another workload: its tasks' length is unknown
+                    self.last_fn = key
+                    self.task_s = 0.0
+                    self._busy_mark = (time.monotonic(), self.done_n)
+                    window = self._window()
             try:
                 f = self.ex.submit(fn, *args, **kwargs)
             except BaseException as exc:  # unpicklable, or the executor broke

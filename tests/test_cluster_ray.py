@@ -179,6 +179,43 @@ def test_agents_live_on_both_nodes_and_answer_through_them(ex):
     assert [r.result(timeout=30) for r in refs] == [10 * i + 106 for i in range(8)]
 
 
+def test_a_transient_unavailable_node_is_retried_not_lost(ex, monkeypatch):
+    """ActorUnavailableError (a node agent unreachable for a while) only retries the call:
+    no loss, no re-run elsewhere, every result once."""
+    from ray.exceptions import ActorUnavailableError
+
+    import stealer.cluster.client as cc
+
+    real_get = cc.ray.get
+    hits = []
+
+    def flaky_get(ref, *a, **k):
+        if len(hits) < 3 and ref in ex._waits_seen:
+            hits.append(ref)
+            raise ActorUnavailableError("injected by the test", None)
+        return real_get(ref, *a, **k)
+
+    before = ex.stats()
+    ex._waits_seen = set()
+    with ex._lock:
+        ex._waits_seen.update(r for r, (k, _n, _e) in ex._waits.items() if k == "results")
+    monkeypatch.setattr(cc.ray, "get", flaky_get)
+    try:
+        fs = [ex.submit(ct.square, i) for i in range(500)]
+        deadline = time.monotonic() + 30
+        while len(hits) < len(ex._waits_seen) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [f.result(timeout=60) for f in fs] == [i * i for i in range(500)]
+    finally:
+        monkeypatch.undo()
+        del ex._waits_seen
+    st = ex.stats()
+    assert len(hits) == 2  # the one outstanding poll of each node failed once
+    assert st.transient - before.transient == 2
+    assert st.losses == before.losses and len(ex.nodes) == 2
+    assert st.resubmitted == before.resubmitted
+
+
 def test_submit_after_shutdown_is_refused(cluster, own):
     e = stealer.Executor(cluster=True)
     assert e.submit(ct.square, 3).result(timeout=30) == 9

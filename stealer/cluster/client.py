@@ -13,7 +13,8 @@ How a task travels::
   submit ─▶ place (power of two choices on load reports) ─▶ node's pending batch
          ─▶ (batch_size tasks, or batch_s after its first) NodeAgent.submit(batch)
   node agent queue ─▶ local stealer executor (a window) ─▶ result ─▶ node's out list
-  collector thread ◀── NodeAgent.results (long poll; results + moved + load report)
+  collector thread ◀── NodeAgent.results (long poll; results + moved + load report,
+                       each batch sent again until the next poll acknowledges it)
 
 * **The ledger**: task id → (future, call, node, losses).  A node's results settle futures
   (the first result of a task wins; a later duplicate is dropped, so results are never
@@ -171,6 +172,7 @@ class _Node:
         self.alive = True
         self.backoff = 0.0
         self.peers_seen = -1  # the membership version whose peers it was sent
+        self.acked = 0  # the last result batch processed (the node drops it and those before)
 
 
 @dataclass
@@ -184,6 +186,7 @@ class ClusterStats:
     resubmitted: int = 0  # tasks placed again after their node was lost
     duplicates: int = 0  # results dropped because the task was already settled
     moved: int = 0  # tasks that thieves took from other nodes (reported by the victims)
+    transient: int = 0  # calls retried after an ActorUnavailableError
     losses: list[dict[str, Any]] = field(default_factory=list)  # one per lost node
 
 
@@ -297,7 +300,7 @@ class ClusterExecutor(_fbase.Executor):
                 continue
             workers = min(cpus, self._max_workers or cpus)
             handle = NodeAgent.options(
-                num_cpus=cpus, max_restarts=0, max_task_retries=0,
+                num_cpus=workers, max_restarts=0, max_task_retries=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
             ).remote(nid, self._cls, workers, self._local, self._fence_s, self._window_s,
                      self._steal, self._rng.randrange(1 << 30))
@@ -342,7 +345,7 @@ class ClusterExecutor(_fbase.Executor):
         if node.peers_seen != self._membership:
             peers = {n.id: n.handle for n in self._nodes.values() if n.alive and n.ready}
             node.peers_seen = self._membership
-        ref = node.handle.results.remote(0.5, self._linger_s, loads, peers)
+        ref = node.handle.results.remote(node.acked, 0.5, self._linger_s, loads, peers)
         with self._lock:
             self._waits[ref] = ("results", node, None)
 
@@ -460,7 +463,7 @@ class ClusterExecutor(_fbase.Executor):
             loads = self._alive()
             if not loads:
                 raise ClusterError("no alive node to spawn the agent on")
-            a.node = self._nodes[place(loads, self._rng, self._sent(loads))]
+            a.node = self._place_agent()
             self._agents[a.aid] = a
             if name is not None:
                 self._names[name] = a
@@ -516,7 +519,7 @@ class ClusterExecutor(_fbase.Executor):
                 t = self._ledger.pop(tid)
                 t.fut.set_exception(a.failed)
             return
-        a.node = self._nodes[place(loads, self._rng, self._sent(loads))]
+        a.node = self._place_agent()
         tid = next(self._tids)
         t = _Task(Future(), (AgentOp("spawn", a.aid, a.spawn), (), {}), a.node, a)
         self._ledger[tid] = t
@@ -532,6 +535,16 @@ class ClusterExecutor(_fbase.Executor):
         full.discard(None)
         for n in full:
             threading.Thread(target=self._send, args=(n,), daemon=True).start()
+
+    def _place_agent(self) -> _Node:
+        """Power of two choices on the live agents per worker this client put on each node
+        (exact, where task load reports may be half a second old)."""
+        count: dict[str, int] = {n.id: 0 for n in self._nodes.values() if n.alive and n.ready}
+        for a in self._agents.values():
+            if a.node is not None and a.node.id in count and a.failed is None and not a.over:
+                count[a.node.id] += 1
+        loads = {n: Load(n, self._nodes[n].workers, queued=c) for n, c in count.items()}
+        return self._nodes[place(loads, self._rng)]
 
     def _sent(self, loads: dict[str, Load]) -> dict[str, int]:
         return {n: self._nodes[n].sent + len(self._nodes[n].pending) for n in loads}
@@ -591,19 +604,22 @@ class ClusterExecutor(_fbase.Executor):
         elif kind == "submit" or kind == "ping":
             node.load = value
         elif kind == "results":
-            out, moved, load = value
-            self._settle(node, out, moved, load)
+            batches, load = value
+            for seq, out, moved in batches:
+                if seq > node.acked:  # (a batch sent again after a lost reply: had it)
+                    self._settle(node, out, moved)
+                    node.acked = seq
+            node.load, node.sent = load, 0
             if node.alive and not self._closed_down():
                 self._poll(node)
 
     def _closed_down(self) -> bool:
         return self._closing and not self._ledger
 
-    def _settle(self, node: _Node, out: list, moved: list, load: Load) -> None:
+    def _settle(self, node: _Node, out: list, moved: list) -> None:
         st = self._stats
         dead = []
         with self._lock:
-            node.load, node.sent = load, 0
             for tid, thief, hops in moved:
                 t = self._ledger.get(tid)
                 if t is None or hops <= t.hops:
@@ -631,9 +647,15 @@ class ClusterExecutor(_fbase.Executor):
         del done
 
     def _retry(self, kind: str, node: _Node, extra: Any) -> None:
-        """A transient ActorUnavailableError: the same call again after a backoff."""
+        """A transient ActorUnavailableError: the same call again after a backoff (50 ms,
+        doubling to 1 s), from a timer: the results thread does not wait."""
         node.backoff = min(1.0, max(0.05, node.backoff * 2))
-        time.sleep(node.backoff)
+        self._stats.transient += 1
+        timer = threading.Timer(node.backoff, self._reissue, (kind, node, extra))
+        timer.daemon = True
+        timer.start()
+
+    def _reissue(self, kind: str, node: _Node, extra: Any) -> None:
         if not node.alive:
             return
         if kind == "results":
@@ -781,8 +803,12 @@ class ClusterExecutor(_fbase.Executor):
             self._wake.notify()
         if wait:
             self._stop_nodes()
-        else:
-            threading.Thread(target=self._stop_nodes, daemon=True).start()
+        else:  # the futures still complete (as in the stdlib); then the nodes stop
+            threading.Thread(target=self._stop_when_done, daemon=True).start()
+
+    def _stop_when_done(self) -> None:
+        _fbase.wait([t.fut for t in list(self._ledger.values())])
+        self._stop_nodes()
 
     def _stop_nodes(self) -> None:
         nodes = [n for n in self._nodes.values() if n.alive]
@@ -823,7 +849,8 @@ class ClusterExecutor(_fbase.Executor):
                                "done": s.get("done"), "steals": s.get("steals"),
                                "pid": s.get("pid")}
             return ClusterStats(nodes, st.submitted, st.done, len(self._ledger),
-                                st.resubmitted, st.duplicates, st.moved, list(st.losses))
+                                st.resubmitted, st.duplicates, st.moved, st.transient,
+                                list(st.losses))
 
     @property
     def nodes(self) -> list[str]:

@@ -170,6 +170,8 @@ class NodeAgent:
         self.steals = {"asked": 0, "got": 0, "given": 0, "pushed": 0}
         self.agents: dict[int, Any] = {}  # client's agent id -> local AgentRef
         self.polls = 0  # results() calls answered
+        self.seq = 0  # the last result batch made
+        self.unacked: dict[int, tuple[list, list]] = {}  # seq -> (results, moved), sent
         self._stealer: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the default group's loop
         self.idle_ev: asyncio.Event | None = None  # set (in that loop) when the node idles
@@ -183,14 +185,18 @@ class NodeAgent:
         self._accept(batch)
         return self.load()
 
-    async def results(self, wait_s: float, linger_s: float, loads: dict[str, Load] | None,
-                      peers: dict[str, Any] | None) -> tuple[list, list, Load]:
+    async def results(self, ack: int, wait_s: float, linger_s: float,
+                      loads: dict[str, Load] | None,
+                      peers: dict[str, Any] | None) -> tuple[list[tuple], Load]:
         """The long poll: waits up to ``wait_s`` for results, then up to ``linger_s`` more
         while work is still running here and fewer than ``BATCH_OUT`` results wait (a node
         with nothing left to run answers at once: a lone task's result is not held back);
-        returns (results, moved, load).  ``loads``/``peers``: the client's view of the
-        other nodes, for stealing.  Every Ray call costs the client and this process about
-        half a millisecond of CPU, so results of short tasks must travel in batches."""
+        returns ([(seq, results, moved), ...], load): every batch the client has not
+        acknowledged yet (``ack``: the last seq it processed), so a reply lost on the way
+        (an ActorUnavailableError, when the call may or may not have run) is sent again by
+        the next call, and the client drops what it had.  ``loads``/``peers``: the client's
+        view of the other nodes, for stealing.  Every Ray call costs the client and this
+        process one to two ms of CPU, so results of short tasks must travel in batches."""
         self._contact()
         self.polls += 1
         self.loop = asyncio.get_running_loop()
@@ -205,9 +211,14 @@ class NodeAgent:
         if linger_s > 0:
             await self._wait(BATCH_OUT, linger_s)
         with self.lock:
-            out, self.out = self.out, []
-            moved, self.moved = self.moved, []
-        return out, moved, self.load()
+            for seq in [q for q in self.unacked if q <= ack]:
+                del self.unacked[seq]
+            if self.out or self.moved:
+                self.seq += 1
+                self.unacked[self.seq] = (self.out, self.moved)
+                self.out, self.moved = [], []
+            batches = [(q, o, m) for q, (o, m) in sorted(self.unacked.items())]
+        return batches, self.load()
 
     async def _wait(self, need: int, timeout: float) -> None:
         """Until ``need`` results wait (1: or a move to report; more: or the node has

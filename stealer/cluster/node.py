@@ -372,6 +372,9 @@ class NodeAgent:
         """Run an agent operation on the local executor; its outcome goes out as tid's."""
         try:
             if op.kind == "spawn":
+                if op.aid in self.agents:  # a batch sent again (a lost reply): started
+                    self._finished(tid, True, None)
+                    return
                 cls, args, init_kwargs, options = op.a
                 self.agents[op.aid] = self.ex.spawn_agent(cls, *args, init_kwargs=init_kwargs,
                                                           **options)
@@ -427,7 +430,19 @@ class NodeAgent:
         batch = self._give(thief, lambda _q, _s: n)
         if batch:
             self.steals["pushed"] += len(batch)
-            self.peers[thief].take.remote(batch, self.node)
+            ref = self.peers[thief].take.remote(batch, self.node)
+            ref.future().add_done_callback(functools.partial(self._pushed, batch))
+
+    def _pushed(self, batch: list[tuple], f: Any) -> None:
+        """A push that failed (the thief unreachable, or gone): the batch comes back here,
+        reported as moved back, so no task stays where nobody runs it.  (If the thief did
+        get it, both run it: at-least-once, and the client keeps one result.)"""
+        if f.exception() is None or self.fenced:
+            return
+        back = [(*t[:4], t[4] + 1) for t in batch]
+        with self.lock:
+            self.moved.extend((t[0], self.node, t[4]) for t in back)
+        self._accept(back)
 
     async def _steal_loop(self) -> None:
         """The thief: sleeps while the node is busy (woken when it idles), asks while it
@@ -459,16 +474,23 @@ class NodeAgent:
                 continue
             self.steals["asked"] += 1
             got: list[tuple] = []
-            try:
-                got, vload = await asyncio.wait_for(self.peers[victim].steal.remote(self.node),
-                                                    max(1.0, 20 * self.thief.rtt.s))
+            fut = asyncio.wrap_future(self.peers[victim].steal.remote(self.node).future())
+            done, _ = await asyncio.wait({fut}, timeout=max(1.0, 20 * self.thief.rtt.s))
+            if fut in done and fut.exception() is None:
+                got, vload = fut.result()
                 self.peer_loads[victim] = vload
-            except Exception:  # lost, dead or slow victim: a failed attempt
-                got = []
+            elif fut not in done:  # slow: its tasks are ours when they come (the victim
+                fut.add_done_callback(self._late_steal)  # reported them moved to us)
             self.thief.on_reply(time.monotonic(), victim, len(got), loads)
             if got:
                 self.steals["got"] += len(got)
                 self._accept(got)
+
+    def _late_steal(self, fut: Any) -> None:
+        if not self.fenced and not fut.cancelled() and fut.exception() is None:
+            got = fut.result()[0]
+            self.steals["got"] += len(got)
+            self._accept(got)
 
     # -- fencing -----------------------------------------------------------------------------
 

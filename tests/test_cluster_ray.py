@@ -141,6 +141,17 @@ def test_errors_come_back_with_the_remote_traceback(ex):
     assert isinstance(f.exception(), ValueError)
 
 
+def test_an_unpicklable_task_fails_alone(ex):
+    import threading
+
+    lock = threading.Lock()
+    bad = ex.submit(ct.square, lock)
+    good = [ex.submit(ct.square, i) for i in range(10)]
+    with pytest.raises(stealer.SerializationError, match="could not be sent"):
+        bad.result(timeout=30)
+    assert [f.result(timeout=30) for f in good] == [i * i for i in range(10)]
+
+
 def test_fork_join_runs_inside_the_nodes(ex):
     fs = [ex.submit(ct.fib, 18) for _ in range(4)]
     assert [f.result(timeout=60) for f in fs] == [ct.fib_seq(18)] * 4
@@ -190,15 +201,17 @@ def test_a_transient_unavailable_node_is_retried_not_lost(ex, monkeypatch):
     hits = []
 
     def flaky_get(ref, *a, **k):
-        if len(hits) < 3 and ref in ex._waits_seen:
+        if ref in ex._waits_seen and ref not in hits:
             hits.append(ref)
             raise ActorUnavailableError("injected by the test", None)
         return real_get(ref, *a, **k)
 
     before = ex.stats()
     ex._waits_seen = set()
-    with ex._lock:
-        ex._waits_seen.update(r for r, (k, _n, _e) in ex._waits.items() if k == "results")
+    deadline = time.monotonic() + 10
+    while len(ex._waits_seen) < 2 and time.monotonic() < deadline:  # one poll per node
+        with ex._lock:  # (a node's next poll goes out just after its last one came back)
+            ex._waits_seen = {r for r, (k, _n, _e) in ex._waits.items() if k == "results"}
     monkeypatch.setattr(cc.ray, "get", flaky_get)
     try:
         fs = [ex.submit(ct.square, i) for i in range(500)]

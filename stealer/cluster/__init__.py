@@ -7,6 +7,7 @@ top of the core, as the joblib integration does: the core imports it only lazily
 never imports it nor Ray (the optional extra ``stealer[ray]``).
 
 Modules: ``policy.py`` (placement and the steal rules, pure Python), ``client.py`` (the
-executor the user holds: batches, ledger, node loss), ``node.py`` (the node agent, a Ray
+executor the user holds: batches, results, node loss), ``ledger.py`` (its records of tasks,
+agents and nodes), ``agents.py`` (agents on the cluster), ``node.py`` (the node agent, a Ray
 actor on each node that runs that node's local executor).
 """

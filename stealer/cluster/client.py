@@ -45,21 +45,22 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import _base as _fbase
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from stealer.cluster.node import AgentOp, NodeAgent, run_chunk
+from stealer.cluster.agents import AgentsOnCluster, ClusterAgentRef
+from stealer.cluster.ledger import AgentRecord, ClusterStats, NodeView, Task
+from stealer.cluster.node import NodeAgent, run_chunk
 from stealer.cluster.policy import Load, StealConfig, place
 from stealer.errors import (
-    AgentNotFound,
     ClusterError,
     ExecutorShutdownError,
     NodeFencedError,
     NodeLostError,
+    SerializationError,
     with_remote_tb,
 )
 
@@ -71,123 +72,6 @@ START_S = 60.0  # node agents must be ready this long after Executor(cluster=...
 #: Local executor options a node executor takes as they are.
 LOCAL_OPTIONS = ("cpus", "thread_limit", "records", "metrics", "hang_timeout",
                  "max_tasks_per_child", "initializer", "initargs")
-
-
-class _Task:
-    __slots__ = ("agent", "call", "fut", "hops", "losses", "node")
-
-    def __init__(self, fut: Future, call: tuple, node: _Node | None,
-                 agent: _Agent | None = None) -> None:
-        self.fut = fut
-        self.call = call  # (fn, args, kwargs); an agent's operation: (AgentOp, (), {})
-        self.node = node
-        self.losses = 0
-        self.hops = 0  # moves between nodes so far: a move report with fewer is stale
-        self.agent = agent
-
-
-class _Agent:
-    """The client's record of one agent: where it lives and how to start it again."""
-
-    def __init__(self, aid: int, spawn: tuple, name: str | None, retries: int) -> None:
-        self.aid = aid
-        self.spawn = spawn  # (cls, args, init_kwargs, options)
-        self.name = name
-        self.retries = retries
-        self.node: _Node | None = None
-        self.losses = 0
-        self.result: Future | None = None  # the final value, once somebody asked
-        self.failed: BaseException | None = None
-        self.over = False  # stopped, or its final value came: never restarted
-
-
-class ClusterAgentRef:
-    """A handle on an agent of a cluster executor: ``call`` (a Future), ``send``, ``stop``,
-    ``result``, as :class:`stealer.AgentRef`.  Its messages go through the node agent of
-    the node it lives on, batched with that node's tasks."""
-
-    __slots__ = ("_a", "_ex")
-
-    def __init__(self, ex: ClusterExecutor, agent: _Agent) -> None:
-        self._ex = ex
-        self._a = agent
-
-    @property
-    def id(self) -> int:
-        return self._a.aid
-
-    @property
-    def name(self) -> str | None:
-        return self._a.name
-
-    @property
-    def node(self) -> str | None:
-        """The node it lives on now (it moves when its node is lost)."""
-        n = self._a.node
-        return None if n is None else n.id
-
-    def call(self, method: str, /, *args: Any, **kwargs: Any) -> Future:
-        """Request/reply: a Future of handler ``method``'s return value."""
-        return self._ex._agent_op(self._a, "call", (method, args, kwargs))
-
-    def send(self, method: str, /, *args: Any, **kwargs: Any) -> None:
-        """One-way message (its handler's errors are not reported back)."""
-        self._ex._agent_op(self._a, "send", (method, args, kwargs))
-
-    def stop(self) -> None:
-        """Stop the agent at its next step boundary."""
-        self._ex._agent_op(self._a, "stop", None)
-        self._a.over = True
-
-    @property
-    def future(self) -> Future:
-        """The Future of the agent's final value."""
-        a = self._a
-        with self._ex._lock:
-            if a.result is None:
-                a.result = self._ex._agent_op(a, "result", None)
-                a.result.add_done_callback(lambda _f: setattr(a, "over", True))
-            return a.result
-
-    def result(self, timeout: float | None = None) -> Any:
-        """The agent's final value (``ctx.done(value)``, or ``on_stop()`` after stop)."""
-        return self.future.result(timeout)
-
-    def __repr__(self) -> str:
-        return f"<stealer ClusterAgentRef {self._a.aid} on {str(self.node)[:12]}>"
-
-
-class _Node:
-    """The client's view of one node agent."""
-
-    def __init__(self, node_id: str, handle: Any, workers: int) -> None:
-        self.id = node_id
-        self.handle = handle
-        self.workers = workers
-        self.load = Load(node_id, workers)
-        self.sent = 0  # tasks sent since its last load report
-        self.pending: list[tuple] = []  # (tid, fn, args, kwargs, hops) not sent yet
-        self.pending_since = 0.0
-        self.ready = False
-        self.alive = True
-        self.backoff = 0.0
-        self.peers_seen = -1  # the membership version whose peers it was sent
-        self.acked = 0  # the last result batch processed (the node drops it and those before)
-
-
-@dataclass
-class ClusterStats:
-    """``ClusterExecutor.stats()``: what the client knows of each node and of its tasks."""
-
-    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
-    submitted: int = 0
-    done: int = 0
-    outstanding: int = 0
-    resubmitted: int = 0  # tasks placed again after their node was lost
-    duplicates: int = 0  # results dropped because the task was already settled
-    moved: int = 0  # tasks that thieves took from other nodes (reported by the victims)
-    transient: int = 0  # calls retried after an ActorUnavailableError
-    losses: list[dict[str, Any]] = field(default_factory=list)  # one per lost node
 
 
 def _complain(who: str, exc: BaseException) -> None:
@@ -221,7 +105,7 @@ def _connect(cluster: Any) -> bool:
     return True
 
 
-class ClusterExecutor(_fbase.Executor):
+class ClusterExecutor(AgentsOnCluster, _fbase.Executor):
     """A ``concurrent.futures.Executor`` over one stealer executor per node of a Ray cluster.
 
     ``cluster``: a Ray address, or True for the Ray this process already initialised.
@@ -234,7 +118,8 @@ class ClusterExecutor(_fbase.Executor):
     its workers.  ``steal``: the steal rules between nodes (a StealConfig; None: no stealing
     between nodes).  Other keyword arguments (``cpus``, ``thread_limit``, ``records``,
     ``metrics``, ``hang_timeout``, ``max_tasks_per_child``, ``initializer``, ``initargs``)
-    go to each node's executor.
+    go to each node's executor.  Agents: ``spawn_agent``, ``agent(name)``, ``agents()``,
+    ``call_all`` (``stealer/cluster/agents.py``).
     """
 
     def __init__(self, cluster: Any, *, executor_cls: type, max_workers: int | None = None,
@@ -245,9 +130,9 @@ class ClusterExecutor(_fbase.Executor):
                  **local: Any) -> None:
         bad = sorted(set(local) - set(LOCAL_OPTIONS))
         if bad:
-            raise ClusterError(f"Executor(cluster=...) does not take {', '.join(bad)} yet "
-                               "(journals and agents stay on one machine for now); drop "
-                               "them or use a local Executor")
+            raise ClusterError(f"Executor(cluster=...) does not take {', '.join(bad)} "
+                               "(journals stay on one machine for now); drop them or use "
+                               "a local Executor")
         if not isinstance(retries, int) or not 0 <= retries <= 255:
             raise ValueError(f"retries must be an int from 0 to 255, not {retries!r}")
         self._owns_ray = _connect(cluster)
@@ -266,10 +151,10 @@ class ClusterExecutor(_fbase.Executor):
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         self._tids = itertools.count()
-        self._ledger: dict[int, _Task] = {}
-        self._agents: dict[int, _Agent] = {}
-        self._names: dict[str, _Agent] = {}
-        self._nodes: dict[str, _Node] = {}
+        self._ledger: dict[int, Task] = {}
+        self._agents: dict[int, AgentRecord] = {}
+        self._names: dict[str, AgentRecord] = {}
+        self._nodes: dict[str, NodeView] = {}
         self._orphans: list[int] = []  # tasks with no alive node to go to
         self._waits: dict[Any, tuple] = {}  # ObjectRef -> (kind, node, extra)
         self._membership = 0  # bumped whenever a node becomes ready or is lost
@@ -304,7 +189,7 @@ class ClusterExecutor(_fbase.Executor):
                 scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
             ).remote(nid, self._cls, workers, self._local, self._fence_s, self._window_s,
                      self._steal, self._rng.randrange(1 << 30))
-            node = _Node(nid, handle, workers)
+            node = NodeView(nid, handle, workers)
             with self._lock:
                 self._nodes[nid] = node
             starting.append((node, handle.ping.remote()))
@@ -331,12 +216,13 @@ class ClusterExecutor(_fbase.Executor):
                     self._stop_nodes()
                     raise ClusterError(
                         f"no node agent started on node {node.id[:12]} in {START_S:.0f} s: "
-                        f"a node agent takes all of its node's CPUs (num_cpus={node.workers}), "
-                        "so another cluster executor, or Ray tasks and actors holding CPUs "
-                        "there, keep it from being placed. Shut the other executor down or "
-                        "free the node's CPUs") from exc
+                        f"a node agent takes a CPU per worker (num_cpus={node.workers}, all "
+                        "of the node's unless max_workers= says fewer), so another cluster "
+                        "executor, or Ray tasks and actors holding CPUs there, keep it from "
+                        "being placed. Shut the other executor down, free the node's CPUs "
+                        "or pass max_workers=") from exc
 
-    def _poll(self, node: _Node) -> None:
+    def _poll(self, node: NodeView) -> None:
         """The node's next long poll for results (one outstanding per node).  The peers'
         handles go only when the set of nodes changed since this node last got them
         (deserializing actor handles costs the node agent more than the rest of a call)."""
@@ -360,7 +246,7 @@ class ClusterExecutor(_fbase.Executor):
             if self._shutdown:
                 raise ExecutorShutdownError("cannot schedule new futures after shutdown")
             tid = next(self._tids)
-            t = _Task(fut, (fn, args, kwargs), None)
+            t = Task(fut, (fn, args, kwargs), None)
             self._ledger[tid] = t
             self._stats.submitted += 1
             full = self._place(tid, t)
@@ -381,7 +267,7 @@ class ClusterExecutor(_fbase.Executor):
                 raise ClusterError(f"no node executor on node {node_id!r}; pick one of "
                                    "ex.nodes")
             tid = next(self._tids)
-            t = _Task(fut, (fn, args, kwargs), node)
+            t = Task(fut, (fn, args, kwargs), node)
             self._ledger[tid] = t
             self._stats.submitted += 1
             full = self._enqueue(node, tid, t)
@@ -389,7 +275,7 @@ class ClusterExecutor(_fbase.Executor):
             self._send(full)
         return fut
 
-    def _place(self, tid: int, t: _Task) -> _Node | None:
+    def _place(self, tid: int, t: Task) -> NodeView | None:
         """Put a task in a node's pending batch (under the lock); the node if that batch is
         full now (the caller sends it, outside the lock)."""
         loads = self._alive()
@@ -399,7 +285,7 @@ class ClusterExecutor(_fbase.Executor):
             return None
         return self._enqueue(self._nodes[place(loads, self._rng, self._sent(loads))], tid, t)
 
-    def _enqueue(self, node: _Node, tid: int, t: _Task) -> _Node | None:
+    def _enqueue(self, node: NodeView, tid: int, t: Task) -> NodeView | None:
         t.node = node
         fn, args, kwargs = t.call
         if not node.pending:
@@ -408,17 +294,47 @@ class ClusterExecutor(_fbase.Executor):
         node.pending.append((tid, fn, args, kwargs, t.hops))
         return node if len(node.pending) >= self._batch_size else None
 
-    def _send(self, node: _Node) -> None:
+    def _send(self, node: NodeView) -> None:
         with self._lock:
             batch, node.pending = node.pending, []
             if not batch or not node.alive:
                 return
             batch = [b for b in batch if self._running(b[0])]
             node.sent += len(batch)
-        if batch:
+        if not batch:
+            return
+        try:
             ref = node.handle.submit.remote(batch)
-            with self._lock:
-                self._waits[ref] = ("submit", node, batch)
+        except Exception as exc:  # Ray could not serialize the batch: find who, fail them
+            batch = self._unpicklable(batch, exc)
+            if not batch:
+                return
+            ref = node.handle.submit.remote(batch)
+        with self._lock:
+            self._waits[ref] = ("submit", node, batch)
+
+    def _unpicklable(self, batch: list[tuple], exc: Exception) -> list[tuple]:
+        """The tasks of ``batch`` that pickle; the others' futures fail with
+        SerializationError (as a local executor's submit raises it)."""
+        import cloudpickle
+
+        good = []
+        for b in batch:
+            try:
+                cloudpickle.dumps(b[1:4])
+            except Exception as e:
+                with self._lock:
+                    t = self._ledger.pop(b[0], None)
+                if t is not None:
+                    t.fut.set_exception(SerializationError(
+                        f"the task could not be sent to its node: {type(e).__name__}: {e}. "
+                        "Pass picklable functions and arguments (module-level functions, "
+                        "no locks, sockets or open files)"))
+            else:
+                good.append(b)
+        if len(good) == len(batch):
+            raise exc  # not a pickling problem after all
+        return good
 
     def _running(self, tid: int) -> bool:
         """Mark a task's future running as its batch leaves (under the lock); False if the
@@ -442,109 +358,6 @@ class ClusterExecutor(_fbase.Executor):
         chunks = iter(lambda: list(itertools.islice(items, chunksize)), [])
         results = super().map(lambda c: run_chunk(fn, c), chunks, timeout=timeout)
         return itertools.chain.from_iterable(results)
-
-    # -- agents ---------------------------------------------------------------------------------
-
-    def spawn_agent(self, cls: type, /, *args: Any, init_kwargs: dict | None = None,
-                    retries: int | None = None, name: str | None = None,
-                    **options: Any) -> ClusterAgentRef:
-        """Start an agent on a node (power of two choices): ``cls(*args, **init_kwargs)``
-        lives in that node's executor (options as :meth:`stealer.Executor.spawn_agent`).
-        When its node is lost it starts again on another from its spawn arguments (its
-        state since is lost; at most ``retries`` times, default the executor's) and the
-        calls it had not answered go to it there (at-least-once)."""
-        r = self._retries if retries is None else retries
-        with self._lock:
-            if self._shutdown:
-                raise ExecutorShutdownError("cannot spawn agents after shutdown")
-            if name is not None and name in self._names:
-                raise ValueError(f"an agent named {name!r} exists already in this executor")
-            a = _Agent(next(self._tids), (cls, args, init_kwargs or {}, options), name, r)
-            loads = self._alive()
-            if not loads:
-                raise ClusterError("no alive node to spawn the agent on")
-            a.node = self._place_agent()
-            self._agents[a.aid] = a
-            if name is not None:
-                self._names[name] = a
-            self._agent_op(a, "spawn", a.spawn)
-        return ClusterAgentRef(self, a)
-
-    def agent(self, name: str) -> ClusterAgentRef:
-        """The agent spawned with ``name`` (wherever it lives now)."""
-        a = self._names.get(name)
-        if a is None:
-            raise AgentNotFound(f"no agent named {name!r} in this cluster executor; "
-                                "spawn_agent(..., name=NAME) names one")
-        return ClusterAgentRef(self, a)
-
-    def agents(self) -> dict[str, ClusterAgentRef]:
-        """The named agents, by name."""
-        return {n: ClusterAgentRef(self, a) for n, a in sorted(self._names.items())}
-
-    def call_all(self, refs: Iterable[ClusterAgentRef], method: str,
-                 args: Iterable[tuple] | None = None) -> list[Future]:
-        """One call per agent, the i-th with the i-th tuple of arguments (batched per node)."""
-        refs = list(refs)
-        args = [()] * len(refs) if args is None else list(args)
-        return [r.call(method, *a) for r, a in zip(refs, args)]
-
-    def _agent_op(self, a: _Agent, kind: str, arg: Any) -> Future:
-        fut: Future = Future()
-        with self._lock:
-            if self._shutdown and kind in ("call", "send"):
-                raise ExecutorShutdownError("cannot message agents after shutdown")
-            if a.failed is not None:
-                fut.set_exception(a.failed)
-                return fut
-            tid = next(self._tids)
-            t = _Task(fut, (AgentOp(kind, a.aid, arg), (), {}), a.node, a)
-            self._ledger[tid] = t
-            full = self._enqueue(a.node, tid, t)
-        if full is not None:
-            self._send(full)
-        return fut
-
-    def _restart(self, a: _Agent, tids: list[int], lost: _Node) -> None:
-        """An agent whose node was lost: spawned again elsewhere, then its unanswered
-        operations in their first order (under the lock)."""
-        a.losses += 1
-        loads = self._alive()
-        if a.losses > a.retries or not loads:
-            why = ("no node is left" if not loads
-                   else f"it had been restarted {a.losses - 1} time(s) (retries={a.retries})")
-            a.failed = NodeLostError(f"the agent's node {lost.id[:12]} was lost and {why}; "
-                                     "its calls fail")
-            for tid in tids:
-                t = self._ledger.pop(tid)
-                t.fut.set_exception(a.failed)
-            return
-        a.node = self._place_agent()
-        tid = next(self._tids)
-        t = _Task(Future(), (AgentOp("spawn", a.aid, a.spawn), (), {}), a.node, a)
-        self._ledger[tid] = t
-        full = {self._enqueue(a.node, tid, t)}
-        for tid in sorted(tids):
-            t = self._ledger[tid]
-            if t.call[0].kind == "spawn":
-                del self._ledger[tid]  # the old start's ack: the new one replaces it
-                continue
-            t.hops += 1 << 16
-            full.add(self._enqueue(a.node, tid, t))
-        self._stats.resubmitted += len(tids)
-        full.discard(None)
-        for n in full:
-            threading.Thread(target=self._send, args=(n,), daemon=True).start()
-
-    def _place_agent(self) -> _Node:
-        """Power of two choices on the live agents per worker this client put on each node
-        (exact, where task load reports may be half a second old)."""
-        count: dict[str, int] = {n.id: 0 for n in self._nodes.values() if n.alive and n.ready}
-        for a in self._agents.values():
-            if a.node is not None and a.node.id in count and a.failed is None and not a.over:
-                count[a.node.id] += 1
-        loads = {n: Load(n, self._nodes[n].workers, queued=c) for n, c in count.items()}
-        return self._nodes[place(loads, self._rng)]
 
     def _sent(self, loads: dict[str, Load]) -> dict[str, int]:
         return {n: self._nodes[n].sent + len(self._nodes[n].pending) for n in loads}
@@ -589,7 +402,7 @@ class ClusterExecutor(_fbase.Executor):
                 except Exception as exc:  # a bug here must not strand every future
                     _complain("the results thread", exc)
 
-    def _handle(self, kind: str, node: _Node, extra: Any, value: Any) -> None:
+    def _handle(self, kind: str, node: NodeView, extra: Any, value: Any) -> None:
         node.backoff = 0.0
         if kind == "ready":
             node.load, node.ready = value, True
@@ -616,7 +429,7 @@ class ClusterExecutor(_fbase.Executor):
     def _closed_down(self) -> bool:
         return self._closing and not self._ledger
 
-    def _settle(self, node: _Node, out: list, moved: list) -> None:
+    def _settle(self, node: NodeView, out: list, moved: list) -> None:
         st = self._stats
         dead = []
         with self._lock:
@@ -646,7 +459,7 @@ class ClusterExecutor(_fbase.Executor):
                 fut.set_exception(with_remote_tb(value))
         del done
 
-    def _retry(self, kind: str, node: _Node, extra: Any) -> None:
+    def _retry(self, kind: str, node: NodeView, extra: Any) -> None:
         """A transient ActorUnavailableError: the same call again after a backoff (50 ms,
         doubling to 1 s), from a timer: the results thread does not wait."""
         node.backoff = min(1.0, max(0.05, node.backoff * 2))
@@ -655,7 +468,7 @@ class ClusterExecutor(_fbase.Executor):
         timer.daemon = True
         timer.start()
 
-    def _reissue(self, kind: str, node: _Node, extra: Any) -> None:
+    def _reissue(self, kind: str, node: NodeView, extra: Any) -> None:
         if not node.alive:
             return
         if kind == "results":
@@ -669,7 +482,7 @@ class ClusterExecutor(_fbase.Executor):
             with self._lock:
                 self._waits[ref] = ("ready", node, None)
 
-    def _lost(self, node: _Node, why: str) -> None:
+    def _lost(self, node: NodeView, why: str) -> None:
         """The node is gone (authoritative): re-place every unfinished task it had."""
         t0 = time.monotonic()
         with self._lock:
@@ -681,7 +494,7 @@ class ClusterExecutor(_fbase.Executor):
                 del self._waits[ref]
             tids = [tid for tid, t in self._ledger.items() if t.node is node]
             node.pending = []
-            ops: dict[_Agent, list[int]] = {a: [] for a in self._agents.values()
+            ops: dict[AgentRecord, list[int]] = {a: [] for a in self._agents.values()
                                             if a.node is node and a.failed is None
                                             and not a.over}
             for tid in tids:
@@ -699,7 +512,7 @@ class ClusterExecutor(_fbase.Executor):
         except Exception:
             pass
 
-    def _replace(self, tids: list[int], node: _Node) -> int:
+    def _replace(self, tids: list[int], node: NodeView) -> int:
         """Place lost tasks again under the retries policy (under the lock); sends the
         batches that filled, and wakes the flush thread for the rest."""
         failed, full, n = [], set(), 0

@@ -279,6 +279,11 @@ class NodeAgent:
         self._push()
 
     @ray.method(concurrency_group="steal")
+    def unlifeline(self, thief: str) -> None:
+        """The thief got work by other ways: its lifeline here is dropped."""
+        self.victim.forget(thief)
+
+    @ray.method(concurrency_group="steal")
     def take(self, batch: list[tuple], source: str) -> None:
         """A lifeline push from ``source`` (it reports the move to the client)."""
         self._accept(batch)
@@ -452,6 +457,9 @@ class NodeAgent:
         self.idle_ev = ev = asyncio.Event()
         while not self.fenced:
             if self.queue or self.inflight:
+                for b in registered:  # busy again: the buddies must not push to us now
+                    if b in self.peers:
+                        self.peers[b].unlifeline.remote(self.node)
                 registered = []
                 ev.clear()
                 if self.queue or self.inflight:

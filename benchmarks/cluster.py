@@ -9,7 +9,7 @@ health checks (the settings are printed), node k's executor pinned to CPU k.  On
    one Ray actor per node (``--ray-tasks``), pipelined both;
 2. skew: 2,000 tasks of Pareto durations (shape 1.5, mean 2 ms, cap 200 ms, busy-waits):
    makespan and efficiency (sum of work / 2 CPUs / makespan) for the three;
-3. fork-join roots: 8 fib(27) trees (cutoff 16, children by stealer.spawn) on both nodes
+3. fork-join roots: 8 fib(30) trees (cutoff 18, children by stealer.spawn) on both nodes
    against the same on one node (``steal=None``, every tree submitted to one node);
 4. node death: ``--death-tasks`` tasks of 20 ms, the second node removed mid-run; the time
    from the removal to the client's re-placing of that node's tasks, and a check that every
@@ -141,13 +141,13 @@ def main() -> None:
         for r in refs:
             r.stop()
         ex.submit(fib, 20, 16).result()
-        two = timed(lambda: [f.result() for f in [ex.submit(fib, 27, 16) for _ in range(8)]])
+        two = timed(lambda: [f.result() for f in [ex.submit(fib, 30, 18) for _ in range(8)]])
         ex.shutdown()
         ex1 = stealer.Executor(cluster=True, steal=None)
         one_node = ex1.nodes[0]
         ex1.submit_to(one_node, fib, 20, 16).result()
         one = timed(lambda: [f.result() for f in
-                             [ex1.submit_to(one_node, fib, 27, 16) for _ in range(8)]])
+                             [ex1.submit_to(one_node, fib, 30, 18) for _ in range(8)]])
         ex1.shutdown()
         out["forkjoin_roots"] = {"one_node_s": one, "two_nodes_s": two, "speedup": one / two}
 

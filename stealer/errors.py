@@ -7,12 +7,15 @@ written for :class:`~concurrent.futures.ProcessPoolExecutor` keeps working:
     StealerError
      ├── BrokenExecutor        (also concurrent.futures.BrokenExecutor)
      │    └── WorkerCrashedError  (also concurrent.futures.process.BrokenProcessPool)
+     │         └── NodeLostError   the cluster node running this task died (retries used up)
      ├── SerializationError    (also pickle.PicklingError)
      ├── ExecutorShutdownError (also RuntimeError, like submit-after-shutdown in the stdlib)
      ├── AffinityError         (also ValueError)
      ├── SharedMemoryFullError (also OSError) /dev/shm has no room for a new executor
      ├── NotInTaskError        (also RuntimeError)
      ├── RemoteError           a task's exception that could not be sent back as itself
+     ├── ClusterError          Executor(cluster=...) cannot use the cluster (no Ray, no node)
+     │    └── NodeFencedError  a node cut off from its client stopped its workers
      └── AgentError            names the agent (agent_id) and its generation
           ├── MailboxFull      a send found the mailbox full (block=False, or timed out)
           ├── StepTimeout      a step ran past its step_timeout
@@ -45,6 +48,9 @@ __all__ = [
     "NotInTaskError",
     "RemoteError",
     "RemoteTraceback",
+    "ClusterError",
+    "NodeFencedError",
+    "NodeLostError",
     "AgentError",
     "MailboxFull",
     "StepTimeout",
@@ -91,6 +97,22 @@ class NotInTaskError(StealerError, RuntimeError):
 
 class RemoteError(StealerError):
     """A task raised an exception that could not be pickled back as itself."""
+
+
+class ClusterError(StealerError, RuntimeError):
+    """``Executor(cluster=...)`` cannot run on the cluster: Ray is not installed, the address
+    does not answer, no alive node has a CPU, or a node executor failed to start.  The message
+    says which and what to do."""
+
+
+class NodeFencedError(ClusterError):
+    """A node agent that heard nothing from its client for ``fence_s`` seconds stopped its
+    workers and refuses work: the client re-runs that node's tasks elsewhere."""
+
+
+class NodeLostError(WorkerCrashedError):
+    """The cluster node that ran this task died (or fenced itself) more times than the
+    executor's ``retries``; the task ran at least once per loss (at-least-once)."""
 
 
 class RemoteTraceback(Exception):

@@ -54,6 +54,7 @@ from stealer.client.progress import Counted, map_progress
 from stealer.client.stats import Stats, collect
 from stealer.errors import (
     BrokenExecutor,
+    ClusterError,
     ExecutorShutdownError,
     RemoteTraceback,
     SerializationError,
@@ -344,6 +345,10 @@ class Executor(_fbase.Executor):
       longer is killed too: ``hang_timeout`` must exceed your longest task
       (a blocking join counts as the time its children take).  See
       stealer/client/hang.py; ``stealer top`` shows a frozen worker as "frozen Ns".
+    * ``cluster``: a Ray address (or True: the Ray this process initialised) returns a
+      :class:`stealer.cluster.client.ClusterExecutor` instead: the same ``submit``/``map``/
+      ``shutdown`` over one executor per node, ``max_workers`` per node (README "Running
+      on a cluster"; needs ``pip install 'stealer[ray]'``).
     * tasks may :func:`stealer.spawn` children and join them by ``yield``.
 
     Over 400 lines: it is the whole public API of an executor, and more than a quarter of
@@ -352,6 +357,25 @@ class Executor(_fbase.Executor):
     ``_Pool``, the agents' client in stealer/client/agents.py, ``map``'s feed and results in
     this module's functions).
     """
+
+    def __new__(cls, *args: Any, cluster: Any = None, **kwargs: Any) -> Any:
+        # Executor(cluster=ADDRESS): the same API over one executor per node of a Ray
+        # cluster, a class of its own (stealer/cluster/client.py says why).  The one import
+        # of the cluster integration from the core, lazily here (tests/test_layers.py).
+        if cluster is None:
+            return super().__new__(cls)
+        try:
+            from stealer.cluster.client import ClusterExecutor
+        except ImportError as exc:
+            raise ClusterError(
+                f"Executor(cluster=...) needs Ray ({exc}); install the extra: "
+                "pip install 'stealer[ray]'") from exc
+        if args:
+            kwargs["max_workers"] = args[0]
+            if len(args) > 1:
+                raise TypeError("Executor(cluster=...) takes max_workers (per node) as its "
+                                "only positional argument")
+        return ClusterExecutor(cluster, executor_cls=cls, **kwargs)
 
     def __init__(
         self,
@@ -370,6 +394,7 @@ class Executor(_fbase.Executor):
         durability: str = "batch",
         recover: bool = False,
         hang_timeout: float | None = None,
+        cluster: None = None,
     ) -> None:
         topo = affinity.read_topology()
         if max_workers is None:

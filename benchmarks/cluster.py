@@ -1,0 +1,190 @@
+"""The cluster executor beside plain Ray on a 2-node local test cluster (issue 22's targets).
+
+One ``ray.cluster_utils.Cluster`` on this machine: 2 nodes x 1 CPU, dashboard off, fast
+health checks (the settings are printed), node k's executor pinned to CPU k.  One run:
+
+1. submit throughput: ``--tasks`` no-op tasks through ``Executor(cluster=True)`` (submit
+   all, then every result), against plain Ray tasks (``f.remote`` for each, then one
+   ``ray.get``); ``--tasks`` calls to 8 agents (placed over both nodes) against calls to
+   one Ray actor per node (``--ray-tasks``), pipelined both;
+2. skew: 2,000 tasks of Pareto durations (shape 1.5, mean 2 ms, cap 200 ms, busy-waits):
+   makespan and efficiency (sum of work / 2 CPUs / makespan) for the three;
+3. fork-join roots: 8 fib(30) trees (cutoff 18, children by stealer.spawn) on both nodes
+   against the same on one node (``steal=None``, every tree submitted to one node);
+4. node death: ``--death-tasks`` tasks of 20 ms, the second node removed mid-run; the time
+   from the removal to the client's re-placing of that node's tasks, and a check that every
+   result came back exactly once.
+
+    python benchmarks/cluster.py [--tasks 20000] [--ray-tasks 2000] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import ray
+from ray.cluster_utils import Cluster
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+import stealer
+from stealer.bench.ideal import pareto_durations
+from stealer.bench.workloads import busy, fib, noop
+
+HEALTH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 200,
+          "health_check_failure_threshold": 3, "health_check_timeout_ms": 200}
+
+
+class Echo(stealer.Agent):
+    """A message-only agent: ``echo`` returns its argument."""
+
+    def echo(self, x):
+        return x
+
+
+@ray.remote(num_cpus=1)
+def ray_noop(x):
+    return x
+
+
+@ray.remote(num_cpus=1)
+def ray_busy(s):
+    busy(s)
+    return s
+
+
+@ray.remote(num_cpus=1)
+class RayWorker:
+    def noop(self, x):
+        return x
+
+    def busy(self, s):
+        busy(s)
+        return s
+
+
+def ray_actors() -> list:
+    nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+    actors = [RayWorker.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+        n, soft=False)).remote() for n in nodes]
+    ray.get([a.noop.remote(0) for a in actors])
+    return actors
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tasks", type=int, default=20000)
+    ap.add_argument("--ray-tasks", type=int, default=2000)
+    ap.add_argument("--death-tasks", type=int, default=200)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    env = lambda k: {"STEALER_NODE_CPUS": str(k)}  # noqa: E731
+    c = Cluster(initialize_head=True, connect=True, head_node_args={
+        "num_cpus": 1, "include_dashboard": False, "_system_config": HEALTH,
+        "env_vars": env(0)})
+    out: dict = {"health_checks": HEALTH}
+    try:
+        second = c.add_node(num_cpus=1, env_vars=env(1))
+        c.wait_for_nodes()
+        work = pareto_durations(2000, 1.5, 0.002, 0.2, seed=1)
+        ideal = sum(work) / 2
+
+        # -- plain Ray first (stealer's node agents take every CPU while they live)
+        n = a.ray_tasks
+        ray.get([ray_noop.remote(i) for i in range(100)])  # warm the worker pool
+        dt = timed(lambda: ray.get([ray_noop.remote(i) for i in range(n)]))
+        out["ray_tasks_per_s"] = n / dt
+        dt = timed(lambda: ray.get([ray_busy.remote(s) for s in work]))
+        out["skew_ray_tasks"] = {"makespan_s": dt, "efficiency": ideal / dt}
+        actors = ray_actors()  # (they hold the CPUs: after the tasks)
+        dt = timed(lambda: ray.get([actors[i % 2].noop.remote(i) for i in range(n)]))
+        out["ray_actor_calls_per_s"] = n / dt
+        dt = timed(lambda: ray.get([actors[i % 2].busy.remote(s) for i, s in enumerate(work)]))
+        out["skew_ray_actors"] = {"makespan_s": dt, "efficiency": ideal / dt}
+        for x in actors:
+            ray.kill(x)
+        time.sleep(1.0)
+
+        # -- stealer
+        ex = stealer.Executor(cluster=True, seed=1)
+        ex.submit(noop, 1).result()
+        fs = []
+        t = time.perf_counter()
+        fs = [ex.submit(noop, i) for i in range(a.tasks)]
+        submit_s = time.perf_counter() - t
+        assert [f.result() for f in fs] == list(range(a.tasks))
+        dt = time.perf_counter() - t
+        out["stealer_tasks_per_s"] = a.tasks / dt
+        out["stealer_submit_us_per_task"] = submit_s / a.tasks * 1e6
+        t = time.perf_counter()
+        assert len(list(ex.map(noop, range(a.tasks), chunksize=64))) == a.tasks
+        out["stealer_map_chunk64_per_s"] = a.tasks / (time.perf_counter() - t)
+        dt = timed(lambda: [f.result() for f in [ex.submit(busy, s) for s in work]])
+        out["skew_stealer"] = {"makespan_s": dt, "efficiency": ideal / dt,
+                               "moved": ex.stats().moved}
+        refs = [ex.spawn_agent(Echo) for _ in range(8)]
+        assert [r.call("echo", i).result() for i, r in enumerate(refs)] == list(range(8))
+        on = {r.node for r in refs}
+        dt = timed(lambda: [f.result() for f in [refs[i % 8].call("echo", i)
+                                                 for i in range(a.tasks)]])
+        out["stealer_agent_calls_per_s"] = a.tasks / dt
+        out["stealer_agent_nodes"] = len(on)
+        for r in refs:
+            r.stop()
+        ex.submit(fib, 20, 16).result()
+        two = timed(lambda: [f.result() for f in [ex.submit(fib, 30, 18) for _ in range(8)]])
+        ex.shutdown()
+        ex1 = stealer.Executor(cluster=True, steal=None)
+        one_node = ex1.nodes[0]
+        ex1.submit_to(one_node, fib, 20, 16).result()
+        one = timed(lambda: [f.result() for f in
+                             [ex1.submit_to(one_node, fib, 30, 18) for _ in range(8)]])
+        ex1.shutdown()
+        out["forkjoin_roots"] = {"one_node_s": one, "two_nodes_s": two, "speedup": one / two}
+
+        # -- a node dies mid-run
+        ex = stealer.Executor(cluster=True, seed=2)
+        head = ray.get_runtime_context().get_node_id()
+        fs = [ex.submit(busy, 0.02) for _ in range(a.death_tasks)]
+        time.sleep(0.8)
+        t_remove = time.time()
+        c.remove_node(second)
+        t_removed = time.time()
+        [f.result(timeout=120) for f in fs]
+        t_done = time.time()
+        st = ex.stats()
+        (loss,) = st.losses
+        out["node_death"] = {
+            "remove_node_s": t_removed - t_remove,
+            "detected_after_removal_began_s": loss["at"] - t_remove,
+            "replace_s": loss["replace_s"], "tasks_replaced": loss["replaced"],
+            "why": loss["why"], "all_done_after_removal_s": t_done - t_remove,
+            "results": len(fs), "duplicates_dropped": st.duplicates,
+            "nodes_left": [n == head for n in ex.nodes]}
+        ex.shutdown()
+    finally:
+        ray.shutdown()
+        c.shutdown()
+    out["submit_ratio_vs_ray_tasks"] = out["stealer_tasks_per_s"] / out["ray_tasks_per_s"]
+    out["agent_call_ratio_vs_ray_actors"] = (out["stealer_agent_calls_per_s"]
+                                             / out["ray_actor_calls_per_s"])
+    if a.json:
+        json.dump(out, sys.stdout, indent=1)
+        print()
+        return
+    for k, v in out.items():
+        print(f"{k}: {v}")
+    print(f"(one run, {os.cpu_count()} CPUs, Ray {ray.__version__})")
+
+
+if __name__ == "__main__":
+    main()

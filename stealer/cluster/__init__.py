@@ -1,0 +1,13 @@
+"""stealer on a cluster: one node executor per node of a Ray cluster, stealing between nodes.
+
+``stealer.Executor(cluster=ADDRESS)`` (or ``cluster=True`` when this process already called
+``ray.init``) returns a :class:`stealer.cluster.client.ClusterExecutor`.  The package sits on
+top of the core, as the joblib integration does: the core imports it only lazily, from the
+``Executor`` facade when ``cluster=`` is given (tests/test_layers.py), and ``import stealer``
+never imports it nor Ray (the optional extra ``stealer[ray]``).
+
+Modules: ``policy.py`` (placement and the steal rules, pure Python), ``client.py`` (the
+executor the user holds: batches, results, node loss), ``ledger.py`` (its records of tasks,
+agents and nodes), ``agents.py`` (agents on the cluster), ``node.py`` (the node agent, a Ray
+actor on each node that runs that node's local executor).
+"""

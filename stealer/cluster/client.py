@@ -1,0 +1,683 @@
+"""The cluster executor: the same submit/map/shutdown and futures, run by node executors.
+
+``stealer.Executor(cluster=...)`` returns a :class:`ClusterExecutor` (the facade in
+``stealer/client/executor.py`` imports this module lazily, only then).  It is its own class,
+not a mode of the local ``Executor``: that one *is* a shared-memory pool (its ``submit`` is a
+native call that writes a record into the segment), and a cluster client has no segment; a
+flag tested in every method of the hot path would slow the local executor down for nothing.
+The API is the same: a ``concurrent.futures.Executor`` whose futures are real
+``concurrent.futures.Future`` objects (``wait``, ``as_completed``, ``asyncio.wrap_future``).
+
+How a task travels::
+
+  submit ─▶ place (power of two choices on load reports) ─▶ node's pending batch
+         ─▶ (batch_size tasks, or batch_s after its first) NodeAgent.submit(batch)
+  node agent queue ─▶ local stealer executor (a window) ─▶ result ─▶ node's out list
+  collector thread ◀── NodeAgent.results (long poll; results + moved + load report,
+                       each batch sent again until the next poll acknowledges it)
+
+* **The ledger**: task id → (future, call, node, losses).  A node's results settle futures
+  (the first result of a task wins; a later duplicate is dropped, so results are never
+  duplicated); a victim's report of tasks a thief took moves them in the ledger.
+* **Node loss**: an ``ActorDiedError`` from a node agent, or the node reported dead by Ray,
+  is authoritative: every unfinished task of that node is placed again on the others, each
+  loss counted against the executor's ``retries`` (as a worker death is on one machine:
+  at-least-once; past it the future fails with :class:`~stealer.errors.NodeLostError`).  A
+  transient ``ActorUnavailableError`` only retries the call with backoff.  A node agent that
+  fenced itself (:class:`~stealer.errors.NodeFencedError`) counts as lost.
+* **Nodes joining**: the membership thread looks at ``ray.nodes()`` every ``health_s`` and
+  starts a node agent on each new alive node with CPUs; its cores join the placement when
+  its executor is ready.  It also pings each node agent (their ``health`` concurrency group),
+  which keeps them from fencing themselves.
+
+Threads: the caller's (``submit`` appends to a batch; a full batch is sent from there), the
+collector (waits on every outstanding Ray call, settles futures, re-places lost work) and
+the membership/flush thread (time-bounded batches, pings, joins and deaths).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
+from concurrent.futures import _base as _fbase
+from typing import Any
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from stealer.cluster.agents import AgentsOnCluster, ClusterAgentRef
+from stealer.cluster.ledger import AgentRecord, ClusterStats, NodeView, Task
+from stealer.cluster.node import NodeAgent, run_chunk
+from stealer.cluster.policy import Load, StealConfig, place
+from stealer.errors import (
+    ClusterError,
+    ExecutorShutdownError,
+    NodeFencedError,
+    NodeLostError,
+    SerializationError,
+    with_remote_tb,
+)
+
+__all__ = ["ClusterAgentRef", "ClusterExecutor", "ClusterStats"]
+
+DEFAULT_STEAL = StealConfig()  # frozen: one instance serves every executor
+START_S = 60.0  # node agents must be ready this long after Executor(cluster=...)
+
+#: Local executor options a node executor takes as they are.
+LOCAL_OPTIONS = ("cpus", "thread_limit", "records", "metrics", "hang_timeout",
+                 "max_tasks_per_child", "initializer", "initargs")
+
+
+def _complain(who: str, exc: BaseException) -> None:
+    import sys
+    import traceback
+
+    print(f"stealer.cluster: {who} caught {type(exc).__name__}: {exc} (going on)",
+          file=sys.stderr)
+    traceback.print_exc()
+
+
+def _connect(cluster: Any) -> bool:
+    """Connect to Ray; True if this executor called ray.init (and so shuts Ray down)."""
+    if cluster is True or cluster is ray:
+        if not ray.is_initialized():
+            raise ClusterError("Executor(cluster=True) uses the Ray this process already "
+                               "started, but ray.init() was not called; call it first or "
+                               "pass the cluster's address: Executor(cluster='HOST:PORT')")
+        return False
+    if not isinstance(cluster, str):
+        raise ClusterError(f"cluster= takes a Ray address ('auto', 'HOST:PORT', "
+                           f"'ray://HOST:PORT') or True, not {cluster!r}")
+    if ray.is_initialized():
+        return False
+    try:
+        ray.init(address=cluster, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+    except Exception as exc:
+        raise ClusterError(f"cannot connect to the Ray cluster at {cluster!r}: {exc}. Start "
+                           "one (`ray start --head`) or pass its address") from exc
+    return True
+
+
+class ClusterExecutor(AgentsOnCluster, _fbase.Executor):
+    """A ``concurrent.futures.Executor`` over one stealer executor per node of a Ray cluster.
+
+    ``cluster``: a Ray address, or True for the Ray this process already initialised.
+    ``max_workers``: worker processes per node at most (default: the node's CPUs).
+    ``retries``: node losses (and worker deaths on a node) a task survives.  ``batch_size``
+    and ``batch_s``: a batch to a node goes when it has that many tasks or that long after its
+    first.  ``linger_s``: a node holds results back up to that long to batch them while it
+    still runs work (never when it has nothing left).  ``fence_s``: a node agent that hears
+    nothing from this client for that long stops
+    its workers.  ``steal``: the steal rules between nodes (a StealConfig; None: no stealing
+    between nodes).  Other keyword arguments (``cpus``, ``thread_limit``, ``records``,
+    ``metrics``, ``hang_timeout``, ``max_tasks_per_child``, ``initializer``, ``initargs``)
+    go to each node's executor.  Agents: ``spawn_agent``, ``agent(name)``, ``agents()``,
+    ``call_all`` (``stealer/cluster/agents.py``).
+    """
+
+    def __init__(self, cluster: Any, *, executor_cls: type, max_workers: int | None = None,
+                 retries: int = 3, batch_size: int = 256, batch_s: float = 0.002,
+                 fence_s: float = 10.0, health_s: float = 0.5, window_s: float = 0.005,
+                 linger_s: float = 0.05,
+                 steal: StealConfig | None = DEFAULT_STEAL, seed: int | None = None,
+                 **local: Any) -> None:
+        bad = sorted(set(local) - set(LOCAL_OPTIONS))
+        if bad:
+            raise ClusterError(f"Executor(cluster=...) does not take {', '.join(bad)} "
+                               "(journals stay on one machine for now); drop them or use "
+                               "a local Executor")
+        if not isinstance(retries, int) or not 0 <= retries <= 255:
+            raise ValueError(f"retries must be an int from 0 to 255, not {retries!r}")
+        self._owns_ray = _connect(cluster)
+        self._cls = executor_cls
+        self._local = {"retries": retries, **local}
+        self._max_workers = max_workers
+        self._retries = retries
+        self._batch_size = batch_size
+        self._batch_s = batch_s
+        self._fence_s = fence_s
+        self._health_s = health_s
+        self._window_s = window_s
+        self._linger_s = linger_s
+        self._steal = steal
+        self._rng = random.Random(seed)
+        self._lock = threading.RLock()
+        self._wake = threading.Condition(self._lock)
+        self._tids = itertools.count()
+        self._ledger: dict[int, Task] = {}
+        self._agents: dict[int, AgentRecord] = {}
+        self._names: dict[str, AgentRecord] = {}
+        self._nodes: dict[str, NodeView] = {}
+        self._orphans: list[int] = []  # tasks with no alive node to go to
+        self._waits: dict[Any, tuple] = {}  # ObjectRef -> (kind, node, extra)
+        self._membership = 0  # bumped whenever a node becomes ready or is lost
+        self._stats = ClusterStats()
+        self._shutdown = False
+        self._closing = False
+        self._start_nodes(wait=True)
+        if not any(n.ready for n in self._nodes.values()):
+            self._stop_nodes()
+            raise ClusterError("no alive Ray node with a CPU to run a node executor on; "
+                               "add nodes with `ray start --num-cpus=N`")
+        self._threads = [threading.Thread(target=self._collect, name="stealer-cluster-results",
+                                          daemon=True),
+                         threading.Thread(target=self._tend, name="stealer-cluster-tend",
+                                          daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    # -- nodes -----------------------------------------------------------------------------
+
+    def _start_nodes(self, wait: bool) -> None:
+        """A node agent on every alive node with CPUs that has none yet."""
+        starting = []
+        for info in ray.nodes():
+            nid = info["NodeID"]
+            cpus = int(info.get("Resources", {}).get("CPU", 0))
+            if not info.get("Alive") or cpus < 1 or nid in self._nodes:
+                continue
+            workers = min(cpus, self._max_workers or cpus)
+            handle = NodeAgent.options(
+                num_cpus=workers, max_restarts=0, max_task_retries=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
+            ).remote(nid, self._cls, workers, self._local, self._fence_s, self._window_s,
+                     self._steal, self._rng.randrange(1 << 30))
+            node = NodeView(nid, handle, workers)
+            with self._lock:
+                self._nodes[nid] = node
+            starting.append((node, handle.ping.remote()))
+        if not wait:
+            with self._lock:
+                for node, ref in starting:
+                    self._waits[ref] = ("ready", node, None)
+            return
+        deadline = time.monotonic() + START_S
+        for node, ref in starting:
+            try:
+                node.load = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+                node.ready = True
+                self._membership += 1
+                self._poll(node)
+            except Exception as exc:
+                node.alive = False
+                ray.kill(node.handle, no_restart=True)
+                if isinstance(exc, RayTaskError):
+                    self._stop_nodes()
+                    raise ClusterError(f"the node executor on {node.id[:12]} failed to start: "
+                                       f"{exc}") from exc
+                if isinstance(exc, ray.exceptions.GetTimeoutError):
+                    self._stop_nodes()
+                    raise ClusterError(
+                        f"no node agent started on node {node.id[:12]} in {START_S:.0f} s: "
+                        f"a node agent takes a CPU per worker (num_cpus={node.workers}, all "
+                        "of the node's unless max_workers= says fewer), so another cluster "
+                        "executor, or Ray tasks and actors holding CPUs there, keep it from "
+                        "being placed. Shut the other executor down, free the node's CPUs "
+                        "or pass max_workers=") from exc
+
+    def _poll(self, node: NodeView) -> None:
+        """The node's next long poll for results (one outstanding per node).  The peers'
+        handles go only when the set of nodes changed since this node last got them
+        (deserializing actor handles costs the node agent more than the rest of a call)."""
+        loads = {n.id: n.load for n in self._nodes.values() if n.alive and n.ready}
+        peers = None
+        if node.peers_seen != self._membership:
+            peers = {n.id: n.handle for n in self._nodes.values() if n.alive and n.ready}
+            node.peers_seen = self._membership
+        ref = node.handle.results.remote(node.acked, 0.5, self._linger_s, loads, peers)
+        with self._lock:
+            self._waits[ref] = ("results", node, None)
+
+    def _alive(self) -> dict[str, Load]:
+        return {n.id: n.load for n in self._nodes.values() if n.alive and n.ready}
+
+    # -- submit ------------------------------------------------------------------------------
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        fut: Future = Future()
+        with self._lock:
+            if self._shutdown:
+                raise ExecutorShutdownError("cannot schedule new futures after shutdown")
+            tid = next(self._tids)
+            t = Task(fut, (fn, args, kwargs), None)
+            self._ledger[tid] = t
+            self._stats.submitted += 1
+            full = self._place(tid, t)
+        if full is not None:
+            self._send(full)
+        return fut
+
+    def submit_to(self, node_id: str, fn: Callable[..., Any], /, *args: Any,
+                  **kwargs: Any) -> Future:
+        """``submit`` to a chosen node (data already there, or a test of stealing): it is
+        queued there, and idle nodes may still steal it."""
+        fut: Future = Future()
+        with self._lock:
+            if self._shutdown:
+                raise ExecutorShutdownError("cannot schedule new futures after shutdown")
+            node = self._nodes.get(node_id)
+            if node is None or not node.alive:
+                raise ClusterError(f"no node executor on node {node_id!r}; pick one of "
+                                   "ex.nodes")
+            tid = next(self._tids)
+            t = Task(fut, (fn, args, kwargs), node)
+            self._ledger[tid] = t
+            self._stats.submitted += 1
+            full = self._enqueue(node, tid, t)
+        if full is not None:
+            self._send(full)
+        return fut
+
+    def _place(self, tid: int, t: Task) -> NodeView | None:
+        """Put a task in a node's pending batch (under the lock); the node if that batch is
+        full now (the caller sends it, outside the lock)."""
+        loads = self._alive()
+        if not loads:
+            t.node = None
+            self._orphans.append(tid)
+            return None
+        return self._enqueue(self._nodes[place(loads, self._rng, self._sent(loads))], tid, t)
+
+    def _enqueue(self, node: NodeView, tid: int, t: Task) -> NodeView | None:
+        t.node = node
+        fn, args, kwargs = t.call
+        if not node.pending:
+            node.pending_since = time.monotonic()
+            self._wake.notify()
+        node.pending.append((tid, fn, args, kwargs, t.hops))
+        return node if len(node.pending) >= self._batch_size else None
+
+    def _send(self, node: NodeView) -> None:
+        with self._lock:
+            batch, node.pending = node.pending, []
+            if not batch or not node.alive:
+                return
+            batch = [b for b in batch if self._running(b[0])]
+            node.sent += len(batch)
+        if not batch:
+            return
+        try:
+            ref = node.handle.submit.remote(batch)
+        except Exception as exc:  # Ray could not serialize the batch: find who, fail them
+            batch = self._unpicklable(batch, exc)
+            if not batch:
+                return
+            ref = node.handle.submit.remote(batch)
+        with self._lock:
+            self._waits[ref] = ("submit", node, batch)
+
+    def _unpicklable(self, batch: list[tuple], exc: Exception) -> list[tuple]:
+        """The tasks of ``batch`` that pickle; the others' futures fail with
+        SerializationError (as a local executor's submit raises it)."""
+        import cloudpickle
+
+        good = []
+        for b in batch:
+            try:
+                cloudpickle.dumps(b[1:4])
+            except Exception as e:
+                with self._lock:
+                    t = self._ledger.pop(b[0], None)
+                if t is not None:
+                    t.fut.set_exception(SerializationError(
+                        f"the task could not be sent to its node: {type(e).__name__}: {e}. "
+                        "Pass picklable functions and arguments (module-level functions, "
+                        "no locks, sockets or open files)"))
+            else:
+                good.append(b)
+        if len(good) == len(batch):
+            raise exc  # not a pickling problem after all
+        return good
+
+    def _running(self, tid: int) -> bool:
+        """Mark a task's future running as its batch leaves (under the lock); False if the
+        user cancelled it, which drops it."""
+        t = self._ledger.get(tid)
+        if t is None:
+            return False
+        if t.fut.running() or t.fut.set_running_or_notify_cancel():
+            return True
+        del self._ledger[tid]
+        return False
+
+    def map(self, fn: Callable[..., Any], *iterables: Iterable[Any],
+            timeout: float | None = None, chunksize: int = 1) -> Iterator[Any]:
+        """As ``Executor.map``; ``chunksize`` inputs go to a node as one task."""
+        if chunksize < 1:
+            raise ValueError("chunksize must be >= 1")
+        if chunksize == 1:
+            return super().map(fn, *iterables, timeout=timeout)
+        items = iter(zip(*iterables))
+        chunks = iter(lambda: list(itertools.islice(items, chunksize)), [])
+        results = super().map(lambda c: run_chunk(fn, c), chunks, timeout=timeout)
+        return itertools.chain.from_iterable(results)
+
+    def _sent(self, loads: dict[str, Load]) -> dict[str, int]:
+        return {n: self._nodes[n].sent + len(self._nodes[n].pending) for n in loads}
+
+    # -- results, losses -----------------------------------------------------------------------
+
+    def _collect(self) -> None:
+        while True:
+            with self._lock:
+                refs = list(self._waits)
+                if self._closing and not refs:
+                    return
+            if not refs:
+                time.sleep(0.01)
+                continue
+            ready, _ = ray.wait(refs, num_returns=1, timeout=0.05)
+            if ready:
+                more, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+                ready = list(dict.fromkeys(ready + more))
+            for ref in ready:
+                with self._lock:
+                    kind, node, extra = self._waits.pop(ref)
+                try:
+                    value = ray.get(ref)
+                except ActorUnavailableError:
+                    self._retry(kind, node, extra)
+                    continue
+                except (ActorDiedError, RayActorError) as exc:
+                    self._lost(node, f"{type(exc).__name__}")
+                    continue
+                except RayTaskError as exc:
+                    if isinstance(exc.cause, NodeFencedError) or "NodeFencedError" in str(exc):
+                        self._lost(node, "fenced")
+                    else:
+                        self._lost(node, f"{type(exc).__name__}: {exc}")
+                    continue
+                except Exception as exc:  # anything else from Ray: treat the node as lost
+                    self._lost(node, f"{type(exc).__name__}: {exc}")
+                    continue
+                try:
+                    self._handle(kind, node, extra, value)
+                except Exception as exc:  # a bug here must not strand every future
+                    _complain("the results thread", exc)
+
+    def _handle(self, kind: str, node: NodeView, extra: Any, value: Any) -> None:
+        node.backoff = 0.0
+        if kind == "ready":
+            node.load, node.ready = value, True
+            self._membership += 1
+            with self._lock:
+                orphans, self._orphans = self._orphans, []
+                full = {self._place(tid, self._ledger[tid]) for tid in orphans
+                        if tid in self._ledger} - {None}
+            for n in full:
+                self._send(n)
+            self._poll(node)
+        elif kind == "submit" or kind == "ping":
+            node.load = value
+        elif kind == "results":
+            batches, load = value
+            for seq, out, moved in batches:
+                if seq > node.acked:  # (a batch sent again after a lost reply: had it)
+                    self._settle(node, out, moved)
+                    node.acked = seq
+            node.load, node.sent = load, 0
+            if node.alive and not self._closed_down():
+                self._poll(node)
+
+    def _closed_down(self) -> bool:
+        return self._closing and not self._ledger
+
+    def _settle(self, node: NodeView, out: list, moved: list) -> None:
+        st = self._stats
+        dead = []
+        with self._lock:
+            for tid, thief, hops in moved:
+                t = self._ledger.get(tid)
+                if t is None or hops <= t.hops:
+                    continue  # settled, or an older move than one already applied
+                st.moved += 1
+                to = self._nodes.get(thief)
+                t.node, t.hops = to, hops
+                if to is None or not to.alive:
+                    dead.append(tid)
+            done = []
+            for tid, ok, value in out:
+                t = self._ledger.pop(tid, None)
+                if t is None:
+                    st.duplicates += 1
+                    continue
+                done.append((t.fut, ok, value))
+            st.done += len(done)
+            if dead:
+                self._replace(dead, node)
+        for fut, ok, value in done:
+            if ok:
+                fut.set_result(value)
+            else:
+                fut.set_exception(with_remote_tb(value))
+        del done
+
+    def _retry(self, kind: str, node: NodeView, extra: Any) -> None:
+        """A transient ActorUnavailableError: the same call again after a backoff (50 ms,
+        doubling to 1 s), from a timer: the results thread does not wait."""
+        node.backoff = min(1.0, max(0.05, node.backoff * 2))
+        self._stats.transient += 1
+        timer = threading.Timer(node.backoff, self._reissue, (kind, node, extra))
+        timer.daemon = True
+        timer.start()
+
+    def _reissue(self, kind: str, node: NodeView, extra: Any) -> None:
+        if not node.alive:
+            return
+        if kind == "results":
+            self._poll(node)
+        elif kind == "submit":
+            ref = node.handle.submit.remote(extra)
+            with self._lock:
+                self._waits[ref] = ("submit", node, extra)
+        elif kind == "ready":
+            ref = node.handle.ping.remote()
+            with self._lock:
+                self._waits[ref] = ("ready", node, None)
+
+    def _lost(self, node: NodeView, why: str) -> None:
+        """The node is gone (authoritative): re-place every unfinished task it had."""
+        t0 = time.monotonic()
+        with self._lock:
+            if not node.alive:
+                return
+            node.alive = False
+            self._membership += 1
+            for ref in [r for r, (_k, n, _e) in self._waits.items() if n is node]:
+                del self._waits[ref]
+            tids = [tid for tid, t in self._ledger.items() if t.node is node]
+            node.pending = []
+            ops: dict[AgentRecord, list[int]] = {a: [] for a in self._agents.values()
+                                            if a.node is node and a.failed is None
+                                            and not a.over}
+            for tid in tids:
+                a = self._ledger[tid].agent
+                if a is not None:
+                    ops.setdefault(a, []).append(tid)
+            n = self._replace([tid for tid in tids if self._ledger[tid].agent is None], node)
+            for a, its in ops.items():
+                self._restart(a, its, node)
+            self._stats.losses.append({"node": node.id, "why": why, "tasks": len(tids),
+                                       "replaced": n, "at": time.time(),
+                                       "replace_s": time.monotonic() - t0})
+        try:
+            ray.kill(node.handle, no_restart=True)
+        except Exception:
+            pass
+
+    def _replace(self, tids: list[int], node: NodeView) -> int:
+        """Place lost tasks again under the retries policy (under the lock); sends the
+        batches that filled, and wakes the flush thread for the rest."""
+        failed, full, n = [], set(), 0
+        for tid in tids:
+            t = self._ledger[tid]
+            t.losses += 1
+            if t.losses > self._retries:
+                del self._ledger[tid]
+                failed.append((t, node.id))
+                continue
+            n += 1
+            t.hops += 1 << 16  # late move reports of the lost node's era are stale now
+            full.add(self._place(tid, t))
+        self._stats.resubmitted += n
+        full.discard(None)
+        for fut_node in full:
+            threading.Thread(target=self._send, args=(fut_node,), daemon=True).start()
+        for t, nid in failed:
+            t.fut.set_exception(NodeLostError(
+                f"the cluster node {nid[:12]} running this task was lost, and the task had "
+                f"already been re-run {t.losses - 1} time(s) (retries={self._retries}); "
+                "raise retries= or make the task shorter"))
+        self._wake.notify()
+        return n
+
+    # -- the flush and membership thread ------------------------------------------------------
+
+    def _tend(self) -> None:
+        next_look = time.monotonic() + self._health_s
+        while True:
+            with self._lock:
+                if self._closing and not self._ledger and not any(
+                        n.pending for n in self._nodes.values()):
+                    return
+                now = time.monotonic()
+                due = [n for n in self._nodes.values()
+                       if n.pending and now - n.pending_since >= self._batch_s]
+                if not due and now < next_look:
+                    soonest = min((n.pending_since + self._batch_s
+                                   for n in self._nodes.values() if n.pending),
+                                  default=next_look)
+                    self._wake.wait(max(0.0, min(soonest, next_look) - now))
+                    continue
+            try:
+                for n in due:
+                    self._send(n)
+                if time.monotonic() >= next_look:
+                    next_look = time.monotonic() + self._health_s
+                    self._look()
+            except Exception as exc:  # never let the flush thread die: it would strand batches
+                _complain("the flush and membership thread", exc)
+
+    def _look(self) -> None:
+        """Pings, deaths Ray reports, and new nodes."""
+        try:
+            infos = {i["NodeID"]: i for i in ray.nodes()}
+        except Exception:
+            return
+        for node in list(self._nodes.values()):
+            if not node.alive:
+                continue
+            info = infos.get(node.id)
+            if info is None or not info.get("Alive"):
+                self._lost(node, "node reported dead")
+            elif node.ready:
+                ref = node.handle.ping.remote()
+                with self._lock:
+                    self._waits[ref] = ("ping", node, None)
+        if not self._closing:
+            self._start_nodes(wait=False)
+
+    # -- shutdown, stats -------------------------------------------------------------------------
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._lock:
+            if self._shutdown and self._closing:
+                return
+            self._shutdown = True
+            if cancel_futures:
+                for node in self._nodes.values():
+                    for b in node.pending:
+                        t = self._ledger.pop(b[0], None)
+                        if t is not None:
+                            t.fut.cancel()
+                    node.pending = []
+                for tid in self._orphans:
+                    t = self._ledger.pop(tid, None)
+                    if t is not None:
+                        t.fut.cancel()
+                self._orphans = []
+            self._wake.notify()
+        if wait:
+            _fbase.wait([t.fut for t in list(self._ledger.values())])
+        with self._lock:
+            self._closing = True
+            for tid in self._orphans:
+                t = self._ledger.pop(tid, None)
+                if t is not None:
+                    t.fut.set_exception(NodeLostError("the executor shut down with no node "
+                                                      "alive to run this task"))
+            self._wake.notify()
+        if wait:
+            self._stop_nodes()
+        else:  # the futures still complete (as in the stdlib); then the nodes stop
+            threading.Thread(target=self._stop_when_done, daemon=True).start()
+
+    def _stop_when_done(self) -> None:
+        _fbase.wait([t.fut for t in list(self._ledger.values())])
+        self._stop_nodes()
+
+    def _stop_nodes(self) -> None:
+        nodes = [n for n in self._nodes.values() if n.alive]
+        refs = [n.handle.stop.remote() for n in nodes]
+        try:
+            ray.wait(refs, num_returns=len(refs), timeout=30)
+        except Exception:
+            pass
+        for n in nodes:
+            n.alive = False
+            try:
+                ray.kill(n.handle, no_restart=True)
+            except Exception:
+                pass
+        for t in getattr(self, "_threads", ()):
+            if t is not threading.current_thread():
+                t.join(5)
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+
+    def stats(self) -> ClusterStats:
+        """A snapshot: per node (workers, queued, running, task_s, steals), the task counts,
+        and one entry per lost node (how many tasks it had, how fast they were re-placed)."""
+        st = self._stats
+        alive = [n for n in self._nodes.values() if n.alive and n.ready]
+        statuses = {}
+        try:
+            refs = [n.handle.status.remote() for n in alive]
+            statuses = dict(zip([n.id for n in alive], ray.get(refs, timeout=10)))
+        except Exception:
+            pass
+        with self._lock:
+            nodes = {}
+            for n in self._nodes.values():
+                s = statuses.get(n.id, {})
+                nodes[n.id] = {"alive": n.alive, "workers": n.workers, "queued": n.load.queued,
+                               "running": n.load.running, "task_s": n.load.task_s,
+                               "done": s.get("done"), "steals": s.get("steals"),
+                               "pid": s.get("pid")}
+            return ClusterStats(nodes, st.submitted, st.done, len(self._ledger),
+                                st.resubmitted, st.duplicates, st.moved, st.transient,
+                                list(st.losses))
+
+    @property
+    def nodes(self) -> list[str]:
+        """The ids of the alive nodes that run a node executor."""
+        return [n.id for n in self._nodes.values() if n.alive and n.ready]
+
+    def node_handle(self, node_id: str) -> Any:
+        """The node agent of a node (a Ray actor handle), for tools and tests."""
+        return self._nodes[node_id].handle
+
+    def __reduce__(self) -> tuple:
+        raise TypeError("a cluster executor cannot be sent to a task; a task's children "
+                        "are spawned with stealer.spawn")
+
+    def __repr__(self) -> str:
+        alive = sum(1 for n in self._nodes.values() if n.alive)
+        return f"<stealer ClusterExecutor: {alive} node(s), pid {os.getpid()}>"

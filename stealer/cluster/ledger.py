@@ -1,0 +1,80 @@
+"""The cluster client's records: one per task, per agent and per node, and the stats.
+
+Plain data, no Ray: owned by the cluster executor (``stealer/cluster/client.py``), which
+keeps a ledger of :class:`Task` by task id, and by its agents' side
+(``stealer/cluster/agents.py``).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from stealer.cluster.policy import Load
+
+__all__ = ["AgentRecord", "ClusterStats", "NodeView", "Task"]
+
+
+class Task:
+    """One unfinished task (or agent operation) of the ledger: its future, its call, the
+    node the client last knew it on."""
+
+    __slots__ = ("agent", "call", "fut", "hops", "losses", "node")
+
+    def __init__(self, fut: Future, call: tuple, node: NodeView | None,
+                 agent: AgentRecord | None = None) -> None:
+        self.fut = fut
+        self.call = call  # (fn, args, kwargs); an agent's operation: (AgentOp, (), {})
+        self.node = node
+        self.losses = 0
+        self.hops = 0  # moves between nodes so far: a move report with fewer is stale
+        self.agent = agent
+
+
+class AgentRecord:
+    """The client's record of one agent: where it lives and how to start it again."""
+
+    def __init__(self, aid: int, spawn: tuple, name: str | None, retries: int) -> None:
+        self.aid = aid
+        self.spawn = spawn  # (cls, args, init_kwargs, options)
+        self.name = name
+        self.retries = retries
+        self.node: NodeView | None = None
+        self.losses = 0
+        self.result: Future | None = None  # the final value, once somebody asked
+        self.failed: BaseException | None = None
+        self.over = False  # stopped, or its final value came: never restarted
+
+
+class NodeView:
+    """The client's view of one node agent."""
+
+    def __init__(self, node_id: str, handle: Any, workers: int) -> None:
+        self.id = node_id
+        self.handle = handle
+        self.workers = workers
+        self.load = Load(node_id, workers)
+        self.sent = 0  # tasks sent since its last load report
+        self.pending: list[tuple] = []  # (tid, fn, args, kwargs, hops) not sent yet
+        self.pending_since = 0.0
+        self.ready = False
+        self.alive = True
+        self.backoff = 0.0
+        self.peers_seen = -1  # the membership version whose peers it was sent
+        self.acked = 0  # the last result batch processed (the node drops it and those before)
+
+
+@dataclass
+class ClusterStats:
+    """``ClusterExecutor.stats()``: what the client knows of each node and of its tasks."""
+
+    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    submitted: int = 0
+    done: int = 0
+    outstanding: int = 0
+    resubmitted: int = 0  # tasks placed again after their node was lost
+    duplicates: int = 0  # results dropped because the task was already settled
+    moved: int = 0  # tasks that thieves took from other nodes (reported by the victims)
+    transient: int = 0  # calls retried after an ActorUnavailableError
+    losses: list[dict[str, Any]] = field(default_factory=list)  # one per lost node

@@ -1,0 +1,535 @@
+"""The node agent: one async Ray actor per node, running that node's local stealer executor.
+
+Created by the cluster client (``stealer/cluster/client.py``) on every alive node, with hard
+node affinity (``NodeAffinitySchedulingStrategy(node_id, soft=False)``) and ``num_cpus``
+equal to the cores it owns; called by the client (batches in, results out, pings) and by
+the other node agents (steals, lifelines, pushes).
+
+What lives here:
+
+* **The local executor**: ``Executor(workers, cpus=...)`` of the class the client hands over
+  (the core's ``stealer.Executor``; handed, not imported, so the cluster layer and the core
+  never import each other in a circle).  Its workers are spawned by the core's own entry
+  point (``stealer.worker.loop.main``), never from the driver's ``__main__``; each worker
+  sets its BLAS/OpenMP limits itself (``thread_limit``, default 1), whatever Ray put in the
+  actor's environment (Ray sets ``OMP_NUM_THREADS`` from ``num_cpus``).  The cores: the
+  node's ``STEALER_NODE_CPUS`` (a list such as ``0,1`` or ``0-3``, set in the environment of
+  ``ray start``), else the core's ``"auto"`` pinning within the allowed CPUs.  Shared-memory
+  segments are named ``stealer-<pid>-<128-bit random token>`` by the core, and their
+  cleanup of the dead is judged by an ``flock`` the creator holds, so node executors of
+  test nodes sharing one ``/dev/shm`` neither collide nor clean up each other's segments.
+* **The node's queue**: tasks accepted from the client and not yet handed to the local
+  executor.  The local executor holds a small window (a few tasks per worker, sized so the
+  window covers about ``window_s`` of work, and 8 per worker while the length of the
+  current function's tasks is not measured yet: a workload of long tasks after one of
+  no-ops must not fill the window with seconds of unstealable work) where its workers
+  steal from each other in
+  shared memory (local stealing first); the rest waits here, and this queue is the steal
+  end for other nodes: a thief takes from its back, the node's own workers from its front.
+  The window refills from the local futures' done callbacks (the local executor's result
+  thread), so the hot path never goes through the event loop.
+* **Results** go back to the client in batches, when it asks (``results``: a long poll, at
+  most one outstanding per node), with the node's load report riding on them; tasks that a
+  thief took are reported as moved, so the client's ledger follows them.
+* **Stealing between nodes**: a :class:`~stealer.cluster.policy.Thief` polled while the node
+  idles (one outstanding request), a :class:`~stealer.cluster.policy.Victim` answering peers
+  and pushing surplus to lifelines.  The peers' load reports come from the client (it
+  forwards the table it has with each ``results`` call).  Steals and pings run in their own
+  concurrency groups (their own threads and event loops), so they never wait behind work.
+* **Fencing**: a node agent that hears nothing from the client (no ``results``, no ping) for
+  ``fence_s`` shuts its local executor down, drops its queue and refuses further work with
+  :class:`~stealer.errors.NodeFencedError`; the client has by then re-run its tasks
+  elsewhere, so duplicates never run on indefinitely.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import math
+import os
+import pickle
+import random
+import signal
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import ray
+
+from stealer.cluster.policy import Load, StealConfig, Thief, Victim
+from stealer.errors import NodeFencedError, RemoteError, RemoteTraceback
+
+__all__ = ["AgentOp", "NodeAgent", "node_cpus", "run_chunk"]
+
+WINDOW_MIN, WINDOW_MAX = 8, 256  # tasks per worker in the local executor's window (8: its
+# result thread then batches completions instead of being woken for each)
+BATCH_OUT = 512  # results that end a results() call's linger
+LIFELINE_POLL_S = 0.05  # an idle node on lifelines looks again this often
+
+
+def node_cpus(default: Any = "auto") -> Any:
+    """The cores of this node's executor: ``$STEALER_NODE_CPUS`` ("0,2" or "0-3,6"), else
+    ``default`` (the core's pinning policy)."""
+    spec = os.environ.get("STEALER_NODE_CPUS", "").strip()
+    if not spec:
+        return default
+    out: list[int] = []
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+class AgentOp:
+    """An operation on an agent, travelling in a task batch in place of a function: the
+    node agent runs it on its local executor's agent at once (agents never wait in the
+    node's queue, so thieves never take them).  ``kind``: spawn (``a``: cls, args,
+    init_kwargs, options), call / send (method, args, kwargs), stop, result."""
+
+    __slots__ = ("a", "aid", "kind")
+
+    def __init__(self, kind: str, aid: int, a: Any = None) -> None:
+        self.kind = kind
+        self.aid = aid
+        self.a = a
+
+    def __reduce__(self) -> tuple:
+        return (AgentOp, (self.kind, self.aid, self.a))
+
+
+def run_chunk(fn: Any, chunk: list[tuple]) -> list[Any]:
+    """One task of ``map(chunksize=N)``: every input of the chunk, in order."""
+    return [fn(*args) for args in chunk]
+
+
+def _approx_size(args: tuple, kwargs: dict) -> int:
+    """A cheap estimate of a task's payload bytes, for the steal batch's bytes cap."""
+    n = 64
+    for v in (*args, *kwargs.values()):
+        nbytes = getattr(v, "nbytes", None)
+        if isinstance(nbytes, int):
+            n += nbytes
+        elif isinstance(v, (bytes, bytearray, str, list, tuple, dict)):
+            n += len(v) * (1 if isinstance(v, (bytes, bytearray, str)) else 16)
+        else:
+            n += 16
+    return n
+
+
+def _outcome(f: Any) -> tuple[bool, Any]:
+    """A finished local future as (ok, value) for the client: an error is (exc, traceback
+    text), and an exception Ray could not pickle back becomes a RemoteError."""
+    if f.cancelled():
+        return False, (RemoteError("the task was cancelled on its node"), "")
+    exc = f.exception()
+    if exc is None:
+        return True, f.result()
+    cause = exc.__cause__
+    tb = cause.tb if isinstance(cause, RemoteTraceback) else ""
+    exc.__cause__ = None
+    try:
+        pickle.dumps(exc)
+    except Exception:
+        exc = RemoteError(f"{type(exc).__name__}: {exc}")
+    return False, (exc, tb)
+
+
+@ray.remote(concurrency_groups={"steal": 2, "health": 1})
+class NodeAgent:
+    def __init__(self, node_id: str, executor_cls: type, workers: int, local: dict,
+                 fence_s: float, window_s: float, steal: StealConfig | None,
+                 seed: int) -> None:
+        self.node = node_id
+        self.workers = workers
+        local = dict(local)
+        local["cpus"] = node_cpus(local.get("cpus", "auto"))
+        self.ex = executor_cls(workers, **local)
+        self.ex.wait_ready(60)
+        self.lock = threading.Lock()
+        self.queue: deque[tuple] = deque()  # (tid, fn, args, kwargs, hops)
+        self.inflight = 0
+        self.out: list[tuple] = []  # (tid, ok, value) not yet sent to the client
+        self.moved: list[tuple[int, str, int]] = []  # (tid, thief, hops) not yet reported
+        self.done_n = 0
+        self.task_s = 0.0  # measured mean task duration (0: unknown)
+        self.last_fn: tuple = ()  # the function of the last task handed to the window
+        self._busy_mark = (time.monotonic(), 0)  # (when, done_n) while continuously busy
+        self.window_s = window_s
+        self.fence_s = fence_s
+        self.fenced = False
+        self.last_contact = time.monotonic()
+        self.waiter: tuple[asyncio.AbstractEventLoop, asyncio.Event, int] | None = None
+        self.cfg = steal
+        self.peers: dict[str, Any] = {}
+        self.peer_loads: dict[str, Load] = {}
+        self.thief = Thief(node_id, steal or StealConfig(), random.Random(seed))
+        self.victim = Victim(node_id, steal or StealConfig())
+        self.steals = {"asked": 0, "got": 0, "given": 0, "pushed": 0}
+        self.agents: dict[int, Any] = {}  # client's agent id -> local AgentRef
+        self.polls = 0  # results() calls answered
+        self.seq = 0  # the last result batch made
+        self.unacked: dict[int, tuple[list, list]] = {}  # seq -> (results, moved), sent
+        self._stealer: asyncio.Task | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the default group's loop
+        self.idle_ev: asyncio.Event | None = None  # set (in that loop) when the node idles
+        threading.Thread(target=self._watch, name="stealer-node-fence", daemon=True).start()
+
+    # -- the client's calls --------------------------------------------------------------
+
+    async def submit(self, batch: list[tuple]) -> Load:
+        """Tasks from the client: (tid, fn, args, kwargs, hops) each.  Returns the load."""
+        self._contact()
+        self._accept(batch)
+        return self.load()
+
+    async def results(self, ack: int, wait_s: float, linger_s: float,
+                      loads: dict[str, Load] | None,
+                      peers: dict[str, Any] | None) -> tuple[list[tuple], Load]:
+        """The long poll: waits up to ``wait_s`` for results, then up to ``linger_s`` more
+        while work is still running here and fewer than ``BATCH_OUT`` results wait (a node
+        with nothing left to run answers at once: a lone task's result is not held back);
+        returns ([(seq, results, moved), ...], load): every batch the client has not
+        acknowledged yet (``ack``: the last seq it processed), so a reply lost on the way
+        (an ActorUnavailableError, when the call may or may not have run) is sent again by
+        the next call, and the client drops what it had.  ``loads``/``peers``: the client's
+        view of the other nodes, for stealing.  Every Ray call costs the client and this
+        process one to two ms of CPU, so results of short tasks must travel in batches."""
+        self._contact()
+        self.polls += 1
+        self.loop = asyncio.get_running_loop()
+        if peers is not None:
+            self.peers = {n: h for n, h in peers.items() if n != self.node}
+        if loads is not None:
+            self.peer_loads = loads
+        if self.cfg is not None and self._stealer is None:
+            self._stealer = asyncio.get_running_loop().create_task(self._steal_loop())
+        if not self.out and not self.moved and wait_s > 0:
+            await self._wait(1, wait_s)
+        if linger_s > 0:
+            await self._wait(BATCH_OUT, linger_s)
+        with self.lock:
+            for seq in [q for q in self.unacked if q <= ack]:
+                del self.unacked[seq]
+            if self.out or self.moved:
+                self.seq += 1
+                self.unacked[self.seq] = (self.out, self.moved)
+                self.out, self.moved = [], []
+            batches = [(q, o, m) for q, (o, m) in sorted(self.unacked.items())]
+        return batches, self.load()
+
+    async def _wait(self, need: int, timeout: float) -> None:
+        """Until ``need`` results wait (1: or a move to report; more: or the node has
+        nothing left to run), at most ``timeout``.  Woken once, by :meth:`_notify`."""
+        ev = asyncio.Event()
+        self.waiter = (asyncio.get_running_loop(), ev, need)
+        self._notify()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(ev.wait(), timeout)
+        self.waiter = None
+
+    def _notify(self) -> None:
+        """Wake the results() call waiting if what it waits for is there (any thread)."""
+        w = self.waiter
+        if w is None:
+            return
+        loop, ev, need = w
+        if need == 1:
+            ready = bool(self.out or self.moved)
+        else:
+            ready = len(self.out) >= need or not (self.inflight or self.queue) or self.fenced
+        if ready:
+            self.waiter = None
+            loop.call_soon_threadsafe(ev.set)
+
+    @ray.method(concurrency_group="health")
+    def ping(self) -> Load:
+        self._contact()
+        return self.load()
+
+    @ray.method(concurrency_group="health")
+    def status(self) -> dict:
+        """For tests and stats: the node's counters, fenced or not."""
+        return {"node": self.node, "fenced": self.fenced, "queued": len(self.queue),
+                "inflight": self.inflight, "done": self.done_n, "steals": dict(self.steals),
+                "agents": len(self.agents), "polls": self.polls,
+                "worker_pids": [p for p in self.ex.worker_pids() if p] if not self.fenced else [],
+                "segment": self.ex.segment_name, "pid": os.getpid()}
+
+    @ray.method(concurrency_group="health")
+    def stop(self) -> None:
+        """Shut the local executor down (the client's shutdown)."""
+        self._fence(reason=None)
+
+    # -- other nodes' calls ---------------------------------------------------------------
+
+    @ray.method(concurrency_group="steal")
+    def steal(self, thief: str) -> tuple[list[tuple], Load]:
+        """A thief's request: up to half the surplus from the back of the queue, one batch."""
+        batch = self._give(thief, lambda q, sizes: self.victim.grant(q, sizes))
+        self.steals["given"] += len(batch)
+        return batch, self.load()
+
+    @ray.method(concurrency_group="steal")
+    def lifeline(self, thief: str) -> None:
+        """A thief that gave up asking: push to it when this node has surplus."""
+        self.victim.register(thief)
+        self._push()
+
+    @ray.method(concurrency_group="steal")
+    def unlifeline(self, thief: str) -> None:
+        """The thief got work by other ways: its lifeline here is dropped."""
+        self.victim.forget(thief)
+
+    @ray.method(concurrency_group="steal")
+    def take(self, batch: list[tuple], source: str) -> None:
+        """A lifeline push from ``source`` (it reports the move to the client)."""
+        self._accept(batch)
+
+    # -- the queue and the window ---------------------------------------------------------
+
+    def _accept(self, batch: list[tuple]) -> None:
+        if self.fenced:
+            raise NodeFencedError(f"node {self.node[:12]} fenced itself (no word from the "
+                                  "client for fence_s); its tasks run elsewhere")
+        if not batch:
+            return
+        if any(isinstance(b[1], AgentOp) for b in batch):
+            for b in batch:
+                if isinstance(b[1], AgentOp):
+                    self._agent_op(b[0], b[1])
+            batch = [b for b in batch if not isinstance(b[1], AgentOp)]
+            if not batch:
+                return
+        self.queue.extend(batch)
+        self.thief.on_work()
+        self._fill()
+        if self.victim.lifelines:
+            self._push()
+
+    def _window(self) -> int:
+        if self.task_s <= 0:
+            per = 8
+        else:
+            per = min(WINDOW_MAX, max(WINDOW_MIN, math.ceil(self.window_s / self.task_s)))
+        return per * self.workers
+
+    def _fill(self) -> None:
+        """Hand queued tasks to the local executor up to the window (any thread)."""
+        window = self._window()
+        while True:
+            with self.lock:
+                if self.inflight >= window or not self.queue or self.fenced:
+                    return
+                tid, fn, args, kwargs, _hops = self.queue.popleft()
+                self.inflight += 1
+                key = (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None))
+                if key != self.last_fn:  # another workload: its tasks' length is unknown
+                    self.last_fn = key
+                    self.task_s = 0.0
+                    self._busy_mark = (time.monotonic(), self.done_n)
+                    window = self._window()
+            try:
+                f = self.ex.submit(fn, *args, **kwargs)
+            except BaseException as exc:  # unpicklable, or the executor broke
+                with self.lock:
+                    self.inflight -= 1
+                self._finished(tid, False, (exc, ""))
+                continue
+            f.add_done_callback(functools.partial(self._done, tid))
+
+    def _done(self, tid: int, f: Any) -> None:
+        ok, value = _outcome(f)
+        with self.lock:
+            self.inflight -= 1
+            self.done_n += 1
+            self._measure()
+        self._finished(tid, ok, value)
+        self._fill()
+        if not self.inflight and not self.queue:
+            self._notify()  # a linger ends: nothing more is coming soon
+            ev, loop = self.idle_ev, self.loop
+            if ev is not None and loop is not None:
+                loop.call_soon_threadsafe(ev.set)
+
+    def _measure(self) -> None:
+        """Mean task duration: completions per worker over a span the node stayed busy
+        (under self.lock)."""
+        now = time.monotonic()
+        when, n0 = self._busy_mark
+        if self.inflight < self.workers:  # not every worker busy: restart the span
+            self._busy_mark = (now, self.done_n)
+            return
+        n = self.done_n - n0
+        if n >= 4 * self.workers or now - when > 0.05:
+            sample = (now - when) * self.workers / max(1, n)
+            self.task_s = sample if self.task_s <= 0 else 0.7 * self.task_s + 0.3 * sample
+            self._busy_mark = (now, self.done_n)
+
+    def _finished(self, tid: int, ok: bool, value: Any) -> None:
+        with self.lock:
+            self.out.append((tid, ok, value))
+        self._notify()
+
+    def _agent_op(self, tid: int, op: AgentOp) -> None:
+        """Run an agent operation on the local executor; its outcome goes out as tid's."""
+        try:
+            if op.kind == "spawn":
+                if op.aid in self.agents:  # a batch sent again (a lost reply): started
+                    self._finished(tid, True, None)
+                    return
+                cls, args, init_kwargs, options = op.a
+                self.agents[op.aid] = self.ex.spawn_agent(cls, *args, init_kwargs=init_kwargs,
+                                                          **options)
+                self._finished(tid, True, None)
+                return
+            ref = self.agents[op.aid]
+            if op.kind in ("call", "send"):
+                method, args, kwargs = op.a
+                f = ref.call(method, *args, **kwargs)
+            elif op.kind == "result":
+                f = ref.future
+            else:  # stop
+                ref.stop()
+                self._finished(tid, True, None)
+                return
+            f.add_done_callback(functools.partial(self._agent_done, tid))
+        except BaseException as exc:
+            self._finished(tid, False, (exc, ""))
+
+    def _agent_done(self, tid: int, f: Any) -> None:
+        ok, value = _outcome(f)
+        self._finished(tid, ok, value)
+
+    def load(self) -> Load:
+        return Load(self.node, self.workers, queued=len(self.queue), running=self.inflight,
+                    task_s=self.task_s, at=time.monotonic())
+
+    # -- stealing between nodes -------------------------------------------------------------
+
+    def _give(self, thief: str, count: Any) -> list[tuple]:
+        with self.lock:
+            q = len(self.queue)
+            look = min(q, self.victim.cfg.max_count)
+            sizes = [_approx_size(self.queue[-1 - i][2], self.queue[-1 - i][3])
+                     for i in range(look)]
+            n = count(q, sizes)
+            batch = [(*t[:4], t[4] + 1) for t in (self.queue.pop() for _ in range(n))]
+            # hops: the client applies a move only if it is newer than the last it applied
+            # (the reports of a task pushed on twice may reach it in either order)
+            self.moved.extend((t[0], thief, t[4]) for t in batch)
+        if batch:
+            self._notify()
+        return batch
+
+    def _push(self) -> None:
+        """A lifeline push, if this node has surplus and a thief waits (one batch)."""
+        with self.lock:
+            q = len(self.queue)
+            push = self.victim.pushes(q, [64] * q, alive=lambda n: n in self.peers)
+        if push is None:
+            return
+        thief, n = push
+        batch = self._give(thief, lambda _q, _s: n)
+        if batch:
+            self.steals["pushed"] += len(batch)
+            ref = self.peers[thief].take.remote(batch, self.node)
+            ref.future().add_done_callback(functools.partial(self._pushed, batch))
+
+    def _pushed(self, batch: list[tuple], f: Any) -> None:
+        """A push that failed (the thief unreachable, or gone): the batch comes back here,
+        reported as moved back, so no task stays where nobody runs it.  (If the thief did
+        get it, both run it: at-least-once, and the client keeps one result.)"""
+        if f.exception() is None or self.fenced:
+            return
+        back = [(*t[:4], t[4] + 1) for t in batch]
+        with self.lock:
+            self.moved.extend((t[0], self.node, t[4]) for t in back)
+        self._accept(back)
+
+    async def _steal_loop(self) -> None:
+        """The thief: sleeps while the node is busy (woken when it idles), asks while it
+        idles, and waits on its lifelines once it gave up."""
+        cfg = self.thief.cfg
+        registered: list[str] = []
+        self.idle_ev = ev = asyncio.Event()
+        while not self.fenced:
+            if self.queue or self.inflight:
+                for b in registered:  # busy again: the buddies must not push to us now
+                    if b in self.peers:
+                        self.peers[b].unlifeline.remote(self.node)
+                registered = []
+                ev.clear()
+                if self.queue or self.inflight:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(ev.wait(), 1.0)
+                continue
+            now = time.monotonic()
+            self.thief.idle(now)
+            loads = {n: ld for n, ld in self.peer_loads.items() if n in self.peers}
+            loads[self.node] = self.load()
+            victim = self.thief.poll(now, loads)
+            if victim is None:
+                lines = self.thief.registrations()
+                if lines and lines != registered:
+                    for b in lines:
+                        if b in self.peers:
+                            self.peers[b].lifeline.remote(self.node)
+                    registered = lines
+                await asyncio.sleep(LIFELINE_POLL_S if lines else cfg.idle_s)
+                continue
+            self.steals["asked"] += 1
+            got: list[tuple] = []
+            fut = asyncio.wrap_future(self.peers[victim].steal.remote(self.node).future())
+            done, _ = await asyncio.wait({fut}, timeout=max(1.0, 20 * self.thief.rtt.s))
+            if fut in done and fut.exception() is None:
+                got, vload = fut.result()
+                self.peer_loads[victim] = vload
+            elif fut not in done:  # slow: its tasks are ours when they come (the victim
+                fut.add_done_callback(self._late_steal)  # reported them moved to us)
+            self.thief.on_reply(time.monotonic(), victim, len(got), loads)
+            if got:
+                self.steals["got"] += len(got)
+                self._accept(got)
+
+    def _late_steal(self, fut: Any) -> None:
+        if not self.fenced and not fut.cancelled() and fut.exception() is None:
+            got = fut.result()[0]
+            self.steals["got"] += len(got)
+            self._accept(got)
+
+    # -- fencing -----------------------------------------------------------------------------
+
+    def _contact(self) -> None:
+        self.last_contact = time.monotonic()
+
+    def _watch(self) -> None:
+        while not self.fenced:
+            time.sleep(min(0.25, self.fence_s / 4))
+            if time.monotonic() - self.last_contact > self.fence_s:
+                self._fence("no word from the client")
+
+    def _fence(self, reason: str | None) -> None:
+        """Stop: queued tasks dropped, the local executor shut down.  Cut off from the client
+        (``reason``), running tasks are killed too (their workers, and the replacements that
+        re-run them under ``retries``), since the client runs them elsewhere by now."""
+        with self.lock:
+            if self.fenced:
+                return
+            self.fenced = True
+            self.queue.clear()
+        if reason is None:
+            self.ex.shutdown(wait=True, cancel_futures=True)
+            return
+        stopper = threading.Thread(target=self.ex.shutdown, kwargs={"cancel_futures": True},
+                                   name="stealer-node-fence-stop", daemon=True)
+        stopper.start()
+        deadline = time.monotonic() + 30
+        while stopper.is_alive() and time.monotonic() < deadline:
+            for pid in self.ex.worker_pids():
+                if pid:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
+            stopper.join(0.05)

@@ -1,0 +1,69 @@
+"""Task functions for tests/test_cluster_ray.py, importable on every node of the test
+cluster (the test module itself is the driver's; node executors pickle these by name)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import stealer
+
+
+def where(x: int = 0) -> tuple[str, list[int], int]:
+    """Which test node ran this (its STEALER_NODE_CPUS), its CPUs, and x back."""
+    return os.environ.get("STEALER_NODE_CPUS", "?"), sorted(os.sched_getaffinity(0)), x
+
+
+def spin(seconds: float, x: int = 0) -> tuple[str, int]:
+    """Busy for ``seconds`` of wall time, then which node ran it and x back."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+    return os.environ.get("STEALER_NODE_CPUS", "?"), x
+
+
+def square(x: int) -> int:
+    return x * x
+
+
+def fail(msg: str) -> None:
+    raise ValueError(msg)
+
+
+def fib(n: int):
+    """Fork-join on a node: children by stealer.spawn, joined by yield."""
+    if n < 12:
+        return fib_seq(n)
+    a = stealer.spawn(fib, n - 1)
+    b = stealer.spawn(fib, n - 2)
+    x, y = yield [a, b]
+    return x + y
+
+
+def fib_seq(n: int) -> int:
+    return n if n < 2 else fib_seq(n - 1) + fib_seq(n - 2)
+
+
+def threads_env() -> dict[str, str | None]:
+    return {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                                           "MKL_NUM_THREADS")}
+
+
+class Counter(stealer.Agent):
+    """A message-only agent: its state is a counter."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.n = start
+
+    def add(self, k: int) -> int:
+        self.n += k
+        return self.n
+
+    def get(self) -> int:
+        return self.n
+
+    def where(self) -> str:
+        return os.environ.get("STEALER_NODE_CPUS", "?")
+
+    def on_stop(self) -> int:
+        return self.n

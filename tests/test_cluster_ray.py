@@ -1,0 +1,329 @@
+"""The cluster executor on a real Ray cluster: ``ray.cluster_utils.Cluster`` on this machine.
+
+Two nodes of 1 CPU each, dashboard off, fast health checks, disjoint cores (node k's
+``STEALER_NODE_CPUS`` is ``k``, set in its raylet's environment and so in its node agent's
+and its workers').  The driver connects to the head node before the second node is added,
+so removing the second node never removes the driver's own raylet.  The tests run in file
+order; the node-loss test removes a node, adds a new one and checks that it joins.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[test]' "
+                          "(the test extra includes stealer[ray])")
+
+import cluster_tasks as ct  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+import stealer  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore::ResourceWarning"),
+              pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
+
+HEALTH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 200,
+          "health_check_failure_threshold": 3, "health_check_timeout_ms": 200}
+TESTS = str(Path(__file__).resolve().parent)
+
+
+def node_env(cpus: str) -> dict[str, str]:
+    path = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)
+    return {"STEALER_NODE_CPUS": cpus, "PYTHONPATH": path}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, connect=True, head_node_args={
+        "num_cpus": 1, "include_dashboard": False, "_system_config": HEALTH,
+        "env_vars": node_env("0")})
+    try:
+        c.add_node(num_cpus=1, env_vars=node_env("1"))
+        c.wait_for_nodes()
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+_shared: dict[str, object] = {}
+
+
+@pytest.fixture(scope="module")
+def shared(cluster):
+    try:
+        yield _shared
+    finally:
+        if "ex" in _shared:
+            _shared.pop("ex").shutdown()
+
+
+@pytest.fixture
+def ex(shared):
+    """The executor most tests share (node agents take all of a node's CPUs: one cluster
+    executor at a time)."""
+    if "ex" not in shared:
+        shared["ex"] = stealer.Executor(cluster=True, seed=1)
+        note_segments(shared["ex"])
+    return shared["ex"]
+
+
+@pytest.fixture
+def own(shared):
+    """For a test that makes its own executor: the shared one shuts down first."""
+    if "ex" in shared:
+        shared.pop("ex").shutdown()
+
+
+#: Segments the node executors of this module made (other processes on this machine have
+#: their own: only these are checked for leaks).
+MADE: set[str] = set()
+
+
+def segments() -> set[str]:
+    return set(os.listdir("/dev/shm")) & MADE
+
+
+def note_segments(e) -> set[str]:
+    names = {ray.get(e.node_handle(n).status.remote(), timeout=30)["segment"]
+             for n in e.nodes}
+    MADE.update(names)
+    return names
+
+
+def test_one_node_executor_per_node_on_disjoint_cores(ex):
+    assert len(ex.nodes) == 2
+    st = ex.stats()
+    assert {n["workers"] for n in st.nodes.values()} == {1}
+    pids = {n["pid"] for n in st.nodes.values()}
+    assert len(pids) == 2 and os.getpid() not in pids
+    got = [f.result(timeout=60) for f in [ex.submit(ct.where, i) for i in range(400)]]
+    assert [x for _, _, x in got] == list(range(400))
+    by_node = {(tag, tuple(cpus)) for tag, cpus, _ in got}
+    assert by_node == {("0", (0,)), ("1", (1,))}  # both nodes, each pinned to its own core
+
+
+def test_workers_get_their_own_thread_limits(ex):
+    # Ray sets OMP_NUM_THREADS from num_cpus in the node agent; the workers reset it to 1
+    env = ex.submit(ct.threads_env).result(timeout=30)
+    assert env == {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+                   "MKL_NUM_THREADS": "1"}
+
+
+def test_segments_do_not_collide_on_one_dev_shm(ex):
+    names = note_segments(ex)
+    assert len(names) == 2 and names <= set(os.listdir("/dev/shm"))
+
+
+def test_futures_work_with_wait_and_as_completed(ex):
+    fs = [ex.submit(ct.square, i) for i in range(1000)]
+    done, not_done = cf.wait(fs, timeout=60)
+    assert not not_done and sorted(f.result() for f in done) == [i * i for i in range(1000)]
+    fs = [ex.submit(ct.spin, 0.001, i) for i in range(50)]
+    assert sorted(f.result()[1] for f in cf.as_completed(fs, timeout=60)) == list(range(50))
+    assert list(ex.map(ct.square, range(300))) == [i * i for i in range(300)]
+    assert list(ex.map(ct.square, range(300), chunksize=16)) == [i * i for i in range(300)]
+    assert list(ex.map(lambda a, b: a - b, range(5), range(5, 10))) == [-5] * 5  # by value
+
+
+def test_errors_come_back_with_the_remote_traceback(ex):
+    f = ex.submit(ct.fail, "boom")
+    with pytest.raises(ValueError, match="boom") as info:
+        f.result(timeout=30)
+    assert "fail" in str(info.value.__cause__)  # the worker's traceback text
+    assert isinstance(f.exception(), ValueError)
+
+
+def test_an_unpicklable_task_fails_alone(ex):
+    import threading
+
+    lock = threading.Lock()
+    bad = ex.submit(ct.square, lock)
+    good = [ex.submit(ct.square, i) for i in range(10)]
+    with pytest.raises(stealer.SerializationError, match="could not be sent"):
+        bad.result(timeout=30)
+    assert [f.result(timeout=30) for f in good] == [i * i for i in range(10)]
+
+
+def test_fork_join_runs_inside_the_nodes(ex):
+    fs = [ex.submit(ct.fib, 18) for _ in range(4)]
+    assert [f.result(timeout=60) for f in fs] == [ct.fib_seq(18)] * 4
+
+
+def test_a_skew_submitted_to_one_node_is_stolen_by_the_other(ex):
+    first = ex.nodes[0]
+    fs = [ex.submit_to(first, ct.spin, 0.01, i) for i in range(120)]  # 1.2 s on one core
+    got = [f.result(timeout=60) for f in fs]
+    assert [x for _, x in got] == list(range(120))
+    ran = {t for t, _ in got}
+    assert len(ran) == 2, "the idle node never stole from the loaded one"
+    st = ex.stats()
+    assert st.moved > 0
+    assert sum(s["steals"]["got"] + s["steals"]["pushed"] for s in st.nodes.values()) > 0
+
+
+def test_agents_live_on_both_nodes_and_answer_through_them(ex):
+    refs = [ex.spawn_agent(ct.Counter, 10 * i, name=f"c{i}") for i in range(8)]
+    assert {r.call("where").result(timeout=60) for r in refs} == {"0", "1"}
+    assert [r.call("add", 1).result(timeout=30) for r in refs] == [10 * i + 1
+                                                                   for i in range(8)]
+    for r in refs:
+        r.send("add", 5)
+    assert [r.call("get").result(timeout=30) for r in refs] == [10 * i + 6 for i in range(8)]
+    assert ex.agent("c3").call("get").result(timeout=30) == 36
+    assert sorted(ex.agents()) == [f"c{i}" for i in range(8)]
+    with pytest.raises(stealer.AgentNotFound):
+        ex.agent("nobody")
+    futs = ex.call_all(refs, "add", [(100,)] * 8)
+    assert [f.result(timeout=30) for f in futs] == [10 * i + 106 for i in range(8)]
+    with pytest.raises(AttributeError):
+        refs[0].call("no_such_handler").result(timeout=30)
+    for r in refs:
+        r.stop()
+    assert [r.result(timeout=30) for r in refs] == [10 * i + 106 for i in range(8)]
+
+
+def test_a_transient_unavailable_node_is_retried_not_lost(ex, monkeypatch):
+    """ActorUnavailableError (a node agent unreachable for a while) only retries the call:
+    no loss, no re-run elsewhere, every result once."""
+    from ray.exceptions import ActorUnavailableError
+
+    import stealer.cluster.client as cc
+
+    real_get = cc.ray.get
+    hits = []
+
+    def flaky_get(ref, *a, **k):
+        if ref in ex._waits_seen and ref not in hits:
+            hits.append(ref)
+            raise ActorUnavailableError("injected by the test", None)
+        return real_get(ref, *a, **k)
+
+    before = ex.stats()
+    ex._waits_seen = set()
+    deadline = time.monotonic() + 10
+    while len(ex._waits_seen) < 2 and time.monotonic() < deadline:  # one poll per node
+        with ex._lock:  # (a node's next poll goes out just after its last one came back)
+            ex._waits_seen = {r for r, (k, _n, _e) in ex._waits.items() if k == "results"}
+    monkeypatch.setattr(cc.ray, "get", flaky_get)
+    try:
+        fs = [ex.submit(ct.square, i) for i in range(500)]
+        deadline = time.monotonic() + 30
+        while len(hits) < len(ex._waits_seen) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [f.result(timeout=60) for f in fs] == [i * i for i in range(500)]
+    finally:
+        monkeypatch.undo()
+        del ex._waits_seen
+    st = ex.stats()
+    assert len(hits) == 2  # the one outstanding poll of each node failed once
+    assert st.transient - before.transient == 2
+    assert st.losses == before.losses and len(ex.nodes) == 2
+    assert st.resubmitted == before.resubmitted
+
+
+def test_submit_after_shutdown_is_refused(cluster, own):
+    e = stealer.Executor(cluster=True)
+    assert e.submit(ct.square, 3).result(timeout=30) == 9
+    e.shutdown()
+    with pytest.raises(stealer.ExecutorShutdownError):
+        e.submit(ct.square, 3)
+    with pytest.raises(RuntimeError):  # it is also the stdlib's error type
+        e.submit(ct.square, 3)
+
+
+def test_without_stealing_the_skew_stays_on_its_node(cluster, own):
+    e = stealer.Executor(cluster=True, steal=None)
+    try:
+        first = e.nodes[0]
+        got = [f.result(timeout=60)
+               for f in [e.submit_to(first, ct.spin, 0.002, i) for i in range(60)]]
+        assert len({t for t, _ in got}) == 1
+        assert e.stats().moved == 0
+    finally:
+        e.shutdown()
+
+
+def test_a_node_cut_off_from_its_client_fences_itself(cluster, own):
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from stealer.cluster.node import NodeAgent
+
+    nid = ray.get_runtime_context().get_node_id()
+    agent = NodeAgent.options(num_cpus=1, scheduling_strategy=NodeAffinitySchedulingStrategy(
+        nid, soft=False)).remote(nid, stealer.Executor, 1, {}, 1.0, 0.005, None, 0)
+    try:
+        st = ray.get(agent.ping.remote(), timeout=60)
+        assert st.workers == 1
+        pids = ray.get(agent.status.remote(), timeout=30)["worker_pids"]
+        assert pids
+        ray.get(agent.submit.remote([(0, ct.spin, (30.0,), {}, 0)]), timeout=30)
+        deadline = time.monotonic() + 20  # no results(), no ping(): silence from the client
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            if all(not os.path.exists(f"/proc/{p}") for p in pids):
+                break
+        s = ray.get(agent.status.remote(), timeout=30)
+        assert s["fenced"] and s["queued"] == 0
+        assert all(not os.path.exists(f"/proc/{p}") for p in pids), "workers still run"
+        with pytest.raises(ray.exceptions.RayTaskError, match="NodeFencedError"):
+            ray.get(agent.submit.remote([(1, ct.square, (2,), {}, 0)]), timeout=30)
+    finally:
+        ray.kill(agent)
+
+
+def test_node_loss_resubmits_its_tasks_and_new_nodes_join(cluster, own):
+    e = stealer.Executor(cluster=True, seed=3)
+    note_segments(e)
+    try:
+        head = ray.get_runtime_context().get_node_id()
+        (other,) = [n for n in e.nodes if n != head]
+        agents = [e.spawn_agent(ct.Counter, 1000 * i) for i in range(6)]
+        assert [r.call("add", 1).result(timeout=30) for r in agents] == [
+            1000 * i + 1 for i in range(6)]
+        on_other = [r for r in agents if r.node == other]
+        assert on_other, "no agent on the node to be removed"
+        fs = [e.submit(ct.spin, 0.02, i) for i in range(150)]  # 3 s of work on 2 cores
+        fs += [e.submit_to(other, ct.spin, 0.02, i) for i in range(150, 200)]
+        cf.wait(fs[:20], timeout=60)
+        victim = [n for n in cluster.worker_nodes if n.node_id == other]
+        assert victim, "the second node is gone already"
+        cluster.remove_node(victim[0])
+        got = [f.result(timeout=90) for f in fs]
+        assert [x for _, x in got] == list(range(200))  # every future, each result once
+        st = e.stats()
+        (loss,) = st.losses
+        assert loss["node"] == other and loss["tasks"] > 0 and loss["replaced"] == loss["tasks"]
+        assert st.resubmitted >= loss["tasks"] and st.outstanding == 0
+        assert e.nodes == [head]
+        # the agents of the lost node started again on the head from their spawn arguments
+        assert all(r.node == head for r in agents)
+        got = [r.call("add", 1).result(timeout=60) for r in agents]
+        assert [g % 1000 for g in got] == [
+            1 if r in on_other else 2 for r in agents]  # restarted ones lost their state
+        # a node joins: it gets a node agent and takes work
+        cluster.add_node(num_cpus=1, env_vars=node_env("1"))
+        deadline = time.monotonic() + 60
+        while len(e.nodes) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(e.nodes) == 2
+        note_segments(e)
+        got = [f.result(timeout=60) for f in [e.submit(ct.where, i) for i in range(400)]]
+        assert {t for t, _, _ in got} == {"0", "1"}
+    finally:
+        e.shutdown()
+
+
+def test_nothing_is_left_behind(cluster, own):
+    assert len(MADE) >= 4  # the shared executor's two, and the node-loss test's
+    deadline = time.monotonic() + 10
+    while segments() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not segments(), f"node executors left segments: {segments()}"

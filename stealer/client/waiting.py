@@ -27,6 +27,15 @@ _ALL_SIGNALS = frozenset(int(s) for s in signal.valid_signals()) - {signal.SIGKI
 _sigmask = _signal.pthread_sigmask
 
 
+def _signals_due() -> None:
+    """Run the Python handlers of signals that arrived before the mask went up.
+
+    The mask stops new signals, not a handler already due: CPython runs it at the next
+    check of its eval loop, which could be inside the batch (seen: a handler's exception
+    between a pop and its settling broke the executor).  A Python call is such a check
+    (3.11's RESUME), so a due handler runs, and raises if it does, here."""
+
+
 class Settling:
     """Mixed into _Pool: popping and settling completions, and the waiter."""
 
@@ -126,6 +135,11 @@ class Settling:
                         continue
                     if main:
                         old = _sigmask(signal.SIG_BLOCK, _ALL_SIGNALS)
+                        try:
+                            _signals_due()
+                        except BaseException:
+                            _sigmask(signal.SIG_SETMASK, old)
+                            raise  # before the batch: nothing popped
                     try:
                         got += self.consume(ring, 1024)
                     except BaseException as exc:  # as in the result thread: a bug, reported

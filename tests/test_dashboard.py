@@ -386,8 +386,8 @@ def test_payload_rates_windows_and_replaced_workers():
                  h1, [agent])
     cur = stats(12.0, [_worker(0, 100, tasks=300, busy_ns=2 * 10**9), _worker(1, 999, tasks=8)],
                 h2, [agent2])
-    u = payload.build(cur, prev, prev.latency, 2.0, [(50.0, 1 << 20), (None, None)],
-                      payload.agents_by_id(prev))
+    ag = payload.agents_block(cur, payload.agents_by_id(prev), 2.0)
+    u = payload.build(cur, prev, prev.latency, 2.0, [(50.0, 1 << 20), (None, None)], ag)
     assert u["w"]["tasks_s"] == [100.0, 4.0]  # worker 1 was replaced: its counts start at 0
     assert u["w"]["busy"] == [0.5, 0.0] and u["w"]["proc_cpu"] == [50.0, None]
     assert u["rate"]["tasks"] == 104.0
@@ -401,6 +401,7 @@ def test_payload_rates_windows_and_replaced_workers():
                                 "cpu_pct": 25.0}]
     first = payload.build(cur, None, None, 12.0)
     assert first["rate"]["tasks"] is None and first["lat"]["bulk"]["run"]["n"] == 15
+    assert first["ag"]["rows"][0]["steps_s"] is None  # no earlier scan: no rates
     json.dumps(u)  # plain JSON
 
 
@@ -431,3 +432,27 @@ def test_threads_end_on_close(ex):
     time.sleep(0.2)
     left = {t.name for t in threading.enumerate()} - before
     assert not {n for n in left if n.startswith("stealer-dashboard")}, left
+
+
+def test_the_agents_scan_runs_once_a_second_not_every_tick():
+    from stealer.dashboard import sampler as smp
+
+    calls: list[bool] = []
+
+    def snapshot(agents: bool = True) -> Stats:
+        calls.append(agents)
+        return Stats(id="stealer-1-" + "ab" * 16, time=time.time(), uptime_s=1.0,
+                     workers=[_worker(0, 0)], injector_depth=0, latency={})
+
+    s = smp.Sampler(snapshot, lambda: None, interval=0.05, procs=False)
+    try:
+        s.subscribe()
+        t0 = time.monotonic()
+        time.sleep(1.3)
+        s.unsubscribe()
+        elapsed = time.monotonic() - t0
+    finally:
+        s.close()
+    scans = sum(calls)
+    assert calls[0] is True and 1 <= scans <= 2 + elapsed / smp.AGENTS_EVERY_S
+    assert len(calls) > scans, "every tick scanned the agents"

@@ -168,8 +168,13 @@ def agent_stats(seg: Segment, top: int = 10) -> tuple[int, list[AgentStats], lis
     return len(idx), busiest, fullest
 
 
-def collect(seg: Segment, queues: Any | None = None) -> Stats:
-    """Read a snapshot of the executor whose segment is ``seg``."""
+def collect(seg: Segment, queues: Any | None = None, agents: bool = True) -> Stats:
+    """Read a snapshot of the executor whose segment is ``seg``.
+
+    ``agents=False`` skips the agents' part (``agents_live`` 0, no busiest or fullest
+    agents): it reads every record slot, O(``records``), about 4 ms at 262,144 records,
+    where the rest reads a few KiB per worker (the dashboard scans agents once a second).
+    """
     Q = queues or seg.Q
     L = seg.layout
     r = seg.region
@@ -205,7 +210,7 @@ def collect(seg: Segment, queues: Any | None = None) -> Stats:
         for t in range(metrics.TIERS)
         if any(h.total for h in tiers[t])
     }
-    agents_live, busiest, fullest = agent_stats(seg)
+    agents_live, busiest, fullest = agent_stats(seg) if agents else (0, [], [])
     return Stats(
         id=seg.name,
         agents_live=agents_live,

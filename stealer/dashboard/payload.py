@@ -11,7 +11,8 @@ latency histograms of about ``window_s`` ago (for a windowed CDF) into a plain d
 * ``lat``: per tier and kind ("wait": queued to started, "run"), the window's count,
   p50/p99/p99.9/max (exact to a bucket, 0.8%) and a sparse CDF of at most 280 points
   (8 per power of two), plus the same markers since the start;
-* ``ag``: live agents and the union of the busiest (CPU) and fullest (mailbox) top-N;
+* ``ag``: live agents and the union of the busiest (CPU) and fullest (mailbox) top-N
+  (:func:`agents_block`, made when the sampler scans agents: once a second);
 * ``client``: pending, backlog, crashes, replacements... (only when the dashboard runs in
   the executor's own process; an executor attached by id does not know them).
 
@@ -30,7 +31,7 @@ from stealer.client.stats import AgentStats, Stats
 from stealer.shared import metrics
 from stealer.top import _hist_delta, _worker_delta
 
-__all__ = ["build", "agents_by_id", "latency_block", "CDF_GROUP", "RATE_KEYS"]
+__all__ = ["build", "agents_block", "agents_by_id", "latency_block", "CDF_GROUP", "RATE_KEYS"]
 
 CDF_GROUP = 8  # fine buckets per CDF point: 64 per power of two / 8 = 8 points (9% wide)
 #: counters reported per second, per worker and summed
@@ -83,16 +84,26 @@ def _agent_row(a: AgentStats, prev: AgentStats | None, dt: float) -> dict[str, A
     }
 
 
+def agents_block(cur: Stats, prev: dict[int, AgentStats] | None = None,
+                 dt: float = 0.0) -> dict[str, Any]:
+    """``ag`` of an update: live agents, and one row per agent of ``cur``'s busiest and
+    fullest lists; ``prev`` (the agents of the scan ``dt`` seconds before, by id) gives
+    steps/s and CPU %."""
+    prev = prev or {}
+    rows = [_agent_row(a, prev.get(a.id), dt) for a in agents_by_id(cur).values()]
+    return {"live": cur.agents_live, "rows": rows}
+
+
 def build(cur: Stats, prev: Stats | None, base: Hists | None, window_s: float,
           procs: list[tuple[float | None, int | None]] | None = None,
-          agents_prev: dict[int, AgentStats] | None = None) -> dict[str, Any]:
+          ag: dict[str, Any] | None = None) -> dict[str, Any]:
     """The update for snapshot ``cur``.
 
     ``prev``: an earlier snapshot of the same executor (rates cover ``cur.time -
     prev.time``; None: no rates yet).  ``base``: the latency histograms of ``window_s``
     seconds ago (None: the CDF is cumulative).  ``procs``: (CPU %, RSS bytes) per worker,
-    None where unknown.  ``agents_prev``: the agents of the previous update by id (for
-    steps/s and CPU %).
+    None where unknown.  ``ag``: the agents' block (:func:`agents_block`; default: made
+    from ``cur`` without rates).
     """
     if prev is not None and (prev.id != cur.id or cur.time <= prev.time):
         prev = None
@@ -132,12 +143,6 @@ def build(cur: Stats, prev: Stats | None, base: Hists | None, window_s: float,
             p = base.get(tier, {}).get(kind) if base is not None else None
             lat[tier][kind] = latency_block(_hist_delta(p, h) if p is not None else h, h)
 
-    agents_prev = agents_prev or {}
-    seen: dict[int, AgentStats] = {}
-    for a in [*cur.busiest_agents, *cur.fullest_agents]:
-        seen.setdefault(a.id, a)
-    rows = [_agent_row(a, agents_prev.get(a.id), dt) for a in seen.values()]
-
     return {
         "v": 1,
         "id": cur.id,
@@ -151,11 +156,14 @@ def build(cur: Stats, prev: Stats | None, base: Hists | None, window_s: float,
         "client": dict(cur.client) if cur.client else None,
         "lat": lat,
         "win_s": _r(window_s),
-        "ag": {"live": cur.agents_live, "rows": rows},
+        "ag": ag if ag is not None else agents_block(cur),
         "rec": [cur.records_free, cur.records],
     }
 
 
 def agents_by_id(cur: Stats) -> dict[int, AgentStats]:
-    """The agents an update of ``cur`` lists, by id (the next update's ``agents_prev``)."""
-    return {a.id: a for a in [*cur.busiest_agents, *cur.fullest_agents]}
+    """The agents an update of ``cur`` lists (busiest first, then the other fullest), by id."""
+    out: dict[int, AgentStats] = {}
+    for a in [*cur.busiest_agents, *cur.fullest_agents]:
+        out.setdefault(a.id, a)
+    return out

@@ -3,6 +3,8 @@
 Owns the sampling loop, the history it needs (snapshots of the last second for rates,
 latency histograms of the last ``window_s`` seconds for the windowed CDF), the worker
 processes' CPU and RSS (psutil) and the encoded update that every event stream sends.
+The agents' part of a snapshot scans every record slot (O(records), unlike the rest), so
+it is taken once a second (``AGENTS_EVERY_S``) and its block reused in between.
 While no page is subscribed it samples nothing; with any number of pages it takes one
 snapshot per ``interval`` and encodes it once, so its cost grows with workers and
 tiers, never with pages or tasks.
@@ -29,6 +31,7 @@ from stealer.dashboard.payload import Hists
 __all__ = ["Sampler"]
 
 _RATE_SPAN_S = 1.0  # rates cover about the last second (counters flush every 64 steps)
+AGENTS_EVERY_S = 1.0  # the agents' scan reads every record slot: once a second, not per tick
 
 
 class _Procs:
@@ -70,12 +73,13 @@ class _Procs:
 class Sampler:
     """One snapshot per ``interval`` while a page listens; the encoded update for all.
 
-    ``snapshot`` returns a fresh :class:`Stats`, or None once the executor is gone
+    ``snapshot(agents=bool)`` returns a fresh :class:`Stats` (with or without the agents'
+    scan), or None once the executor is gone
     (``gone_reason`` then says why).  Readers call :meth:`next` with the sequence number
     they last sent; :meth:`latest` samples on demand (``/api/snapshot``).
     """
 
-    def __init__(self, snapshot: Callable[[], Stats | None],
+    def __init__(self, snapshot: Callable[..., Stats | None],
                  gone_reason: Callable[[], str | None], interval: float = 0.25,
                  window_s: float = 10.0, procs: bool = True) -> None:
         if not 0.05 <= interval <= 10:
@@ -97,8 +101,11 @@ class Sampler:
         self.gone: str | None = None
         self._recent: collections.deque[Stats] = collections.deque()  # last ~second
         self._lat: collections.deque[tuple[float, Hists]] = collections.deque()  # 1 per s
-        self._agents: dict[int, AgentStats] = {}
+        self._agents: dict[int, AgentStats] = {}  # of the last agents' scan, by id
+        self._agents_t = 0.0  # Stats.time of that scan (0: none yet)
+        self._ag: dict[str, Any] | None = None  # its block, sent until the next scan
         self._cpu: collections.deque[tuple[float, float]] = collections.deque()  # (t, cpu s)
+        self._cpu_window = 0.0  # sum of the CPU seconds in _cpu after its first entry
         self.cpu_s = 0.0  # CPU seconds spent sampling and encoding, all told
         self.samples = 0
         self._thread = threading.Thread(target=self._run, name="stealer-dashboard-sampler",
@@ -155,8 +162,7 @@ class Sampler:
         if len(self._cpu) < 2:
             return 0.0
         span = self._cpu[-1][0] - self._cpu[0][0]
-        used = sum(c for _, c in list(self._cpu)[1:])
-        return used / span * 1e3 if span > 0 else 0.0
+        return self._cpu_window / span * 1e3 if span > 0 else 0.0
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -178,13 +184,14 @@ class Sampler:
     def _tick(self) -> None:
         with self._sample_lock:
             c0 = time.thread_time()
+            scan = time.time() - self._agents_t >= AGENTS_EVERY_S * 0.95
             try:
-                cur = self._snapshot()
+                cur = self._snapshot(agents=scan)
             except Exception as exc:  # a failed read is shown, and tried again next tick
                 update: dict[str, Any] = {"v": 1, "error": f"{type(exc).__name__}: {exc}"}
                 cur = None
             else:
-                update = self._update(cur) if cur is not None else {}
+                update = self._update(cur, scan) if cur is not None else {}
             if cur is None and "error" not in update:
                 self.gone = self._gone_reason() or "the executor is gone"
                 update = {"v": 1, "gone": self.gone}
@@ -192,9 +199,12 @@ class Sampler:
             used = time.thread_time() - c0
             self.cpu_s += used
             self.samples += 1
+            if self._cpu:
+                self._cpu_window += used
             self._cpu.append((now, used))
-            while self._cpu and now - self._cpu[0][0] > self.window_s:
+            while len(self._cpu) > 1 and now - self._cpu[0][0] > self.window_s:
                 self._cpu.popleft()
+                self._cpu_window -= self._cpu[0][1]  # the new first entry leaves the sum
             update["smp"] = {"cpu_ms_s": round(self.cpu_ms_per_s(), 2),
                              "pages": self._subscribers, "interval_s": self.interval,
                              "bytes": len(self.data)}
@@ -205,7 +215,7 @@ class Sampler:
                 self.sampled_at = now
                 self._cond.notify_all()
 
-    def _update(self, cur: Stats) -> dict[str, Any]:
+    def _update(self, cur: Stats, scanned: bool) -> dict[str, Any]:
         recent = self._recent
         recent.append(cur)
         while len(recent) > 2 and cur.time - recent[1].time >= _RATE_SPAN_S:
@@ -219,7 +229,9 @@ class Sampler:
         base_t, base = lat[0]
         window = cur.time - base_t
         procs = self._procs.read([w.pid for w in cur.workers]) if self._procs else None
-        update = payload.build(cur, prev, base if window > 0 else None,
-                               window if window > 0 else cur.uptime_s, procs, self._agents)
-        self._agents = payload.agents_by_id(cur)
-        return update
+        if scanned:
+            dt = cur.time - self._agents_t if self._agents_t else 0.0
+            self._ag = payload.agents_block(cur, self._agents, dt)
+            self._agents, self._agents_t = payload.agents_by_id(cur), cur.time
+        return payload.build(cur, prev, base if window > 0 else None,
+                             window if window > 0 else cur.uptime_s, procs, self._ag)

@@ -403,7 +403,7 @@ function updateWorkers(u) {
     barChart($("c-cpu"), labels, [
       { label: "process CPU %", values: u.w.proc_cpu, color: COLORS[0], max: top,
         fmt: (v) => v.toFixed(0) },
-      { label: "busy in task code %", values: u.w.busy.map((b) => (b === null ? null : 100 * b)),
+      { label: "in task code % (wall time)", values: u.w.busy.map((b) => (b === null ? null : 100 * b)),
         color: COLORS[1], max: top, fmt: (v) => v.toFixed(0) }]);
     const rmax = Math.max(1, ...u.w.rss.filter((v) => v !== null));
     barChart($("c-rss"), labels, [{ label: "RSS", values: u.w.rss, color: COLORS[3],

@@ -129,6 +129,8 @@ def test_token_in_url_then_cookie(dash):
     status, headers, body = request(dash, "/app.js", auth=False, headers={"Cookie": pair})
     assert status == 200 and headers["content-type"].startswith("text/javascript")
     assert "set-cookie" not in headers  # only a request carrying ?token= sets it
+    status, headers, _ = request(dash, "/?token=" + "y" * 43, auth=False, headers={"Cookie": pair})
+    assert status == 200 and "set-cookie" not in headers  # a stale URL, a good cookie
     assert dash.url.startswith(f"http://127.0.0.1:{dash.port}/?token=")
 
 

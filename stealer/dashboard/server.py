@@ -191,8 +191,8 @@ class _Handler(BaseHTTPRequestHandler):
             return hmac.compare_digest(value.encode("utf-8", "replace"), want)
 
         given = query.get("token")
-        if given:
-            return ok(given[-1]), ok(given[-1])
+        if given and ok(given[-1]):
+            return True, True
         auth = self.headers.get("Authorization", "")
         if auth.startswith("Bearer ") and ok(auth[7:].strip()):
             return True, False

@@ -10,6 +10,8 @@ Subcommands:
           throughput (``stealer tune --quick``; see ``stealer tune --help``)
   top     live view of a running executor attached by its id (``Executor.id``): queue
           depths, steps/steals/parks per second, per-tier latency, busiest workers
+  dashboard  the same executor in a web browser (read-only, 127.0.0.1 and a token by
+          default): throughput, queue heat strip, steals, latency CDFs, agents, CPU/RSS
   journal what an agents' journal (``Executor(journal=PATH)``) holds: its agents, their
           generations, last snapshots and event counts, and what ``recover=True`` would
           do; ``--agent NAME`` shows the tail of one agent's log
@@ -95,6 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from stealer.top import main as top_main
 
         return top_main(argv[1:])
+    if argv and argv[0] == "dashboard":
+        from stealer.dashboard.cli import main as dashboard_main
+
+        return dashboard_main(argv[1:])
     p = argparse.ArgumentParser(prog="stealer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -105,6 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("bench", help="yardstick benchmarks (see stealer bench --help)")
     sub.add_parser("tune", help="best pinning policy and worker count (see stealer tune --help)")
     sub.add_parser("top", help="live view of a running executor (see stealer top --help)")
+    sub.add_parser("dashboard", help="the live view in a web browser (see stealer dashboard "
+                                     "--help)")
     j = sub.add_parser("journal", help="what an agents' journal holds, and what recovery "
                                        "would do")
     j.add_argument("path", help="the journal directory (Executor(journal=PATH))")

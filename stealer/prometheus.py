@@ -228,16 +228,20 @@ def text(stats: Stats | Executor | str) -> str:
 # -- prometheus_client glue -----------------------------------------------------
 
 
-def _snapshotter(source: Executor | str) -> Callable[[], Stats | None]:
-    """A function returning a fresh snapshot, or None once the executor is gone."""
+def _snapshotter(source: Executor | str) -> Callable[..., Stats | None]:
+    """A function returning a fresh snapshot, or None once the executor is gone.
+
+    Its ``agents`` argument (default True) goes to :func:`collect` / ``Executor.stats``
+    (the dashboard's sampler scans agents less often than it samples).
+    """
     if isinstance(source, str):
         from stealer.shared.shm import Segment
 
         exec_id = os.path.basename(source)
         seg = Segment.attach_any(exec_id)  # ValueError / FileNotFoundError for a bad id
 
-        def snap() -> Stats | None:
-            return None if executor_gone(exec_id) else collect(seg)
+        def snap(agents: bool = True) -> Stats | None:
+            return None if executor_gone(exec_id) else collect(seg, agents=agents)
 
         return snap
     if not callable(getattr(source, "stats", None)):
@@ -246,11 +250,11 @@ def _snapshotter(source: Executor | str) -> Callable[[], Stats | None]:
     ex = source
     exec_id = ex.id
 
-    def snap_ex() -> Stats | None:
+    def snap_ex(agents: bool = True) -> Stats | None:
         if executor_gone(exec_id):
             return None
         try:
-            return ex.stats()
+            return ex.stats(agents=agents)
         except Exception:
             if executor_gone(exec_id):  # shut down while we read
                 return None

@@ -327,8 +327,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _resolve(arg: str | None, err: TextIO) -> tuple[str | None, int]:
-    """The executor id to attach to, or (None, exit code) after a message on ``err``."""
+def _resolve(arg: str | None, err: TextIO, prog: str = "stealer top") -> tuple[str | None, int]:
+    """The executor id to attach to, or (None, exit code) after a message on ``err``.
+
+    ``prog`` names the command in the messages (``stealer dashboard`` resolves ids the same way).
+    """
     if arg is None or arg.isdigit():
         execs = list_executors()
         if arg is not None:
@@ -337,12 +340,10 @@ def _resolve(arg: str | None, err: TextIO) -> tuple[str | None, int]:
             return execs[0]["id"], 0
         if not execs:
             who = f" with client pid {arg}" if arg is not None else ""
-            print(f"stealer top: no running stealer executor{who} found (of this user)",
-                  file=err)
+            print(f"{prog}: no running stealer executor{who} found (of this user)", file=err)
         else:
             print(format_list(execs), file=err)
-            print(f"\nstealer top: {len(execs)} executors are running; pass the id of one",
-                  file=err)
+            print(f"\n{prog}: {len(execs)} executors are running; pass the id of one", file=err)
         return None, 2
     return os.path.basename(arg), 0
 

@@ -723,10 +723,13 @@ class Executor(_fbase.Executor):
                 return False
             r.futex_wait(H_STARTED, started, min(0.05, left) if left is not None else 0.05)
 
-    def stats(self) -> Stats:
-        """A snapshot of counters, queue depths and latency histograms (see stealer.client.stats)."""
+    def stats(self, agents: bool = True) -> Stats:
+        """A snapshot of counters, queue depths and latency histograms (see stealer.client.stats).
+
+        ``agents=False`` leaves out the live agents' count and lists (a scan of every record).
+        """
         pool = self._pool
-        s = collect(pool.seg)
+        s = collect(pool.seg, agents=agents)
         for w in s.workers:  # as the result thread's last look saw it (check_hangs)
             w.frozen_s = pool.hangs.frozen(w.index)
         s.client = {

@@ -98,6 +98,8 @@ class Stats:
     records_free: int = 0
     records: int = 0
     busiest_agents: list[AgentStats] = field(default_factory=list)  # by CPU time, top first
+    # agents with messages waiting, the deepest mailbox first (the same scan, same top count)
+    fullest_agents: list[AgentStats] = field(default_factory=list)
 
     def totals(self) -> dict[str, int]:
         """Counters summed over workers."""
@@ -123,11 +125,13 @@ class Stats:
             "records_free": self.records_free,
             "records": self.records,
             "busiest_agents": [a.__dict__ for a in self.busiest_agents],
+            "fullest_agents": [a.__dict__ for a in self.fullest_agents],
         }
 
 
-def agent_stats(seg: Segment, top: int = 10) -> tuple[int, list[AgentStats]]:
-    """(live agents, the ``top`` busiest by CPU time): one scan of records and directory."""
+def agent_stats(seg: Segment, top: int = 10) -> tuple[int, list[AgentStats], list[AgentStats]]:
+    """(live agents, the ``top`` busiest by CPU time, the ``top`` with the most messages
+    waiting): one scan of records and directory."""
     L = seg.layout
     n = L.records
     mm = seg.mm
@@ -140,29 +144,37 @@ def agent_stats(seg: Segment, top: int = 10) -> tuple[int, list[AgentStats]]:
         (st == np.uint64(S_RUNNING)) | (st == np.uint64(S_QUEUED)))
     idx = np.nonzero(live)[0]
     if not len(idx):
-        return 0, []
+        return 0, [], []
     d = np.frombuffer(mm, np.uint64, n * (DIR_BYTES // 8),
                       L.offsets["agents"]).reshape(n, DIR_BYTES // 8)[idx]
     cpu = d[:, D_CPU_NS // 8]
-    order = np.argsort(-cpu.astype(np.int64), kind="stable")[:top]
-    out = []
-    for j in order:
+    mailbox = (d[:, D_COUNT // 8] & np.uint64(0xFFFFFFFF)).astype(np.int64)
+
+    def row(j: int) -> AgentStats:
         i = int(idx[j])
         w0 = int(word0[i])
         gen_owner = int(d[j, D_GEN // 8])
         steps_msgs = int(d[j, D_STEPS // 8])
-        count_cap = int(d[j, D_COUNT // 8])
         owner = gen_owner >> 32
-        out.append(AgentStats(
+        return AgentStats(
             id=((w0 & GEN_MASK) << 32) | i, worker=owner - 1 if owner else None,
             generation=gen_owner & 0xFFFFFFFF, cpu_ms=int(cpu[j]) / 1e6,
             steps=steps_msgs & 0xFFFFFFFF, messages=steps_msgs >> 32,
-            mailbox=count_cap & 0xFFFFFFFF))
-    return len(idx), out
+            mailbox=int(mailbox[j]))
+
+    busiest = [row(j) for j in np.argsort(-cpu.astype(np.int64), kind="stable")[:top]]
+    waiting = np.flatnonzero(mailbox)
+    fullest = [row(j) for j in waiting[np.argsort(-mailbox[waiting], kind="stable")][:top]]
+    return len(idx), busiest, fullest
 
 
-def collect(seg: Segment, queues: Any | None = None) -> Stats:
-    """Read a snapshot of the executor whose segment is ``seg``."""
+def collect(seg: Segment, queues: Any | None = None, agents: bool = True) -> Stats:
+    """Read a snapshot of the executor whose segment is ``seg``.
+
+    ``agents=False`` skips the agents' part (``agents_live`` 0, no busiest or fullest
+    agents): it reads every record slot, O(``records``), about 4 ms at 262,144 records,
+    where the rest reads a few KiB per worker (the dashboard scans agents once a second).
+    """
     Q = queues or seg.Q
     L = seg.layout
     r = seg.region
@@ -198,11 +210,12 @@ def collect(seg: Segment, queues: Any | None = None) -> Stats:
         for t in range(metrics.TIERS)
         if any(h.total for h in tiers[t])
     }
-    agents_live, busiest = agent_stats(seg)
+    agents_live, busiest, fullest = agent_stats(seg) if agents else (0, [], [])
     return Stats(
         id=seg.name,
         agents_live=agents_live,
         busiest_agents=busiest,
+        fullest_agents=fullest,
         time=now,
         uptime_s=max(0.0, now - created) if created else 0.0,
         workers=workers,

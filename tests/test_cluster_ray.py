@@ -98,6 +98,22 @@ def note_segments(e) -> set[str]:
     return names
 
 
+def test_misuse_is_refused_with_what_to_do():
+    # (first in the file: Ray is not initialised yet, the cluster fixture has not run)
+    assert not ray.is_initialized()
+    with pytest.raises(stealer.ClusterError, match=r"ray\.init\(\)"):
+        stealer.Executor(cluster=True)
+    with pytest.raises(stealer.ClusterError, match="journal"):
+        stealer.Executor(cluster=True, journal="/tmp/nowhere")
+    with pytest.raises(stealer.ClusterError, match="Ray address"):
+        stealer.Executor(cluster=42)
+    with pytest.raises(TypeError, match="positional"):
+        stealer.Executor(1, None, cluster=True)
+    with stealer.Executor(1) as local:  # without cluster=: the local executor, as before
+        assert type(local) is stealer.Executor and local.submit(ct.square, 3).result() == 9
+    assert not ray.is_initialized()
+
+
 def test_one_node_executor_per_node_on_disjoint_cores(ex):
     assert len(ex.nodes) == 2
     st = ex.stats()

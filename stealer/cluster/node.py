@@ -68,6 +68,7 @@ WINDOW_MIN, WINDOW_MAX = 8, 256  # tasks per worker in the local executor's wind
 # result thread then batches completions instead of being woken for each)
 BATCH_OUT = 512  # results that end a results() call's linger
 LIFELINE_POLL_S = 0.05  # an idle node on lifelines looks again this often
+LIFELINE_RENEW_S = 0.25  # and registers its lifelines again this often
 
 
 def node_cpus(default: Any = "auto") -> Any:
@@ -168,6 +169,8 @@ class NodeAgent:
         self.thief = Thief(node_id, steal or StealConfig(), random.Random(seed))
         self.victim = Victim(node_id, steal or StealConfig())
         self.steals = {"asked": 0, "got": 0, "given": 0, "pushed": 0}
+        self.ll_epochs: dict[str, int] = {}  # thief -> the epoch of its last (un)lifeline
+        self.epoch = 0  # of our own lifeline calls
         self.agents: dict[int, Any] = {}  # client's agent id -> local AgentRef
         self.polls = 0  # results() calls answered
         self.seq = 0  # the last result batch made
@@ -273,15 +276,25 @@ class NodeAgent:
         return batch, self.load()
 
     @ray.method(concurrency_group="steal")
-    def lifeline(self, thief: str) -> None:
-        """A thief that gave up asking: push to it when this node has surplus."""
-        self.victim.register(thief)
+    def lifeline(self, thief: str, epoch: int) -> None:
+        """A thief that gave up asking: push to it when this node has surplus.  ``epoch``
+        orders a thief's lifeline and unlifeline calls (they may run out of order in the
+        steal group's threads): an older one than the last seen is ignored."""
+        with self.lock:
+            if epoch <= self.ll_epochs.get(thief, -1):
+                return
+            self.ll_epochs[thief] = epoch
+            self.victim.register(thief)
         self._push()
 
     @ray.method(concurrency_group="steal")
-    def unlifeline(self, thief: str) -> None:
+    def unlifeline(self, thief: str, epoch: int) -> None:
         """The thief got work by other ways: its lifeline here is dropped."""
-        self.victim.forget(thief)
+        with self.lock:
+            if epoch <= self.ll_epochs.get(thief, -1):
+                return
+            self.ll_epochs[thief] = epoch
+            self.victim.forget(thief)
 
     @ray.method(concurrency_group="steal")
     def take(self, batch: list[tuple], source: str) -> None:
@@ -454,12 +467,15 @@ class NodeAgent:
         idles, and waits on its lifelines once it gave up."""
         cfg = self.thief.cfg
         registered: list[str] = []
+        registered_at = 0.0
         self.idle_ev = ev = asyncio.Event()
         while not self.fenced:
             if self.queue or self.inflight:
-                for b in registered:  # busy again: the buddies must not push to us now
-                    if b in self.peers:
-                        self.peers[b].unlifeline.remote(self.node)
+                if registered:  # busy again: the buddies must not push to us now
+                    self.epoch += 1
+                    for b in registered:
+                        if b in self.peers:
+                            self.peers[b].unlifeline.remote(self.node, self.epoch)
                 registered = []
                 ev.clear()
                 if self.queue or self.inflight:
@@ -473,11 +489,14 @@ class NodeAgent:
             victim = self.thief.poll(now, loads)
             if victim is None:
                 lines = self.thief.registrations()
-                if lines and lines != registered:
+                # (again every LIFELINE_RENEW_S: a buddy that lost it, or had no surplus
+                # when it came and gets none by a new batch, looks again when it comes)
+                if lines and (lines != registered or now - registered_at > LIFELINE_RENEW_S):
+                    self.epoch += 1
                     for b in lines:
                         if b in self.peers:
-                            self.peers[b].lifeline.remote(self.node)
-                    registered = lines
+                            self.peers[b].lifeline.remote(self.node, self.epoch)
+                    registered, registered_at = lines, now
                 await asyncio.sleep(LIFELINE_POLL_S if lines else cfg.idle_s)
                 continue
             self.steals["asked"] += 1

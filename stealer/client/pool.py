@@ -269,7 +269,7 @@ class _Pool(Settling, WorkerDeaths):
         r.store64(base + W_RING_OP, 0)  # no claim named (ringfix.py)
         r.store64(base + W_ALLOC, 0)  # no record taken off the free ring (recovery.py)
         r.store64(base + W_BUSY_AT, 0)  # no busy share yet: peers see it idle (placement.py)
-        r.store64(base + W_BUSY_AVG, 0)
+        r.store64(base + W_BUSY_AVG, 0)  # relaxed, as W_BUSY_AT: peers read both as a hint
         r.store32(base + W_STATE, STATE_STARTING)
         args = WorkerArgs(
             index=k, incarnation=self.incarnations[k], name=self.name,

@@ -170,11 +170,13 @@ class Balancer:
         if moved:
             self.gave(best, moved, now)
 
-    def pays_to_idle(self, e: _Entry, idle: int) -> bool:
+    def pays_to_idle(self, e: _Entry, idle: int) -> int:
         """Publish the next runnable agent for an idle peer (``idle``: their bits; ``e``:
         the agent whose turn starts)?  Only if one of them has nothing on its way, our
         busy share has exceeded its share for a while (not only at this round's end:
-        placement.py) and the move pays."""
+        placement.py) and the move pays.  Returns that peer (-1: no); the caller records
+        the move with :meth:`gave` once it is made (a publish may still refuse: an agent
+        that just arrived, a checkpoint that failed)."""
         host = self.host
         w = self.w
         now = time.monotonic_ns()
@@ -188,12 +190,11 @@ class Balancer:
             # every turn while a peer idles, so not again for 1 ms (the shares move
             # over 100 ms)
             self.quiet_until = now + QUIET_NS
-            return False
+            return -1
         c = host.rq.candidate()
         if c is None:
-            return False
+            return -1
         backlog = (e.turn_ns or host.turn_avg) + host.rq.n * host.turn_avg
         if not pays_to_idle(backlog, c.turn_ns or host.turn_avg, move_cost_ns(c.ckpt_ns)):
-            return False
-        self.gave(j, 1, now)  # the thief may be another idle peer: a hint all the same
-        return True
+            return -1
+        return j

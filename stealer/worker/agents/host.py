@@ -200,8 +200,10 @@ class Host(Adoption, Messages, Generators, Calls, Leaving):
         # by the thief's own steal): publish one more runnable agent for it, if that pays
         if self.rq.n:
             idle = (r.load64(H_SEARCHING) | r.load64(H_PARKED)) & self.peers_mask
-            if idle and self.bal.pays_to_idle(e, idle):
-                self.publish_one()
+            j = self.bal.pays_to_idle(e, idle) if idle else -1
+            if j >= 0 and self.publish_one():
+                # the thief may be another idle peer than j: a hint all the same
+                self.bal.gave(j, 1, time.monotonic_ns())
         bal = self.bal
         bal.turn()
         if self.turns & 7 == 0 and self.rq.n >= 2 and bal.on:

@@ -89,9 +89,14 @@ cdef class HotPath:
     # Process-local (this worker's HotPath), read and cleared by the worker loop.
     cdef public bint owed
     cdef int next_rr                # where the next notify starts scanning (this process only)
+    # Agents' client fast path (set_agents): the directory's offset (-1: not set) and the
+    # workers' inboxes (MPMCRing each), where a message's notification goes.
+    cdef Py_ssize_t dir_off
+    cdef list inboxes
     cdef char *rec(self, uint64_t h) noexcept nogil
     cdef int c_notify_one(self) noexcept nogil
     cdef void c_free(self, uint64_t h) noexcept nogil
+    cdef void _give_back(self, char *e) noexcept nogil
     cdef int _check_handle(self, uint64_t h) except -1
     cdef int64_t c_submit_inline(self, uint32_t kind, uint64_t link, const char *data,
                                  Py_ssize_t n, uint32_t retries) noexcept nogil

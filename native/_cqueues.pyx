@@ -742,6 +742,22 @@ from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 # -3 - 0x7FFFFFFFFFFF, which is also ``-2 - h`` for generation 0x8000, record 0.)
 cdef int64_t CORRUPT_FREE_RING = INT64_MIN
 
+# post_msg's results (HotPath.post_msg; stealer/client/agents.py reads them by these names)
+DEF D_CLOSED = 0x8000000000000000ULL   # mailbox.CLOSED: the top bit of D_HEAD
+cdef enum:
+    C_POST_QUIET = -1
+    C_POST_FULL = -2
+    C_POST_STOPPED = -3
+    C_POST_NOREC = -4
+    C_POST_INBOX_FULL = -5      # - k: worker k's inbox was full
+    C_POST_CONTROL = 1 << 24    # or-ed into an owner: the agent is control-tier
+POST_QUIET = C_POST_QUIET
+POST_FULL = C_POST_FULL
+POST_STOPPED = C_POST_STOPPED
+POST_NOREC = C_POST_NOREC
+POST_INBOX_FULL = C_POST_INBOX_FULL
+POST_CONTROL = C_POST_CONTROL
+
 
 cdef inline uint64_t _now_ns() noexcept nogil:
     # CLOCK_MONOTONIC in ns: the clock of time.monotonic_ns() and perf_counter_ns() on Linux.
@@ -823,6 +839,8 @@ cdef class HotPath:
         self.injector = injector
         self.client_park_off = client_park_off
         self.owed = False
+        self.dir_off = -1
+        self.inboxes = []
 
     cdef char *rec(self, uint64_t h) noexcept nogil:
         return self.rec_base + RECORD_BYTES * (h & 0xFFFFFFFFU)
@@ -996,6 +1014,127 @@ cdef class HotPath:
             if self.injector.c_push(h) != ST_SUCCESS:   # release (cell seq): the worker's pop acquires it
                 return -2
         return 0
+
+    # -- the agents' client: a call in two native steps (stealer/client/agents.py) ------
+    def set_agents(self, Py_ssize_t dir_off, list inboxes not None):
+        """Client: where the agent directory is and the workers' inboxes (for post_msg)."""
+        if dir_off < 0 or dir_off + <Py_ssize_t>(self.nrecords * DIR_BYTES) > self.region.size:
+            raise ValueError("the agent directory does not fit the region")
+        for q in inboxes:
+            if not isinstance(q, MPMCRing):
+                raise TypeError("set_agents takes the workers' inboxes (MPMCRing each)")
+        self.dir_off = dir_off
+        self.inboxes = list(inboxes)
+
+    def reply_slot(self, uint64_t fid):
+        """Client: a fresh record set up as a call's reply slot (K_ROOT, link ``fid``,
+        QUEUED on no queue), as ``Arena.alloc`` + ``Arena.setup``; its handle, or -1 when
+        no record is free (the caller waits in Python)."""
+        cdef uint64_t idx
+        if self.free_ring.c_pop(&idx) != ST_SUCCESS:
+            return -1
+        if idx >= self.nrecords:
+            raise IndexError("corrupt free ring: record index out of range")
+        cdef char *r = self.rec_base + RECORD_BYTES * idx
+        cdef uint64_t gen = st_load_relaxed_u64(r) & 0xFFFFFFFFU   # ours since the pop
+        memset(r + 8, 0, R_INLINE - 8)
+        (<uint32_t *>(r + R_KIND))[0] = K_ROOT
+        (<uint64_t *>(r + R_LINK))[0] = fid
+        (<uint64_t *>(r + R_TSUBMIT))[0] = _now_ns()
+        # release: the message's push (seq_cst CAS on D_HEAD) publishes it to the owner,
+        # whose claim (seq_cst CAS QUEUED -> RUNNING in Messages.reply) reads it
+        st_store_release_u64(r, gen | (<uint64_t>S_QUEUED << STATE_SHIFT))
+        return <int64_t>((gen << 32) | idx)
+
+    def post_msg(self, uint64_t h, bytes data not None, bint reserved=False):
+        """Client: message ``data`` (an inline payload, ``len <= INLINE``) into agent
+        ``h``'s mailbox, as ``AgentClient._check`` + ``Directory.reserve`` + a K_MSG record
+        + ``Directory.push`` + ``Directory.notify`` (stealer/agents/mailbox.py, the
+        reference) in one call.  ``reserved``: the caller holds a mailbox slot already.
+
+        Returns the owner ``k >= 0`` to wake (``| POST_CONTROL`` for a control-tier agent:
+        the caller may signal a busy owner), ``POST_QUIET`` (pushed; a notification was
+        on its way already, or the agent is not running: nobody to wake),
+        ``POST_INBOX_FULL - k`` (pushed; the notification found worker k's inbox full: the
+        caller queues it), or, with nothing changed (a slot it reserved here given
+        back): ``POST_FULL`` (mailbox full), ``POST_STOPPED`` (the agent is gone, done or
+        closed), ``POST_NOREC`` (no free record)."""
+        if self.dir_off < 0:
+            raise RuntimeError("post_msg before set_agents")
+        self._check_handle(h)
+        cdef Py_ssize_t n = PyBytes_GET_SIZE(data)
+        if n > INLINE:
+            raise ValueError("payload too large for the inline path")
+        cdef char *ar = self.rec(h)
+        cdef char *e = self.region.base + self.dir_off + DIR_BYTES * (h & 0xFFFFFFFFU)
+        # acquire: the agent's state word; pairs with its owner's seq_cst CASes (start, finish)
+        cdef uint64_t w = st_load_acquire_u64(ar)
+        if (w & GEN_MASK) != (h >> 32) or ((w >> STATE_SHIFT) & STATE_MASK) == S_DONE:
+            return C_POST_STOPPED
+        # acquire: pairs with the owner's closing CAS (Directory.close)
+        if st_load_acquire_u64(e + D_HEAD) & D_CLOSED:
+            return C_POST_STOPPED
+        cdef uint32_t cap
+        if not reserved:
+            cap = st_load_relaxed_u32(e + D_CAP)   # set by the spawner before the agent's push
+            # seq_cst RMW: pairs with the owner's add in Directory.give_back
+            if st_fetch_add_seqcst_u32(e + D_COUNT, 1) >= cap:
+                st_fetch_add_seqcst_u32(e + D_COUNT, <uint32_t>-1)   # overshot: undo (never seen)
+                return C_POST_FULL
+        cdef uint64_t idx = 0
+        if self.free_ring.c_pop(&idx) != ST_SUCCESS:
+            if not reserved:
+                self._give_back(e)
+            return C_POST_NOREC
+        if idx >= self.nrecords:
+            if not reserved:
+                self._give_back(e)
+            raise IndexError("corrupt free ring: record index out of range")
+        cdef char *m = self.rec_base + RECORD_BYTES * idx
+        cdef uint64_t gen = st_load_relaxed_u64(m) & 0xFFFFFFFFU   # ours since the pop
+        memset(m + 8, 0, R_INLINE - 8)
+        (<uint32_t *>(m + R_KIND))[0] = K_MSG
+        (<uint64_t *>(m + R_PLEN))[0] = <uint64_t>n
+        (<uint64_t *>(m + R_TSUBMIT))[0] = _now_ns()
+        if n:
+            memcpy(m + R_INLINE, PyBytes_AS_STRING(data), n)
+        # relaxed: published with the fields above by the push's seq_cst CAS below
+        st_store_relaxed_u64(m, gen | (<uint64_t>S_QUEUED << STATE_SHIFT))
+        cdef uint64_t mh = (gen << 32) | idx
+        cdef uint64_t old
+        while True:
+            old = st_load_acquire_u64(e + D_HEAD)   # acquire: pairs with other senders' CAS
+            if old & D_CLOSED:
+                self.c_free(mh)                       # never published: still ours
+                if not reserved:
+                    self._give_back(e)
+                return C_POST_STOPPED
+            (<uint64_t *>(m + R_NEXT))[0] = old       # ours until the CAS publishes it
+            # seq_cst CAS: publishes the message and its link; pairs with the owner's load of
+            # D_HEAD in Directory.take and its closing CAS
+            if st_cas_seqcst_u64(e + D_HEAD, old, mh + 1):
+                break
+        # the notification (Directory.notify): seq_cst RMW, pairs with the owner's and64
+        # that clears AF_NOTIFIED before its walk
+        cdef uint64_t flags = wset_fetch_or_seqcst(e + D_FLAGS, AF_NOTIFIED)
+        if flags & AF_NOTIFIED:
+            return C_POST_QUIET
+        w = st_load_seqcst_u64(ar)   # seq_cst after the or64: the owner's start CAS or ours first
+        if (w & GEN_MASK) != (h >> 32) or ((w >> STATE_SHIFT) & STATE_MASK) != S_RUNNING:
+            return C_POST_QUIET   # gone, or QUEUED: whoever starts it walks the mailbox
+        cdef int64_t owner = <int64_t>(w >> WHO_SHIFT) - 1
+        if owner < 0 or owner >= len(self.inboxes):
+            return C_POST_QUIET
+        if (<MPMCRing>self.inboxes[owner]).c_push(h) != ST_SUCCESS:   # release: the owner's pop acquires it
+            return C_POST_INBOX_FULL - owner
+        return owner | (C_POST_CONTROL if flags & AF_CONTROL else 0)
+
+    cdef void _give_back(self, char *e) noexcept nogil:
+        # Directory.give_back of one slot, from the sender that reserved it: seq_cst RMW,
+        # pairs with the senders' reserve; wakes blocked senders if the mailbox was full
+        cdef uint32_t old = st_fetch_add_seqcst_u32(e + D_COUNT, <uint32_t>-1)
+        if old >= st_load_relaxed_u32(e + D_CAP):
+            st_futex_wake(e + D_COUNT, 1 << 30)
 
     def start(self, uint64_t h, Py_ssize_t current_off, uint64_t t_start,
               Py_ssize_t wait_hist_off=-1, uint64_t who=0):

@@ -109,7 +109,9 @@ def test_a_small_array_round_trips_writable_with_its_dtype_and_shape(a):
     for obj in (a, (a,), (1, "act", (a, 2.0), None), [[a]], (a, a)):
         data, bufs = serialize.dumps(obj)
         assert not bufs
-        assert b"_small_array" in data  # the short way, not numpy's reduction
+        # the short way (the extension code of _small_array), not numpy's reduction
+        assert bytes([pickle.EXT1[0], serialize._SMALL_ARRAY_CODE]) in data
+        assert b"numpy" not in data
         back = pickle.loads(data)
         got = back
         while not isinstance(got, np.ndarray):
@@ -118,6 +120,17 @@ def test_a_small_array_round_trips_writable_with_its_dtype_and_shape(a):
         assert np.array_equal(got, a)
         assert got.flags.writeable
         got[...] = 0  # the handler may write into what it received
+
+
+def test_a_call_with_a_small_array_fits_a_record_inline():
+    """The lockstep yardstick's message (a 2-float action) fits INLINE: the native call
+    path (HotPath.post_msg) takes only inline payloads; named by module, it did not."""
+    from stealer.agents.message import encode_message
+    from stealer.shared._layout import INLINE
+
+    data, bufs = encode_message(0x7FFF_FFFF_0001_0000, "act", (np.zeros(2, np.float32),),
+                                None, 0x7FFF_FFFF_0002_0000, None)
+    assert not bufs and len(data) <= INLINE, len(data)
 
 
 @pytest.mark.parametrize("a", [

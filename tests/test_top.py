@@ -21,13 +21,17 @@ FAKE_ID = "stealer-1-" + "ab" * 16
 NUM = r"\d+(?:\.\d+)?"
 
 
-def wait_for_tasks(ex: stealer.Executor, n: int, timeout: float = 10.0) -> Stats:
-    """Counters are flushed every 64 steps and when a worker parks: poll until n show up."""
+def wait_for_tasks(ex: stealer.Executor, n: int, timeout: float = 10.0,
+                   runs: int | None = None) -> Stats:
+    """Counters are flushed every 64 steps and when a worker parks: poll until n tasks
+    show up, and ``runs`` (default n) samples in the interactive run-time histogram (its
+    count has its own base: compare it with an earlier count, not with the tasks')."""
     deadline = time.monotonic() + timeout
+    runs = n if runs is None else runs
     while True:
         s = ex.stats()
         lat = s.latency.get("interactive", {})
-        if (s.totals()["tasks"] >= n and lat and lat["run"].count >= n) \
+        if (s.totals()["tasks"] >= n and lat and lat["run"].count >= runs) \
                 or time.monotonic() > deadline:
             return s
         time.sleep(0.05)
@@ -96,7 +100,8 @@ def test_render_cumulative_frame(ex):
 def test_render_interval_frame(ex):
     prev = ex.stats()
     [f.result(timeout=60) for f in [ex.submit(tasks.busy, 0.001) for _ in range(100)]]
-    cur = wait_for_tasks(ex, prev.totals()["tasks"] + 100)
+    cur = wait_for_tasks(ex, prev.totals()["tasks"] + 100,
+                         runs=prev.latency["interactive"]["run"].count + 100)
     frame = top.render(prev, cur)
     assert "last " in frame and "cumulative" not in frame
     run_now, run_then = cur.latency["interactive"]["run"], prev.latency["interactive"]["run"]

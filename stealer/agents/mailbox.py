@@ -46,6 +46,7 @@ from __future__ import annotations
 import os
 import signal
 import struct
+import time
 from typing import Any
 
 from stealer.shared._layout import (
@@ -58,7 +59,10 @@ from stealer.shared._layout import (
     D_HEAD,
     DIR_BYTES,
     GEN_MASK,
+    INLINE,
+    K_MSG,
     R_NEXT,
+    S_DONE,
     S_RUNNING,
     STATE_MASK,
     STATE_SHIFT,
@@ -66,7 +70,8 @@ from stealer.shared._layout import (
 )
 from stealer.shared.shm import W_CURRENT, W_PID
 
-__all__ = ["CLOSED", "Directory", "SIGNAL", "signal_if_busy"]
+__all__ = ["CLOSED", "Directory", "POST_CONTROL", "POST_FULL", "POST_INBOX_FULL", "POST_NOREC",
+           "POST_QUIET", "POST_STOPPED", "SIGNAL", "signal_if_busy"]
 
 SIGNAL = signal.SIGUSR2  # "a control message is waiting": SIGUSR1 is an idle peer's request
 
@@ -94,6 +99,10 @@ def signal_if_busy(region: Any, worker_base: int, h: int, flags: int) -> bool:
 # agent's step; the owner's side is stealer/worker/agents/inline.py.
 
 CLOSED = 1 << 63  # the bit of D_HEAD that closes a mailbox (handles + 1 stay below it)
+# Directory.post/route's results, the same as native/_cqueues.pyx's HotPath.post_msg's
+POST_QUIET, POST_FULL, POST_STOPPED, POST_NOREC, POST_INBOX_FULL = -1, -2, -3, -4, -5
+POST_CONTROL = 1 << 24  # or-ed into the owner to wake: a control-tier agent
+_OWNER = POST_CONTROL - 1
 _CHAIN = CLOSED - 1
 _ALL = (1 << 64) - 1
 _U64 = struct.Struct("=Q")
@@ -173,28 +182,77 @@ class Directory:
             if r.cas64(e + D_HEAD, old, m + 1):
                 return True
 
-    def notify(self, h: int, me: int = -1, defer: set[int] | None = None) -> None:
-        """After a push (or a stop): make sure agent ``h``'s owner looks at it.  With
-        ``defer``, the owner is added to it instead of woken: the caller wakes each owner
-        of a batch once (``Idle.notify_worker``), before it blocks and when it is done."""
+    def post(self, h: int, data: bytes, reserved: bool = False) -> int:
+        """Sender: message ``data`` (an inline payload) into agent ``h``'s mailbox, in one
+        call: the agent checked (current, not DONE, not closed), a slot reserved (unless
+        ``reserved``: the caller holds one), a K_MSG record made, pushed and routed
+        (:meth:`route`).  The reference of native/_cqueues.pyx's ``HotPath.post_msg``,
+        with its results: :meth:`route`'s once pushed, or, with nothing changed (a slot
+        reserved here given back), POST_FULL (the mailbox is full), POST_STOPPED (the
+        agent is gone, done or closed), POST_NOREC (no free record)."""
+        a = self.a
+        if len(data) > INLINE:
+            raise ValueError("payload too large for the inline path")
+        st = a.tr.state(h)
+        # acquire load of D_HEAD: pairs with the owner's closing CAS
+        if st is None or st[0] == S_DONE or self.r.load64(self.entry(h) + D_HEAD) & CLOSED:
+            return POST_STOPPED
+        if not reserved and not self.reserve(h):
+            return POST_FULL
+        m = a.alloc()
+        if m < 0:
+            if not reserved:
+                self.give_back(h)
+            return POST_NOREC
+        off = a.setup(m, K_MSG, 0, time.monotonic_ns())
+        a.put(off, data, [])
+        if not self.push(h, m):
+            a.free(m)  # never published: still ours
+            if not reserved:
+                self.give_back(h)
+            return POST_STOPPED
+        return self.route(h)
+
+    def route(self, h: int) -> int:
+        """After a push (or a stop): the notification's half that needs no decision.  Sets
+        AF_NOTIFIED and, if this sender set it first and the agent is RUNNING on worker k,
+        pushes ``h`` onto k's inbox.  Returns ``k`` (``| POST_CONTROL`` for a control-tier
+        agent) for the caller to wake, ``POST_INBOX_FULL - k`` when k's inbox was full
+        (the caller keeps it for later), or POST_QUIET (nobody to wake: a notification
+        was on its way, or the agent is not running)."""
         r = self.r
         # seq_cst RMW: pairs with the owner's and64 that clears it before its walk
         flags = r.or64(self.entry(h) + D_FLAGS, AF_NOTIFIED)
         if flags & AF_NOTIFIED:
-            return  # a notification is already on its way
+            return POST_QUIET  # a notification is already on its way
         w = r.load64(self.a.off(h))  # the agent's state word (seq_cst after the or64)
         if w & GEN_MASK != h >> 32 or (w >> STATE_SHIFT) & STATE_MASK != S_RUNNING:
-            return  # gone, or QUEUED: whoever starts it walks the mailbox after its start CAS
+            return POST_QUIET  # gone, or QUEUED: whoever starts it walks the mailbox
         owner = (w >> WHO_SHIFT) - 1
         if not 0 <= owner < len(self.inboxes):
-            return
+            return POST_QUIET
         if not self.inboxes[owner].push(h):  # one notification per agent at a time
+            return POST_INBOX_FULL - owner
+        return owner | (POST_CONTROL if flags & AF_CONTROL else 0)
+
+    def routed(self, h: int, code: int, me: int = -1, defer: set[int] | None = None) -> None:
+        """Act on :meth:`route`'s (or post's) result: wake the owner (or add it to
+        ``defer``: the caller wakes each owner of a batch once, ``Idle.notify_worker``,
+        before it blocks and when it is done), or keep a notification its owner's full
+        inbox refused."""
+        if code >= 0:
+            self._woken(code & _OWNER, h, AF_CONTROL if code & POST_CONTROL else 0, me, defer)
+        elif code <= POST_INBOX_FULL:
+            owner = POST_INBOX_FULL - code
             if self.full is not None:  # the client: never waits on a worker's inbox
                 self.full(owner, h)
             else:  # a worker: for its loop (the AF_NOTIFIED bit stays set: nobody else pushes)
-                self.held.append((owner, h, flags))
-            return
-        self._woken(owner, h, flags, me, defer)
+                self.held.append((owner, h, self.flags(h)))
+
+    def notify(self, h: int, me: int = -1, defer: set[int] | None = None) -> None:
+        """After a push (or a stop): make sure agent ``h``'s owner looks at it
+        (:meth:`route`, then :meth:`routed`)."""
+        self.routed(h, self.route(h), me, defer)
 
     def _woken(self, owner: int, h: int, flags: int, me: int = -1,
                defer: set[int] | None = None) -> None:

@@ -17,7 +17,14 @@ from typing import Any
 
 from stealer.agents.api import AgentRef, _clients
 from stealer.agents.jblob import pack as journal_pack
-from stealer.agents.mailbox import CLOSED, Directory
+from stealer.agents.mailbox import (
+    CLOSED,
+    POST_FULL,
+    POST_NOREC,
+    POST_QUIET,
+    POST_STOPPED,
+    Directory,
+)
 from stealer.agents.message import AGENT_FID, encode_message, message_reply
 from stealer.agents.options import DEFAULT_OPTIONS, AgentOptions
 from stealer.client.futures import _Future
@@ -33,6 +40,7 @@ from stealer.shared._layout import (
     AF_CONTROL,
     D_CKPT,
     F_AGENT,
+    INLINE,
     K_CKPT,
     K_MASK,
     K_MSG,
@@ -50,6 +58,9 @@ from stealer.shared.shm import STATE_READY, STATE_STARTING, W_CURRENT, W_STATE
 __all__ = ["AgentClient", "AGENT_FID", "lookup", "encode_message"]
 
 RECORD_WAIT = 30.0  # seconds a send or spawn waits for a free record before giving up
+
+# what a call reports on its future rather than raising
+_CALL_ERRORS = (AgentStopped, MailboxFull, ValueError, StealerError, JournalError)
 
 
 
@@ -95,6 +106,14 @@ class AgentClient:
         self.by_uid: dict[str, int] = {}  # uid -> handle of a live agent spawned or recovered
         self.ended: dict[str, tuple[int, bytes, int]] = {}  # uid -> final value, recovered
         _clients[pool.name] = weakref.ref(self)
+        # a call's two steps (see call): native (HotPath) when the arena uses it, else
+        # their Python references (Arena.reply_slot, Directory.post)
+        hot = self.a.hot
+        if hot is not None:
+            hot.set_agents(pool.layout.offsets["agents"], pool.inboxes)
+            self.post = hot.post_msg
+        else:
+            self.post = self.dir.post
 
     def close(self) -> None:
         _clients.pop(self.name, None)
@@ -396,8 +415,12 @@ class AgentClient:
         st = self.a.tr.state(h) if h >= 0 else None
         # acquire load of D_HEAD: pairs with the owner's closing CAS
         if st is None or st[0] == S_DONE or self.pool.region.load64(self.dir.entry(h)) & CLOSED:
-            raise AgentStopped(f"agent {h:#x} was stopped, finished or failed; it takes no "
-                               "more messages", h)
+            raise self._stopped(h)
+
+    @staticmethod
+    def _stopped(h: int) -> AgentStopped:
+        return AgentStopped(f"agent {h:#x} was stopped, finished or failed; it takes no more "
+                            "messages", h)
 
     def _deliver(self, h: int, m: int, defer: set[int] | None = None) -> None:
         if not self.dir.push(h, m):
@@ -461,6 +484,55 @@ class AgentClient:
         pool.check_open()
         fid = next(pool.ids)
         f = _Future(pool, fid, method)
+        # Two steps, one native call each with the extension (HotPath.reply_slot, post_msg;
+        # else Arena.reply_slot, Directory.post): the reply slot, whose handle the message
+        # names, then the message.  What they cannot do goes on in Python: a journaled
+        # message (_call_py), no free record, a full mailbox, a payload too big for the
+        # record (_post_py).
+        if h < 0 or (uid is not None and self.j is not None):
+            return self._call_py(f, h, method, args, kwargs, deadline, uid, defer)
+        rh = self.a.reply_slot(fid)
+        if rh < 0:  # no free record: the Python path waits for one
+            return self._call_py(f, h, method, args, kwargs, deadline, uid, defer)
+        f._st_handle = rh  # cancel() withdraws it (the agent then drops the reply)
+        pool.futures[fid] = f
+        try:
+            data, bufs = encode_message(h, method, args, kwargs, rh, deadline)
+            r = self.post(h, data) if not bufs and len(data) <= INLINE else POST_FULL
+            if r == POST_STOPPED:
+                raise self._stopped(h)
+            if r in (POST_FULL, POST_NOREC):  # nothing done yet: Python waits
+                self._post_py(h, data, bufs, defer)
+            elif r != POST_QUIET:
+                self.dir.routed(h, r, -1, defer)
+        except BaseException as exc:
+            if pool.futures.pop(fid, None) is not None:
+                self.a.release(rh, 1, 0, 0)  # QUEUED -> FREEING -> free (still ours)
+            if not isinstance(exc, _CALL_ERRORS):
+                raise
+            f.set_exception(exc)
+        return f
+
+    def _post_py(self, h: int, data: bytes, bufs: list, defer: set[int] | None) -> None:
+        """The rest of a native call in Python: a mailbox slot (waiting for room), a
+        message record (waiting for one), the payload, the push and the notification."""
+        self._check(h)
+        self._reserve(h, True, None, defer)
+        a = self.a
+        try:
+            m = self.alloc("a message")
+            off = a.setup(m, K_MSG, 0, time.monotonic_ns())
+            a.put(off, data, bufs)
+        except BaseException:
+            self.dir.give_back(h)
+            raise
+        self._deliver(h, m, defer)
+
+    def _call_py(self, f: _Future, h: int, method: str, args: tuple, kwargs: dict,
+                 deadline: float | None, uid: str | None, defer: set[int] | None) -> _Future:
+        """:meth:`call` in Python (the reference of the native path; journaled calls)."""
+        pool = self.pool
+        fid = f._st_fid
         a = self.a
         try:
             self._check(h)
@@ -483,7 +555,7 @@ class AgentClient:
                 if pool.futures.pop(fid, None) is not None:
                     a.release(rh, 1, 0, 0)  # QUEUED -> FREEING -> free (still ours)
                 raise
-        except (AgentStopped, MailboxFull, ValueError, StealerError, JournalError) as exc:
+        except _CALL_ERRORS as exc:
             f.set_exception(exc)
         return f
 

@@ -137,6 +137,7 @@ class Arena:
                             self.injector, H_CLIENT_PARK, H_SEARCHING, H_PARKED,
                             L.worker(0) + W_PARK, WORKER_BYTES, L.nworkers)
             self.hot = hot
+            self.reply_slot = hot.reply_slot
             self.submit_inline = hot.submit_inline
             self.spawn_inline = hot.spawn_inline
             self.notify_one = hot.notify_one
@@ -245,6 +246,14 @@ class Arena:
     # -- composite hot-path operations --------------------------------------
     # Reference implementations; HotPath in native/_cqueues.pyx does the same
     # in one native call each and replaces these when the extension loads.
+
+    def reply_slot(self, fid: int) -> int:
+        """Client: a fresh record set up as a call's reply slot (K_ROOT, link ``fid``,
+        QUEUED on no queue); its handle, or -1 when no record is free."""
+        h = self.alloc()
+        if h >= 0:
+            self.setup(h, K_ROOT, fid, time.monotonic_ns())
+        return h
 
     def submit_inline(self, kind: int, link: int, data: bytes, retries: int = 0) -> int:
         """Client: a fresh record with an inline payload, pushed on the injector, and a

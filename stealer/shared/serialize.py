@@ -44,6 +44,7 @@ the agents' host), the arena (frames in blocks) and the agents' messages and jou
 
 from __future__ import annotations
 
+import copyreg
 import io
 import pickle
 import struct
@@ -93,6 +94,17 @@ def _small_array(data: bytes, dtype: str, shape: tuple) -> Any:
     """An array written by :class:`_ArrayPickler` (writable, owning its memory)."""
     np = sys.modules["numpy"]  # the writer's pickle names this function: numpy is loaded
     return np.frombuffer(bytearray(data), dtype).reshape(shape)
+
+
+# _small_array pickles as a 2-byte extension code instead of its module and name (38 bytes):
+# a message with a small array then fits a record's inline area (arena.INLINE, 96 bytes) and
+# takes the native call path.  A code from copyreg's private-use range (240-255, PEP 307);
+# both sides register it at import.  Taken by someone else: the pickle names the global.
+_SMALL_ARRAY_CODE = 0xF5
+try:
+    copyreg.add_extension(__name__, "_small_array", _SMALL_ARRAY_CODE)
+except ValueError:
+    pass
 
 
 class _ArrayPickler(pickle.Pickler):

@@ -57,6 +57,27 @@ def test_call_send_result_stop(ex):
         ref.call("get").result(T)
 
 
+def test_every_agent_gives_and_takes_its_state(ex):
+    """STATE / SET_STATE (stealer/agents/message.py): what the cluster executor's client
+    keeps of an agent, and puts back into a new one after its node was lost."""
+    from stealer.agents.message import SET_STATE, STATE
+
+    a = ex.spawn_agent(L.Counter, 10)
+    a.call("add", 5).result(T)
+    state = a.call(STATE).result(T)
+    assert state["n"] == 15 and state["delay"] == 0.0
+    b = ex.spawn_agent(L.Counter, 0)
+    assert b.call(SET_STATE, state).result(T) is None
+    assert b.call("add", 1).result(T) == 16
+    assert a.call("add", 1).result(T) == 16  # a's own state was not given away
+    c = ex.spawn_agent(L.LockedCounter, 1)  # a state that does not pickle: the call fails
+    with pytest.raises(stealer.StealerError):
+        c.call(STATE).result(T)
+    assert c.call("add", 1).result(T) == 2  # the agent lives on
+    for r in (a, b, c):
+        r.stop()
+
+
 def test_stop_reaches_an_agent_in_the_middle_of_a_batch_of_calls(ex1):
     """stop() acts at the next step boundary even while the agent works through a batch
     of queued calls (its turn handles up to MSG_BATCH of them; the stop's ping would wait

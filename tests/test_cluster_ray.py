@@ -185,6 +185,11 @@ def test_a_skew_submitted_to_one_node_is_stolen_by_the_other(ex):
     assert sum(s["steals"]["got"] + s["steals"]["pushed"] for s in st.nodes.values()) > 0
 
 
+def test_a_bad_checkpoint_interval_is_refused(ex):
+    with pytest.raises(ValueError, match="state_every"):
+        ex.spawn_agent(ct.Counter, state_every=-1)
+
+
 def test_agents_live_on_both_nodes_and_answer_through_them(ex):
     refs = [ex.spawn_agent(ct.Counter, 10 * i, name=f"c{i}") for i in range(8)]
     assert {r.call("where").result(timeout=60) for r in refs} == {"0", "1"}
@@ -301,9 +306,15 @@ def test_node_loss_resubmits_its_tasks_and_new_nodes_join(cluster, own):
     try:
         head = ray.get_runtime_context().get_node_id()
         (other,) = [n for n in e.nodes if n != head]
-        agents = [e.spawn_agent(ct.Counter, 1000 * i) for i in range(6)]
-        assert [r.call("add", 1).result(timeout=30) for r in agents] == [
-            1000 * i + 1 for i in range(6)]
+        # the client keeps each agent's state: every 32 messages (the default: none asked
+        # yet after 5 adds, so all five are replayed), after every message (the state,
+        # nothing to replay), or never (restarted from its spawn arguments)
+        every = [32, 1, 0] * 2
+        agents = [e.spawn_agent(ct.Counter, 1000 * i, state_every=k)
+                  for i, k in enumerate(every)]
+        for _ in range(5):
+            got = [f.result(timeout=30) for f in e.call_all(agents, "add", [(1,)] * 6)]
+        assert got == [1000 * i + 5 for i in range(6)]
         on_other = [r for r in agents if r.node == other]
         assert on_other, "no agent on the node to be removed"
         fs = [e.submit(ct.spin, 0.02, i) for i in range(150)]  # 3 s of work on 2 cores
@@ -319,11 +330,16 @@ def test_node_loss_resubmits_its_tasks_and_new_nodes_join(cluster, own):
         assert loss["node"] == other and loss["tasks"] > 0 and loss["replaced"] == loss["tasks"]
         assert st.resubmitted >= loss["tasks"] and st.outstanding == 0
         assert e.nodes == [head]
-        # the agents of the lost node started again on the head from their spawn arguments
+        # the agents of the lost node started again on the head: from the state the client
+        # kept and the messages since, or (state_every=0) from their spawn arguments
         assert all(r.node == head for r in agents)
         got = [r.call("add", 1).result(timeout=60) for r in agents]
         assert [g % 1000 for g in got] == [
-            1 if r in on_other else 2 for r in agents]  # restarted ones lost their state
+            1 if r in on_other and k == 0 else 6 for r, k in zip(agents, every)]
+        lost_32 = sum(1 for r, k in zip(agents, every) if r in on_other and k == 32)
+        # the answered adds since no state was kept (more if a state's reply was lost too)
+        assert st.replayed >= 5 * lost_32, (st.replayed, lost_32)
+        assert st.state_errors == 0
         # a node joins: it gets a node agent and takes work
         cluster.add_node(num_cpus=1, env_vars=node_env("1"))
         deadline = time.monotonic() + 60

@@ -15,9 +15,32 @@ from typing import Any
 
 from stealer.shared import serialize
 
-__all__ = ["AGENT_FID", "decode_message", "encode_message", "message_reply"]
+__all__ = ["AGENT_FID", "SET_STATE", "STATE", "agent_state", "decode_message", "encode_message",
+           "message_reply", "set_agent_state"]
 
 AGENT_FID = 1 << 63  # future ids of agents' final values: AGENT_FID | agent handle
+
+# Two handlers every agent has, for whoever keeps its state outside its executor (the
+# cluster executor's client, stealer/cluster/agents.py): STATE replies with the agent's
+# state (``__getstate__()``, else its ``__dict__``), SET_STATE(state) puts one back
+# (``__setstate__``, else ``__dict__.update``).  Named so no method can be (a NUL first).
+STATE = "\x00state"
+SET_STATE = "\x00set_state"
+
+
+def agent_state(obj: Any) -> Any:
+    """What STATE replies: the state pickle would save of ``obj``."""
+    get = getattr(obj, "__getstate__", None)
+    return get() if get is not None else obj.__dict__
+
+
+def set_agent_state(obj: Any, state: Any) -> None:
+    """SET_STATE's handler: ``state`` (from :func:`agent_state`) put back into ``obj``."""
+    put = getattr(obj, "__setstate__", None)
+    if put is not None:
+        put(state)
+    elif state is not None:
+        obj.__dict__.update(state)
 
 # the payload's fields by position: the agent it is for, the handler, its arguments, the
 # reply slot (-1: a one-way send), the deadline (monotonic seconds or None), and for a

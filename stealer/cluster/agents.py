@@ -9,6 +9,7 @@ uses; users call it through ``ex.spawn_agent`` and :class:`ClusterAgentRef`.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterable
 from concurrent.futures import Future
@@ -19,7 +20,9 @@ from stealer.cluster.node import AgentOp
 from stealer.cluster.policy import Load, place
 from stealer.errors import AgentNotFound, ClusterError, ExecutorShutdownError, NodeLostError
 
-__all__ = ["AgentsOnCluster", "ClusterAgentRef"]
+__all__ = ["AgentsOnCluster", "STATE_EVERY", "ClusterAgentRef"]
+
+STATE_EVERY = 32  # messages between two states of an agent kept by the client
 
 
 class ClusterAgentRef:
@@ -94,12 +97,25 @@ class AgentsOnCluster:
 
     def spawn_agent(self, cls: type, /, *args: Any, init_kwargs: dict | None = None,
                     retries: int | None = None, name: str | None = None,
+                    state_every: int = STATE_EVERY,
                     **options: Any) -> ClusterAgentRef:
         """Start an agent on a node (power of two choices): ``cls(*args, **init_kwargs)``
         lives in that node's executor (options as :meth:`stealer.Executor.spawn_agent`).
-        When its node is lost it starts again on another from its spawn arguments (its
-        state since is lost; at most ``retries`` times, default the executor's) and the
-        calls it had not answered go to it there (at-least-once)."""
+
+        The client keeps the agent's state: after every ``state_every`` messages
+        (calls and sends) it asks the agent for it (its ``__getstate__()``, else its
+        ``__dict__``: it must pickle) and keeps the messages sent since.  When the node is
+        lost the agent starts again on another (at most ``retries`` times, default the
+        executor's): built from its spawn arguments, given the state kept (``__setstate__``,
+        else ``__dict__`` updated), then every message since, in their order: those it
+        had answered for their effect (their replies dropped), the others to their
+        callers.  A deterministic agent so ends as if its node had never been lost; one
+        with effects outside its state repeats them (at-least-once).  ``state_every=0``:
+        no state kept (it starts again from its spawn arguments, with only the messages it
+        had not answered)."""
+        if not isinstance(state_every, int) or state_every < 0:
+            raise ValueError(f"state_every is a number of messages >= 0 (0: keep no "
+                             f"state), not {state_every!r}")
         r = self._retries if retries is None else retries
         with self._lock:
             if self._shutdown:
@@ -110,6 +126,7 @@ class AgentsOnCluster:
             loads = self._alive()
             if not loads:
                 raise ClusterError("no alive node to spawn the agent on")
+            a.every = state_every
             a.node = self._place_agent()
             self._agents[a.aid] = a
             if name is not None:
@@ -148,9 +165,40 @@ class AgentsOnCluster:
             t = Task(fut, (AgentOp(kind, a.aid, arg), (), {}), a.node, a)
             self._ledger[tid] = t
             full = self._enqueue(a.node, tid, t)
+            if a.every and kind in ("call", "send"):
+                a.seq += 1
+                a.log.append([a.seq, tid, kind, arg])
+                if a.seq % a.every == 0:
+                    more = self._ask_state(a)
+                    if more is not None and more is not full:
+                        self._send(more)
         if full is not None:
             self._send(full)
         return fut
+
+    def _ask_state(self, a: AgentRecord) -> NodeView | None:
+        """A STATE call after message #a.seq (under the lock); its reply replaces the
+        state kept and the messages it covers leave the log (:meth:`_kept`)."""
+        covers = a.seq
+        fut: Future = Future()
+        tid = next(self._tids)
+        t = Task(fut, (AgentOp("state", a.aid, None), (), {}), a.node, a)
+        self._ledger[tid] = t
+        a.log.append([covers, tid, "state", None])
+        fut.add_done_callback(functools.partial(self._kept, a, covers))
+        return self._enqueue(a.node, tid, t)
+
+    def _kept(self, a: AgentRecord, covers: int, fut: Future) -> None:
+        exc = fut.exception()
+        with self._lock:
+            if exc is not None:  # (a state that does not pickle): keep no state from now
+                a.every, a.log, a.state, a.has_state = 0, [], None, False
+                self._stats.state_errors += 1
+                return
+            if not a.every or covers <= a.state_seq:
+                return  # an older reply than the state kept (a restart asked it again)
+            a.state, a.has_state, a.state_seq = fut.result(), True, covers
+            a.log = [e for e in a.log if e[0] > covers]
 
     def _restart(self, a: AgentRecord, tids: list[int], lost: NodeView) -> None:
         """An agent whose node was lost: spawned again elsewhere, then its unanswered
@@ -167,13 +215,34 @@ class AgentsOnCluster:
                 t.fut.set_exception(a.failed)
             return
         a.node = self._place_agent()
-        tid = next(self._tids)
-        t = Task(Future(), (AgentOp("spawn", a.aid, a.spawn), (), {}), a.node, a)
-        self._ledger[tid] = t
-        full = {self._enqueue(a.node, tid, t)}
-        for tid in sorted(tids):
+        full = set()
+        first = [("spawn", a.spawn)]
+        if a.has_state:
+            first.append(("set_state", a.state))
+        for kind, arg in first:
+            tid = next(self._tids)
+            t = Task(Future(), (AgentOp(kind, a.aid, arg), (), {}), a.node, a)
+            self._ledger[tid] = t
+            full.add(self._enqueue(a.node, tid, t))
+        lost_ops = set(tids)
+        # the messages since the state kept, in their order: an answered one again for
+        # its effect (a fresh task: its reply dropped), an unanswered one to its caller
+        for e in a.log:
+            _seq, tid, kind, arg = e
+            if tid in lost_ops:
+                lost_ops.discard(tid)
+                t = self._ledger[tid]
+                t.hops += 1 << 16
+                full.add(self._enqueue(a.node, tid, t))
+            elif kind != "state":
+                e[1] = tid = next(self._tids)
+                t = Task(Future(), (AgentOp(kind, a.aid, arg), (), {}), a.node, a)
+                self._ledger[tid] = t
+                full.add(self._enqueue(a.node, tid, t))
+                self._stats.replayed += 1
+        for tid in sorted(lost_ops):  # the rest: unlogged operations (no state kept, result)
             t = self._ledger[tid]
-            if t.call[0].kind == "spawn":
+            if t.call[0].kind in ("spawn", "set_state"):
                 del self._ledger[tid]  # the old start's ack: the new one replaces it
                 continue
             t.hops += 1 << 16

@@ -663,7 +663,7 @@ class ClusterExecutor(AgentsOnCluster, _fbase.Executor):
                                "pid": s.get("pid")}
             return ClusterStats(nodes, st.submitted, st.done, len(self._ledger),
                                 st.resubmitted, st.duplicates, st.moved, st.transient,
-                                list(st.losses))
+                                list(st.losses), st.replayed, st.state_errors)
 
     @property
     def nodes(self) -> list[str]:

@@ -45,6 +45,16 @@ class AgentRecord:
         self.result: Future | None = None  # the final value, once somebody asked
         self.failed: BaseException | None = None
         self.over = False  # stopped, or its final value came: never restarted
+        # Its state kept by the client (stealer/cluster/agents.py): every ``every``
+        # messages a STATE call; ``state`` the latest reply (None: none yet), ``log`` the
+        # messages sent since the one it covers, [seq, tid, kind, arg] in their order
+        # (a STATE call among them with the seq it covers), ``seq`` the last message's.
+        self.every = 0
+        self.state: Any = None
+        self.has_state = False
+        self.state_seq = 0  # the message the state kept covers
+        self.log: list[list] = []
+        self.seq = 0
 
 
 class NodeView:
@@ -78,3 +88,5 @@ class ClusterStats:
     moved: int = 0  # tasks that thieves took from other nodes (reported by the victims)
     transient: int = 0  # calls retried after an ActorUnavailableError
     losses: list[dict[str, Any]] = field(default_factory=list)  # one per lost node
+    replayed: int = 0  # answered agent messages run again after a restart (for their effect)
+    state_errors: int = 0  # agents whose state could not be kept (it stopped being asked)

@@ -59,6 +59,7 @@ from typing import Any
 
 import ray
 
+from stealer.agents.message import SET_STATE, STATE
 from stealer.cluster.policy import Load, StealConfig, Thief, Victim
 from stealer.errors import NodeFencedError, RemoteError, RemoteTraceback
 
@@ -402,6 +403,10 @@ class NodeAgent:
             if op.kind in ("call", "send"):
                 method, args, kwargs = op.a
                 f = ref.call(method, *args, **kwargs)
+            elif op.kind == "state":  # the client keeps it (stealer/cluster/agents.py)
+                f = ref.call(STATE)
+            elif op.kind == "set_state":
+                f = ref.call(SET_STATE, op.a)
             elif op.kind == "result":
                 f = ref.future
             else:  # stop

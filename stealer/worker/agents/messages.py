@@ -9,6 +9,7 @@ what is left.
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from types import GeneratorType
@@ -16,7 +17,13 @@ from typing import Any
 
 from stealer.agents.jblob import pack as journal_pack
 from stealer.agents.jblob import sender_is_agent
-from stealer.agents.message import decode_message
+from stealer.agents.message import (
+    SET_STATE,
+    STATE,
+    agent_state,
+    decode_message,
+    set_agent_state,
+)
 from stealer.errors import AgentError, AgentStopped, DeadlineExceeded, JournalError
 from stealer.shared import failpoints as FP
 from stealer.shared._layout import R_TSTART, S_CANCELLED, S_QUEUED, S_RUNNING, ST_ERROR, ST_OK
@@ -87,6 +94,8 @@ class Messages:
         if not replay:  # for an exact replay: how many steps came before this message
             _U64.pack_into(a.mm, a.off(m) + R_TSTART, e.steps)
         fn = None if method in ("step", "on_stop") else getattr(e.obj, method, None)
+        if fn is None and method in (STATE, SET_STATE):  # every agent's two (message.py)
+            fn = functools.partial(agent_state if method == STATE else set_agent_state, e.obj)
         if fn is None or not callable(fn):
             self.handled(e, m, replay)
             self.reply(reply, ST_ERROR, AttributeError(

@@ -164,3 +164,34 @@ def test_busy_moves_are_capped_by_the_lasting_gap():
     assert P.moves_to_busy(mine=20, theirs=10, avg_ns=500 * US, cost_ns=cost, cap=0) == 0
     assert P.moves_to_busy(mine=20, theirs=10, avg_ns=500 * US, cost_ns=cost, cap=2) == 2
     assert P.moves_to_busy(mine=20, theirs=10, avg_ns=500 * US, cost_ns=cost, cap=99) == 5
+
+
+def test_a_balancer_that_was_told_no_says_no_with_a_peer_index():
+    """pays_to_idle returns a peer index or -1: while it is quiet (1 ms after every idle
+    peer had work on its way) it once returned False, which the host read as peer 0
+    (``j >= 0``) and published an agent at every turn of that millisecond."""
+    from types import SimpleNamespace
+
+    from stealer.worker.agents.balance import QUIET_NS, Balancer
+
+    class Region:
+        def load64(self, off: int) -> int:
+            return 0
+
+        def store64(self, off: int, v: int) -> None:
+            pass
+
+    w = SimpleNamespace(n=2, k=1, wbase=0, inboxes=[[1], []],
+                        seg=SimpleNamespace(layout=SimpleNamespace(worker=lambda j: 64 * j)))
+    published = []
+    host = SimpleNamespace(w=w, r=Region(), rq=SimpleNamespace(n=3, candidate=lambda: None),
+                           agents={}, turn_avg=500 * US,
+                           publish_one=lambda to=-1: published.append(to) or True)
+    bal = Balancer(host)
+    e = SimpleNamespace(turn_ns=500 * US)
+    assert bal.pays_to_idle(e, idle=0b01) == -1  # peer 0 idles with work on its way
+    assert bal.quiet_until > 0
+    got = bal.pays_to_idle(e, idle=0b01)  # quiet now
+    assert type(got) is int and got == -1
+    bal.quiet_until -= 2 * QUIET_NS
+    assert bal.pays_to_idle(e, idle=0b01) == -1

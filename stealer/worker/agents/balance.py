@@ -181,7 +181,7 @@ class Balancer:
         w = self.w
         now = time.monotonic_ns()
         if now < self.quiet_until:
-            return False
+            return -1
         for j in range(min(w.n, 64)):
             if idle >> j & 1 and not len(w.inboxes[j]) and self.cap(j, now):
                 break

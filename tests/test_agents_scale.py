@@ -239,3 +239,18 @@ def test_worker_killed_at_a_dormant_failpoint(monkeypatch, tmp_path, point):
     assert [r.result(T) for r in refs] == [f"stopped at {i}" for i in range(500)]
     assert os.path.exists(tmp_path / point), f"{point} was never reached"
     assert ex._pool.crashes >= 1
+
+
+def test_many_agents_in_lockstep_never_leave_their_senders_without_records():
+    """Handled messages stay in records until a checkpoint covers them.  32 agents that
+    each kept checkpoint_every (64) of them would hold 2,048 of these 1,024 records, and
+    the client would wait for one (half a second, a worker's park timeout, in the lockstep
+    benchmark): an agent keeps at most its share of a quarter of the records."""
+    with stealer.Executor(2, records=1024) as ex:
+        refs = [ex.spawn_agent(L.Counter, i) for i in range(32)]
+        for k in range(1, 81):
+            got = [f.result(60) for f in ex.call_all(refs, "add", [(1,)] * 32)]
+            assert got == [i + k for i in range(32)]
+        assert ex._pool.agents.record_waits == 0
+        for r in refs:
+            r.stop()

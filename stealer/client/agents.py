@@ -105,6 +105,7 @@ class AgentClient:
         self.names: dict[str, str] = {}  # agent name -> uid (this journal, every epoch)
         self.by_uid: dict[str, int] = {}  # uid -> handle of a live agent spawned or recovered
         self.ended: dict[str, tuple[int, bytes, int]] = {}  # uid -> final value, recovered
+        self.record_waits = 0  # sends, calls and spawns that found no free record (tests)
         _clients[pool.name] = weakref.ref(self)
         # a call's two steps (see call): native (HotPath) when the arena uses it, else
         # their Python references (Arena.reply_slot, Directory.post)
@@ -133,6 +134,10 @@ class AgentClient:
             return h
         end = time.monotonic() + RECORD_WAIT
         delay = 0.0001
+        self.record_waits += 1
+        # replies waiting to be read hold records: let the result thread take them now
+        # (parked in throughput mode, it would look only at its next poll)
+        self.pool.wake()
         while True:
             self.pool.check_open()
             time.sleep(delay)

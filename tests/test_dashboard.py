@@ -256,8 +256,14 @@ def test_a_full_mailbox_shows_its_depth(ex, dash):
                                       for r in u["ag"]["rows"]))
             row = next(r for r in u["ag"]["rows"] if r["id"] == uid)
             assert u["ag"]["live"] >= 1 and sent >= 5 and row["worker"] in (0, 1)
+            assert row["oldest_ms"] is not None and row["oldest_ms"] > 0
+        t_sent = time.monotonic()
         fullest = ex.stats().fullest_agents  # by mailbox depth, whatever its CPU time
         assert fullest and fullest[0].id == ref.id and fullest[0].mailbox >= 1
+        # the oldest waiting message: sent before t_sent, so older than the time since
+        age = fullest[0].oldest_ms
+        assert age is not None and age >= (time.monotonic() - t_sent) * 1e3
+        assert age < 60_000
     finally:
         ref.stop()
         with contextlib.suppress(Exception):
@@ -398,7 +404,7 @@ def test_payload_rates_windows_and_replaced_workers():
     lo = metrics.bucket_bounds(run["g"][0] * payload.CDF_GROUP)[0]
     assert lo <= 5_000_000 < metrics.bucket_bounds(run["g"][0] * payload.CDF_GROUP + 7)[1]
     assert run["c"] == [5]
-    assert u["ag"]["rows"] == [{"id": "0x0000000000000007", "worker": 0, "gen": 0, "mailbox": 3,
+    assert u["ag"]["rows"] == [{"id": "0x0000000000000007", "worker": 0, "gen": 0, "mailbox": 3, "oldest_ms": None,
                                 "steps": 300, "msgs": 0, "cpu_ms": 510.0, "steps_s": 100.0,
                                 "cpu_pct": 25.0}]
     first = payload.build(cur, None, None, 12.0)

@@ -21,7 +21,9 @@ from stealer.shared import metrics
 from stealer.shared._layout import (
     D_COUNT,
     D_CPU_NS,
+    D_DONE,
     D_GEN,
+    D_HEAD,
     D_STEPS,
     DIR_BYTES,
     F_AGENT,
@@ -29,6 +31,8 @@ from stealer.shared._layout import (
     K_MASK,
     K_ROOT,
     R_KIND,
+    R_NEXT,
+    R_TSUBMIT,
     RECORD_BYTES,
     S_QUEUED,
     S_RUNNING,
@@ -79,6 +83,9 @@ class AgentStats:
     steps: int
     messages: int
     mailbox: int  # messages waiting
+    # ms since the oldest waiting message was sent (None: none waiting, or a chain that
+    # moved under the reader's walk)
+    oldest_ms: float | None = None
 
 
 @dataclass
@@ -129,6 +136,9 @@ class Stats:
         }
 
 
+OLDEST_WALK = 1024  # messages a scan walks per listed agent for the oldest one's age
+
+
 def agent_stats(seg: Segment, top: int = 10) -> tuple[int, list[AgentStats], list[AgentStats]]:
     """(live agents, the ``top`` busiest by CPU time, the ``top`` with the most messages
     waiting): one scan of records and directory."""
@@ -150,6 +160,28 @@ def agent_stats(seg: Segment, top: int = 10) -> tuple[int, list[AgentStats], lis
     cpu = d[:, D_CPU_NS // 8]
     mailbox = (d[:, D_COUNT // 8] & np.uint64(0xFFFFFFFF)).astype(np.int64)
 
+    now = time.monotonic_ns()
+
+    def oldest_ms(j: int) -> float | None:
+        """Age of the oldest waiting message: the chain from D_HEAD (newest first) down
+        to D_DONE (the newest handled).  Racy reads, a statistic: the walk stops at the
+        mailbox's count plus one, or at anything that is not a record; past OLDEST_WALK
+        messages it gives the age of the last one it read (a lower bound)."""
+        left = min(int(mailbox[j]), OLDEST_WALK) + 1
+        if left <= 1:
+            return None
+        v = int(d[j, D_HEAD // 8]) & ~(1 << 63)
+        done = int(d[j, D_DONE // 8])
+        t = None
+        while v and v != done and left:
+            m = (v - 1) & 0xFFFFFFFF
+            if m >= n:
+                return None
+            t = int(recs[m, R_TSUBMIT // 8])
+            v = int(recs[m, R_NEXT // 8])
+            left -= 1
+        return None if t is None or t > now else round((now - t) / 1e6, 3)
+
     def row(j: int) -> AgentStats:
         i = int(idx[j])
         w0 = int(word0[i])
@@ -160,7 +192,7 @@ def agent_stats(seg: Segment, top: int = 10) -> tuple[int, list[AgentStats], lis
             id=((w0 & GEN_MASK) << 32) | i, worker=owner - 1 if owner else None,
             generation=gen_owner & 0xFFFFFFFF, cpu_ms=int(cpu[j]) / 1e6,
             steps=steps_msgs & 0xFFFFFFFF, messages=steps_msgs >> 32,
-            mailbox=int(mailbox[j]))
+            mailbox=int(mailbox[j]), oldest_ms=oldest_ms(j))
 
     busiest = [row(j) for j in np.argsort(-cpu.astype(np.int64), kind="stable")[:top]]
     waiting = np.flatnonzero(mailbox)

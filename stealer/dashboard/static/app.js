@@ -463,7 +463,7 @@ function updateFaults(u) {
 }
 
 const AGENT_COLS = [["id", "id", "left"], ["worker", "worker"], ["gen", "gen"],
-  ["mailbox", "mailbox"], ["steps", "steps"], ["steps/s", "steps_s"], ["messages", "msgs"],
+  ["mailbox", "mailbox"], ["oldest msg ms", "oldest_ms"], ["steps", "steps"], ["steps/s", "steps_s"], ["messages", "msgs"],
   ["CPU ms", "cpu_ms"], ["CPU %", "cpu_pct"]];
 
 function updateAgents(u) {
@@ -490,7 +490,7 @@ function updateAgents(u) {
   });
   t.tBodies[0].replaceChildren(...rows.map((r) => el("tr", { "data-agent": r.id },
     ...AGENT_COLS.map(([, k, cls]) => el("td", cls ? { class: cls } : {},
-      k === "cpu_ms" || k === "cpu_pct" || k === "steps_s" ? fmtNum(r[k]) : (r[k] ?? "–"))))));
+      k === "cpu_ms" || k === "cpu_pct" || k === "steps_s" || k === "oldest_ms" ? fmtNum(r[k]) : (r[k] ?? "–"))))));
 }
 
 function updateFooter(u) {

@@ -165,15 +165,17 @@ class AgentsOnCluster:
             t = Task(fut, (AgentOp(kind, a.aid, arg), (), {}), a.node, a)
             self._ledger[tid] = t
             full = self._enqueue(a.node, tid, t)
+            more = None
             if a.every and kind in ("call", "send"):
                 a.seq += 1
                 a.log.append([a.seq, tid, kind, arg])
                 if a.seq % a.every == 0:
                     more = self._ask_state(a)
-                    if more is not None and more is not full:
-                        self._send(more)
+        # (sent outside the lock, as every batch)
         if full is not None:
             self._send(full)
+        if more is not None and more is not full:
+            self._send(more)
         return fut
 
     def _ask_state(self, a: AgentRecord) -> NodeView | None:

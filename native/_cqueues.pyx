@@ -920,27 +920,37 @@ cdef class HotPath:
         """Wake one parked worker if nobody searches; the worker index woken, or -1."""
         return self.c_notify_one()
 
-    cdef int64_t c_submit_inline(self, uint32_t kind, uint64_t link, const char *data,
-                                 Py_ssize_t n, uint32_t retries) noexcept nogil:
-        # submit_inline's body (n <= INLINE checked by the caller).
-        cdef uint64_t t_submit = _now_ns()
+    cdef int64_t c_fresh(self, uint32_t kind, uint64_t link, const char *data,
+                         Py_ssize_t n, uint32_t retries) noexcept nogil:
+        # A free record, filled as Arena.alloc + setup + an inline put do (n <= INLINE,
+        # checked by the caller), QUEUED: its handle, -1 when none is free, or
+        # CORRUPT_FREE_RING.  The state store is relaxed: whatever makes the record
+        # reachable publishes it (a queue push, a mailbox's seq_cst CAS).
         cdef uint64_t idx
         if self.free_ring.c_pop(&idx) != ST_SUCCESS:
             return -1
         if idx >= self.nrecords:
             return CORRUPT_FREE_RING   # (the caller raises)
         cdef char *r = self.rec_base + RECORD_BYTES * idx
-        cdef uint64_t gen = st_load_relaxed_u64(r) & 0xFFFFFFFFU
+        cdef uint64_t gen = st_load_relaxed_u64(r) & 0xFFFFFFFFU   # ours since the pop
         memset(r + 8, 0, R_INLINE - 8)
         (<uint32_t *>(r + R_KIND))[0] = kind
         (<uint64_t *>(r + R_LINK))[0] = link
         (<uint32_t *>(r + R_RETRIES))[0] = retries
         (<uint64_t *>(r + R_PLEN))[0] = <uint64_t>n
-        (<uint64_t *>(r + R_TSUBMIT))[0] = t_submit
+        (<uint64_t *>(r + R_TSUBMIT))[0] = _now_ns()
         if n:
             memcpy(r + R_INLINE, data, n)
-        st_store_relaxed_u64(r, gen | (<uint64_t>S_QUEUED << STATE_SHIFT))  # alloc: published by the push below
-        cdef uint64_t h = (gen << 32) | idx
+        st_store_relaxed_u64(r, gen | (<uint64_t>S_QUEUED << STATE_SHIFT))  # published by who links it
+        return <int64_t>((gen << 32) | idx)
+
+    cdef int64_t c_submit_inline(self, uint32_t kind, uint64_t link, const char *data,
+                                 Py_ssize_t n, uint32_t retries) noexcept nogil:
+        # submit_inline's body (n <= INLINE checked by the caller).
+        cdef int64_t got = self.c_fresh(kind, link, data, n, retries)
+        if got < 0:
+            return got   # -1 (no record) or CORRUPT_FREE_RING
+        cdef uint64_t h = <uint64_t>got
         if self.injector.c_push(h) != ST_SUCCESS:   # release (cell seq): the worker's pop acquires it
             return -2 - <int64_t>h   # set up, not queued: the caller pushes it when there is room
         self.c_notify_one()
@@ -1030,21 +1040,13 @@ cdef class HotPath:
         """Client: a fresh record set up as a call's reply slot (K_ROOT, link ``fid``,
         QUEUED on no queue), as ``Arena.alloc`` + ``Arena.setup``; its handle, or -1 when
         no record is free (the caller waits in Python)."""
-        cdef uint64_t idx
-        if self.free_ring.c_pop(&idx) != ST_SUCCESS:
-            return -1
-        if idx >= self.nrecords:
+        # published to the owner by the message's push (post_msg's seq_cst CAS on D_HEAD,
+        # after this in program order), whose claim (the seq_cst CAS QUEUED -> RUNNING in
+        # Messages.reply) reads it
+        cdef int64_t h = self.c_fresh(K_ROOT, fid, NULL, 0, 0)
+        if h == CORRUPT_FREE_RING:
             raise IndexError("corrupt free ring: record index out of range")
-        cdef char *r = self.rec_base + RECORD_BYTES * idx
-        cdef uint64_t gen = st_load_relaxed_u64(r) & 0xFFFFFFFFU   # ours since the pop
-        memset(r + 8, 0, R_INLINE - 8)
-        (<uint32_t *>(r + R_KIND))[0] = K_ROOT
-        (<uint64_t *>(r + R_LINK))[0] = fid
-        (<uint64_t *>(r + R_TSUBMIT))[0] = _now_ns()
-        # release: the message's push (seq_cst CAS on D_HEAD) publishes it to the owner,
-        # whose claim (seq_cst CAS QUEUED -> RUNNING in Messages.reply) reads it
-        st_store_release_u64(r, gen | (<uint64_t>S_QUEUED << STATE_SHIFT))
-        return <int64_t>((gen << 32) | idx)
+        return h
 
     def post_msg(self, uint64_t h, bytes data not None, bint reserved=False):
         """Client: message ``data`` (an inline payload, ``len <= INLINE``) into agent
@@ -1081,26 +1083,16 @@ cdef class HotPath:
             if st_fetch_add_seqcst_u32(e + D_COUNT, 1) >= cap:
                 st_fetch_add_seqcst_u32(e + D_COUNT, <uint32_t>-1)   # overshot: undo (never seen)
                 return C_POST_FULL
-        cdef uint64_t idx = 0
-        if self.free_ring.c_pop(&idx) != ST_SUCCESS:
+        # the message record: published with its fields by the push's seq_cst CAS below
+        cdef int64_t got = self.c_fresh(K_MSG, 0, PyBytes_AS_STRING(data), n, 0)
+        if got < 0:
             if not reserved:
                 self._give_back(e)
+            if got == CORRUPT_FREE_RING:
+                raise IndexError("corrupt free ring: record index out of range")
             return C_POST_NOREC
-        if idx >= self.nrecords:
-            if not reserved:
-                self._give_back(e)
-            raise IndexError("corrupt free ring: record index out of range")
-        cdef char *m = self.rec_base + RECORD_BYTES * idx
-        cdef uint64_t gen = st_load_relaxed_u64(m) & 0xFFFFFFFFU   # ours since the pop
-        memset(m + 8, 0, R_INLINE - 8)
-        (<uint32_t *>(m + R_KIND))[0] = K_MSG
-        (<uint64_t *>(m + R_PLEN))[0] = <uint64_t>n
-        (<uint64_t *>(m + R_TSUBMIT))[0] = _now_ns()
-        if n:
-            memcpy(m + R_INLINE, PyBytes_AS_STRING(data), n)
-        # relaxed: published with the fields above by the push's seq_cst CAS below
-        st_store_relaxed_u64(m, gen | (<uint64_t>S_QUEUED << STATE_SHIFT))
-        cdef uint64_t mh = (gen << 32) | idx
+        cdef uint64_t mh = <uint64_t>got
+        cdef char *m = self.rec(mh)
         cdef uint64_t old
         while True:
             old = st_load_acquire_u64(e + D_HEAD)   # acquire: pairs with other senders' CAS

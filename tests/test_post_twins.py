@@ -65,7 +65,6 @@ class Twin:
             self.post = self.dir.post
         self.seen = 0  # the owner's walk
         self.hoard: list[int] = []  # records taken to exhaust the free ring
-        self.slots: list[int] = []  # reply slots made
 
     def state(self, s: int, who: int) -> None:
         off = self.a.off(self.h)
@@ -120,7 +119,6 @@ def apply(t: Twin, op: tuple) -> object:
         rh = a.reply_slot(op[1])
         if rh < 0:
             return -1
-        t.slots.append(rh)
         off = a.off(rh)
         kind_, _st, link = a.kind_link(off)
         st_ = a.tr.state(rh)

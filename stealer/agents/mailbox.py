@@ -204,8 +204,14 @@ class Directory:
             if not reserved:
                 self.give_back(h)
             return POST_NOREC
-        off = a.setup(m, K_MSG, 0, time.monotonic_ns())
-        a.put(off, data, [])
+        try:
+            off = a.setup(m, K_MSG, 0, time.monotonic_ns())
+            a.put(off, data, [])
+        except BaseException:  # (a corrupt offset, KeyboardInterrupt): nothing was posted
+            a.free(m)
+            if not reserved:
+                self.give_back(h)
+            raise
         if not self.push(h, m):
             a.free(m)  # never published: still ours
             if not reserved:

@@ -191,6 +191,8 @@ class AgentsOnCluster:
         return self._enqueue(a.node, tid, t)
 
     def _kept(self, a: AgentRecord, covers: int, fut: Future) -> None:
+        if fut.cancelled():  # (shutdown(cancel_futures=True)): nothing to keep
+            return
         exc = fut.exception()
         with self._lock:
             if exc is not None:  # (a state that does not pickle): keep no state from now

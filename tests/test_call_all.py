@@ -100,3 +100,28 @@ def test_misuse_is_refused_before_anything_is_sent(ex):
     assert [r.call("get").result(T) for r in refs] == [0, 0, 0]  # nothing was sent
     for r in refs:
         r.stop()
+
+
+def test_a_thread_waiting_on_a_batch_is_woken_by_its_last_pending_reply(ex):
+    """A thread in result() on any future of a call_all batch parks for the last reply of
+    the batch still pending (Settling.batch_target), not for its own: a lockstep client
+    is woken about once per worker, not once per reply.  Each target moves as replies
+    come, and every result is still right."""
+    refs = [ex.spawn_agent(L.Counter, 0, 0.05) for _ in range(4)]  # 50 ms per call
+    futs = ex.call_all(refs, "add", [(i,) for i in range(4)])
+    pool = ex._pool
+    handles = [f._st_handle for f in futs]
+    assert all(h is not None for h in handles) and len(set(handles)) == 4
+    assert pool.batch_target(futs[0]) == handles[3]
+    assert pool.batch_target(futs[2]) == handles[3]
+    futs[3].result(T)
+    pending = [i for i, f in enumerate(futs) if not f.done()]
+    if pending:  # the last pending one now
+        assert pool.batch_target(futs[0]) == handles[pending[-1]]
+    assert [f.result(T) for f in futs] == [0, 1, 2, 3]
+    # a plain call is in no batch; a batch of one is none either
+    single = ex.call_all(refs[:1], "add", [(1,)])[0]
+    assert single._st_batch is None and refs[1].call("get")._st_batch is None
+    assert single.result(T) == 1
+    for r in refs:
+        r.stop()

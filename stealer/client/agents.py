@@ -570,10 +570,17 @@ class AgentClient:
         self.pool.check_open()
         owners: set[int] = set()
         try:
-            return [self.call(h, method, args, {}, dl, uid, owners)
+            futs = [self.call(h, method, args, {}, dl, uid, owners)
                     for (h, uid, dl), args in zip(targets, arglists)]
         finally:
             self._wake(owners)  # also for the calls made before an exception
+        if len(futs) > 1:
+            # one batch: a thread waiting on any of them is woken by the last one's reply
+            # (or a worker running out of work), not by each (Settling.wait_for)
+            fids = tuple(f._st_fid for f in futs)
+            for f in futs:
+                f._st_batch = fids
+        return futs
 
     # -- agents that failed outside their worker ---------------------------------------
     def abandon(self, h: int, exc: BaseException) -> None:

@@ -65,6 +65,21 @@ class Settling:
     def internal_error(self, exc: BaseException) -> None:  # (_Pool's)
         raise NotImplementedError
 
+    def batch_target(self, f: Any) -> int:
+        """The record whose completion wakes a thread waiting on ``f``, one of a
+        ``call_all`` batch: the last one of the batch still pending.  A worker answers its
+        calls in the order they came, so the batch's other replies come before it (or are
+        announced when their worker runs out of work, or seen at the next poll): a client
+        gathering a lockstep round is woken about once per worker, not once per reply."""
+        futures = self.futures
+        pending = _fbase.PENDING
+        for fid in reversed(f._st_batch):
+            g = futures.get(fid)
+            if g is not None and g._state == pending and g._st_handle is not None:
+                return g._st_handle
+        h = f._st_handle
+        return -1 if h is None else h
+
     def consume(self, ring: Any, limit: int) -> int:
         """Pop up to ``limit`` completions from ``ring`` and settle them (the result thread
         and a thread in :meth:`wait_for`).  Popped and settled under ``consume_lock``; the
@@ -168,6 +183,8 @@ class Settling:
                 h = f._st_handle
                 if batch:
                     h = NO_TARGET
+                elif f._st_batch is not None:
+                    h = self.batch_target(f)
                 elif h is None:
                     h = -1  # no record known (an agent's final value): any completion
                 if not idle.waiter_park(lambda: f._state != pending or self.has_completions(),

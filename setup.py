@@ -40,8 +40,8 @@ if os.environ.get("STEALER_NO_EXTENSIONS") != "1":
     write_layout_pxi()
     from Cython.Build import cythonize
 
-    (generated,) = cythonize(
-        ["native/_cqueues.pyx"],
+    generated = cythonize(
+        ["native/_cqueues.pyx", "native/_fastpickle.pyx"],
         include_path=["native"],
         compiler_directives={
             "language_level": 3,
@@ -53,11 +53,12 @@ if os.environ.get("STEALER_NO_EXTENSIONS") != "1":
     )
     ext_modules = [
         Extension(
-            "stealer._cqueues",
-            generated.sources,
+            f"stealer.{ext.name.rsplit('.', 1)[-1]}",  # _cqueues, _fastpickle
+            ext.sources,
             include_dirs=["native"],
             extra_compile_args=["-O2", "-std=gnu11"],
         )
+        for ext in generated
     ]
 
 setup(ext_modules=ext_modules)

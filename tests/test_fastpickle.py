@@ -1,0 +1,136 @@
+"""The native writer of small pickles (native/_fastpickle.pyx) against pickle itself.
+
+Whatever it writes, ``pickle.loads`` must read back equal to the input, with the same
+types (a tuple stays a tuple, an int an int, an array a writable ndarray of the same dtype
+and shape); whatever it cannot write as pickle would (a subclass, an object met twice, an
+int past 64 bits, a lone surrogate, a big or non-contiguous array, too deep, too large) it
+must refuse with None, and ``serialize.dumps`` then pickles it the usual way.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stealer.shared import serialize
+
+fp = pytest.importorskip("stealer._fastpickle", reason="the native extension is not built")
+fp.set_ndarray(np.ndarray)
+
+
+def same(a: object, b: object) -> bool:
+    """Equal values of the same types, all the way down (NaN equal to NaN)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, np.ndarray):
+        return (a.dtype == b.dtype and a.shape == b.shape and b.flags.writeable
+                and a.tobytes() == b.tobytes())
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, float) and math.isnan(a):
+        return math.isnan(b)
+    if isinstance(a, float):
+        return a == b and math.copysign(1, a) == math.copysign(1, b)
+    return a == b
+
+
+dtypes = st.sampled_from(["<f4", "<f8", ">f8", "<i8", "|u1", "<i2", "|b1", "<c16"])
+arrays = st.builds(
+    lambda dt, shape, seed: np.random.default_rng(seed).integers(0, 100, shape).astype(dt),
+    dtypes, st.lists(st.integers(0, 4), max_size=3).map(tuple), st.integers(0, 2**32 - 1))
+atoms = (st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1)
+         | st.floats(allow_nan=True) | st.text(max_size=300) | st.binary(max_size=300) | arrays)
+values = st.recursive(
+    atoms,
+    lambda kids: (st.lists(kids, max_size=5) | st.lists(kids, max_size=5).map(tuple)
+                  | st.dictionaries(st.text(max_size=5) | st.integers(), kids, max_size=4)),
+    max_leaves=20)
+
+
+written: list[bool] = []
+
+
+@settings(max_examples=400, deadline=None)
+@given(values)
+def test_what_it_writes_loads_back_as_pickle_would(v):
+    data = fp.dumps(v)
+    if data is None:  # refused: only for what it says it refuses (test_what_it_refuses)
+        written.append(False)
+        return
+    written.append(True)
+    assert same(pickle.loads(data), v)
+    assert same(pickle.loads(data), pickle.loads(pickle.dumps(v, 5)))
+
+
+def test_the_model_test_wrote_most_of_its_examples():
+    # (runs after it: pytest keeps the file's order) not a test of nothing
+    assert len(written) >= 100 and sum(written) >= 0.7 * len(written)
+
+
+@pytest.mark.parametrize("v", [
+    None, True, False, 0, 255, 256, 65535, 65536, -1, -(2**31), 2**31 - 1, 2**31,
+    2**63 - 1, -(2**63), 0.0, -0.0, 1.5, float("inf"), float("nan"), "", "act", "é" * 300,
+    b"", b"x" * 300, (), (1,), (1, 2), (1, 2, 3), (1, 2, 3, 4), [], [1, [2]], {}, {"a": 1},
+    np.zeros(0), np.array(True), np.arange(6, dtype=np.int64).reshape(2, 3),
+    np.array([1 + 2j]), np.arange(8, dtype=np.float32),
+    # a lockstep call's message and its reply
+    (5, "act", (np.array([0.1, 0.2], dtype=np.float32),), None, 7, None, None, 0, 0),
+    (np.arange(8, dtype=np.float32), 0.5),
+])
+def test_the_shapes_it_writes(v):
+    data = fp.dumps(v)
+    assert data is not None, v
+    assert same(pickle.loads(data), v)
+
+
+class Int(int):
+    pass
+
+
+shared = [1]
+cyclic: list = []
+cyclic.append(cyclic)
+
+
+@pytest.mark.parametrize("v", [
+    2**63, -(2**63) - 1,                     # past 64 bits
+    "\ud800",                                # a lone surrogate
+    Int(3), np.float64(1.0), np.int64(2),    # subclasses and numpy scalars
+    np.zeros(1000),                          # an array past INBAND_MAX
+    np.zeros((4, 4))[:, 1],                  # not C-contiguous
+    np.array(["a"]), np.array([object()]),   # not a plain kind
+    np.zeros(4).view(np.matrix),             # an ndarray subclass
+    (shared, shared), cyclic,                # met twice: pickle keeps one object
+    [[[[[1]]]]],                             # too deep
+    b"x" * 5000, [1] * 300,                  # too large, too many items
+    {1, 2}, object(), len,                   # other types
+])
+def test_what_it_refuses(v):
+    assert fp.dumps(v) is None
+
+
+def test_a_shared_array_stays_one_object_through_dumps():
+    a = np.arange(3)
+    data, _ = serialize.dumps((a, a))
+    x, y = pickle.loads(data)
+    assert x is y
+
+
+def test_serialize_dumps_takes_it_and_a_call_message_fits_inline():
+    from stealer.agents.message import encode_message
+    from stealer.shared.arena import INLINE
+
+    if serialize._fast is None:
+        pytest.skip("the fast writer is off in this build (STEALER_NO_EXTENSIONS)")
+    v = (np.arange(8, dtype=np.float32), 0.25)
+    data, bufs = serialize.dumps(v)
+    assert not bufs and data == fp.dumps(v)
+    msg, bufs = encode_message(5, "act", (np.array([0.1, 0.2], dtype=np.float32),), {}, 7, None)
+    assert not bufs and len(msg) <= INLINE

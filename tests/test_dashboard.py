@@ -240,6 +240,15 @@ def test_steals_show_when_one_workers_deque_is_loaded(ex, dash):
         assert u["tot"]["steal_attempts"] > attempts
         # the first update to count them: its rate window (about a second) holds the steals
         assert u["rate"]["steals"] > 0 and max(x or 0 for x in u["w"]["steals_s"]) > 0
+        # the matrix: the thief's row names the other worker as its victim, nobody itself
+        u = s.until(lambda u: sum(map(sum, u["sm"])) >= u["tot"]["steals"] > steals)
+        m = u["sm"]
+        assert len(m) == 2 and all(len(r) == 2 for r in m)
+        assert m[0][0] == m[1][1] == 0, m
+        assert m[0][1] + m[1][0] >= 1
+    st = ex.stats()  # the same rows through Executor.stats(), never fewer than it showed
+    sm = st.steal_matrix()
+    assert len(sm) == 2 and sm[0][1] >= m[0][1] and sm[1][0] >= m[1][0]
 
 
 def test_a_full_mailbox_shows_its_depth(ex, dash):
@@ -374,6 +383,29 @@ def test_cli_serves_until_ctrl_c(ex, capsys, monkeypatch):
 def _worker(k: int, pid: int, **counters: int) -> WorkerStats:
     return WorkerStats(index=k, pid=pid, cpu=k, state="ready", running=False, deque_depth=k,
                        inbox_depth=0, counters={**dict.fromkeys(metrics.COUNTERS, 0), **counters})
+
+
+def test_steal_matrix_is_bounded_and_lumps_the_rest():
+    """70 workers: 64 x 64 cells, row and column 63 hold workers 63-69 (payload.steal_matrix)."""
+    n, V = 70, metrics.VICTIMS
+    workers = []
+    for k in range(n):
+        w = _worker(k, 1000 + k)
+        w.steals_from = [0] * V
+        w.steals_from[metrics.victim_cell((k + 1) % n)] = k + 1  # k stole k+1 times from k+1
+        workers.append(w)
+    cur = Stats(id="stealer-1-" + "ab" * 16, time=1.0, uptime_s=1.0, workers=workers,
+                injector_depth=0, latency={})
+    m = payload.steal_matrix(cur)
+    assert len(m) == V and all(len(r) == V for r in m)
+    assert m[0][1] == 1 and m[62][63] == 63
+    assert m[63][63] == sum(range(64, 70))  # thieves 63..68 from victims 64..69, all lumped
+    assert m[63][0] == 70  # worker 69 from worker 0
+    assert sum(map(sum, m)) == sum(range(1, n + 1))
+    assert metrics.victim_cell(5) == 5 and metrics.victim_cell(10_000) == V - 1
+    two = Stats(id=cur.id, time=1.0, uptime_s=1.0, workers=[_worker(0, 1), _worker(1, 2)],
+                injector_depth=0, latency={})
+    assert payload.steal_matrix(two) == [[], []]  # rows without cells: nothing read yet
 
 
 def test_payload_rates_windows_and_replaced_workers():

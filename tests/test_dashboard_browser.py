@@ -61,6 +61,12 @@ def test_the_page_in_chromium(ex, tmp_path):
         ex.submit(tasks.slow_tree, 1, 24, 0.01).result(T)
         b.wait_for("Math.max(0, ...window.stealerDashboard.hist.steals) > 0", page)
         b.wait_for("window.stealerDashboard.last.tot.steals > 0", page)
+        # ... and the steal matrix holds them, off its diagonal (a worker never steals from
+        # itself), in a panel that is drawn
+        b.wait_for("(() => { const m = window.stealerDashboard.last.sm; "
+                   "return m[0][1] + m[1][0] > 0; })()", page)
+        assert b.evaluate("window.stealerDashboard.last.sm.map((r, i) => r[i])", page) == [0, 0]
+        assert b.evaluate("document.getElementById('p-matrix').hidden", page) is False
 
         # an agent with a full mailbox: its row shows the depth
         ref = ex.spawn_agent(L.Counter, 0, 0.2, mailbox=8)

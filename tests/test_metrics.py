@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import struct
 import time
 
 import numpy as np
@@ -144,3 +145,17 @@ def test_stats_of_a_busy_worker_are_not_64_steps_behind():
         assert ex.stats().totals()["tasks"] - base >= 20
         open(gate, "w").close()
         long.result(30)
+
+
+def test_the_steal_row_sits_after_the_histograms():
+    """The victim -> thief row (metrics.STEALS_FROM_OFF) overlaps no histogram, fits the block,
+    and reads back what a worker's flush packs there: min(workers, VICTIMS) cells."""
+    last = metrics.hist_offset(metrics.TIERS - 1, len(metrics.KINDS) - 1) + metrics.HIST_BYTES
+    assert last == metrics.STEALS_FROM_OFF
+    assert last + 8 * metrics.VICTIMS == metrics.BLOCK_BYTES
+    buf = bytearray(metrics.BLOCK_BYTES + 64)
+    row = list(range(1, metrics.VICTIMS + 1))
+    struct.pack_into(f"={metrics.VICTIMS}Q", buf, 64 + metrics.STEALS_FROM_OFF, *row)
+    assert metrics.read_steals_from(buf, 64, 3) == [1, 2, 3]
+    assert metrics.read_steals_from(buf, 64, 10_000) == row
+    assert [metrics.victim_cell(k) for k in (0, 62, 63, 64, 8191)] == [0, 62, 63, 63, 63]

@@ -70,6 +70,10 @@ class WorkerStats:
     # seconds it has held work without progress (stealer/client/hang.py), as the client's result
     # thread saw it (Executor.stats) or stealer top over its frames; 0.0: not frozen
     frozen_s: float = 0.0
+    # its successful steals by victim: cell j counts those from worker j, for the first
+    # min(workers, metrics.VICTIMS) cells, the last of VICTIMS cells those from every worker
+    # past it (a row of the victim -> thief matrix; flushed with the counters)
+    steals_from: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -115,6 +119,11 @@ class Stats:
             for k, v in w.counters.items():
                 out[k] += v
         return out
+
+    def steal_matrix(self) -> list[list[int]]:
+        """Successful steals, ``[thief][victim]`` (one row per worker, ``min(workers,
+        metrics.VICTIMS)`` columns; the last column lumps victims past it)."""
+        return [list(w.steals_from) for w in self.workers]
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-able data (latency as millisecond summaries)."""
@@ -234,6 +243,7 @@ def collect(seg: Segment, queues: Any | None = None, agents: bool = True) -> Sta
             inbox_depth=len(Q.MPMCRing(r, L.inbox(k), L.inbox_cap)),
             counters=counters,
             current=cur,
+            steals_from=metrics.read_steals_from(mm, L.metrics(k), L.nworkers),
         ))
     created = r.load64(H_CREATED_NS) / 1e9
     now = time.time()

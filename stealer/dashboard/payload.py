@@ -13,6 +13,9 @@ latency histograms of about ``window_s`` ago (for a windowed CDF) into a plain d
   (8 per power of two), plus the same markers since the start;
 * ``ag``: live agents and the union of the busiest (CPU) and fullest (mailbox) top-N
   (:func:`agents_block`, made when the sampler scans agents: once a second);
+* ``sm``: the victim -> thief steal matrix (:func:`steal_matrix`): successful steals
+  since the start, ``[thief][victim]``, at most ``metrics.VICTIMS`` rows and columns (the
+  last row and column lump the workers past it);
 * ``client``: pending, backlog, crashes, replacements... (only when the dashboard runs in
   the executor's own process; an executor attached by id does not know them).
 
@@ -31,7 +34,7 @@ from stealer.client.stats import AgentStats, Stats
 from stealer.shared import metrics
 from stealer.top import _hist_delta, _worker_delta
 
-__all__ = ["build", "agents_block", "agents_by_id", "latency_block", "CDF_GROUP", "RATE_KEYS"]
+__all__ = ["build", "steal_matrix", "agents_block", "agents_by_id", "latency_block", "CDF_GROUP", "RATE_KEYS"]
 
 CDF_GROUP = 8  # fine buckets per CDF point: 64 per power of two / 8 = 8 points (9% wide)
 #: counters reported per second, per worker and summed
@@ -93,6 +96,19 @@ def agents_block(cur: Stats, prev: dict[int, AgentStats] | None = None,
     prev = prev or {}
     rows = [_agent_row(a, prev.get(a.id), dt) for a in agents_by_id(cur).values()]
     return {"live": cur.agents_live, "rows": rows}
+
+
+def steal_matrix(cur: Stats) -> list[list[int]]:
+    """Successful steals ``[thief][victim]`` since the start, thieves lumped as the victims
+    are (worker k's row into row ``metrics.victim_cell(k)``): at most VICTIMS x VICTIMS."""
+    rows = min(len(cur.workers), metrics.VICTIMS)
+    cols = max((len(w.steals_from) for w in cur.workers), default=0)
+    m = [[0] * cols for _ in range(rows)]
+    for w in cur.workers:
+        row = m[metrics.victim_cell(w.index)]
+        for j, v in enumerate(w.steals_from):
+            row[j] += v
+    return m
 
 
 def build(cur: Stats, prev: Stats | None, base: Hists | None, window_s: float,
@@ -159,6 +175,7 @@ def build(cur: Stats, prev: Stats | None, base: Hists | None, window_s: float,
         "win_s": _r(window_s),
         "ag": ag if ag is not None else agents_block(cur),
         "rec": [cur.records_free, cur.records],
+        "sm": steal_matrix(cur),
     }
 
 

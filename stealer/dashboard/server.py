@@ -383,7 +383,7 @@ def _meta(exec_id: str, nworkers: int, has_client: bool, sampler: Sampler) -> by
         "id": exec_id, "version": __version__, "workers": nworkers, "client": has_client,
         "tiers": list(metrics.TIER_NAMES), "kinds": list(metrics.KINDS),
         "interval_s": sampler.interval, "window_s": sampler.window_s,
-        "cdf_group": payload.CDF_GROUP, "topology": topology,
+        "cdf_group": payload.CDF_GROUP, "victims": metrics.VICTIMS, "topology": topology,
     }, separators=(",", ":")).encode()
 
 

@@ -9,6 +9,8 @@ may be a few events behind, never torn words):
                              least every FLUSH_NS while busy, and whenever
                              it parks
     histograms TIERS x KINDS each: count, sum, max (u64) + NBUCKETS x u64
+    steals_from VICTIMS x u64    successful steals of this worker (the thief) from
+                             each peer's deque, by victim (STEALS_FROM_OFF below)
 
 Histograms are log-linear (HDR-style): values below 64 ns have a bucket
 each; above, every power of two is split into 64 sub-buckets, so a bucket
@@ -37,6 +39,7 @@ np: Any = lazy_numpy(globals())  # numpy, imported on first use
 
 __all__ = [
     "COUNTERS", "TIERS", "TIER_NAMES", "KINDS", "NBUCKETS", "HIST_BYTES", "BLOCK_BYTES",
+    "VICTIMS", "STEALS_FROM_OFF", "victim_cell", "read_steals_from",
     "bucket_of", "bucket_bounds", "Histogram", "read_worker",
 ]
 
@@ -71,7 +74,16 @@ KINDS = ("wait", "run")  # queue wait (submit/spawn -> start), run time of a ste
 HIST_HDR = 64  # count, sum, max, then padding to a cache line
 HIST_BYTES = HIST_HDR + 8 * NBUCKETS
 COUNTERS_BYTES = 8 * NCOUNTERS
-BLOCK_BYTES = COUNTERS_BYTES + TIERS * len(KINDS) * HIST_BYTES
+# The victim -> thief steal matrix, one row per thief in the thief's own block: cell j
+# counts its successful steals (batches) from worker j, and the last cell those from every
+# worker >= VICTIMS - 1, so a row stays 512 bytes whatever the pool's size (MAX_WORKERS is
+# 8,192: a full row would be 64 KiB per worker, 4 GiB for the matrix).
+VICTIMS = 64
+STEALS_FROM_OFF = COUNTERS_BYTES + TIERS * len(KINDS) * HIST_BYTES  # u64[VICTIMS]: the worker
+#   (the thief, single writer) stores the row with its counters at each flush (plain stores,
+#   as the counters: no RMW, never torn words); readers (stats.py collect) read it relaxed,
+#   a few steals behind; it pairs with no other operation (a statistic, ordered by nothing)
+BLOCK_BYTES = STEALS_FROM_OFF + 8 * VICTIMS
 
 _HDR = struct.Struct("=QQQ")
 
@@ -179,6 +191,18 @@ class Histogram:
             out[f"{k}_ms"] = v / 1e6
         out["max_ms"] = self.max_ns / 1e6
         return out
+
+
+def victim_cell(victim: int) -> int:
+    """The cell of a steal row that counts steals from worker ``victim``."""
+    return min(victim, VICTIMS - 1)
+
+
+def read_steals_from(buf: Any, base: int, nworkers: int) -> list[int]:
+    """The steal row of the worker whose metrics block is at ``base``: its successful steals
+    from each of the first ``min(nworkers, VICTIMS)`` cells (see :data:`VICTIMS`)."""
+    m = min(nworkers, VICTIMS)
+    return list(struct.unpack_from(f"={m}Q", buf, base + STEALS_FROM_OFF))
 
 
 def read_worker(buf: Any, base: int) -> tuple[dict[str, int], list[list[Histogram]]]:

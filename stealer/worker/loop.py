@@ -228,6 +228,8 @@ class Worker(ForkJoinHandling, PingHandling):
         self.deque.repair()  # inherited from a predecessor killed inside a pop
         order = a.steal_order or [(self.k + i) % n for i in range(1, n)]
         self.victims = [self.deques[i] for i in order]
+        # each victim's cell in our steal row (metrics.py VICTIMS: the last one lumps the rest)
+        self.victim_cells = [metrics.victim_cell(i) for i in order]
         self.pings = Pings(self.arena, self.inboxes, self.idle, self.k, self.wbase + W_PING_OUT,
                            self.inbox_full)
         self.rec = Recovery(self.arena, self.inboxes, self.idle, self.who, self.push_any,
@@ -242,6 +244,9 @@ class Worker(ForkJoinHandling, PingHandling):
         # FLUSH_MASK + 1 steps, FLUSH_NS while busy, and before parking; histograms recorded per step.
         self.c = [0] * metrics.NCOUNTERS
         self.mbase = layout.metrics(self.k)
+        # successful steals by victim (metrics.py STEALS_FROM_OFF), flushed with the counters
+        self.steals_from = [0] * min(n, metrics.VICTIMS)
+        self._steals_row = struct.Struct(f"={len(self.steals_from)}Q")
         self.metrics_on = a.metrics
         t = metrics.DEFAULT_TIER
         self.wait_off = self.mbase + metrics.hist_offset(t, 0) if a.metrics else -1
@@ -350,12 +355,13 @@ class Worker(ForkJoinHandling, PingHandling):
         # Peers in steal order (affinity.steal_order): SMT siblings, then the same NUMA
         # node, then the rest; ties were already rotated per worker, so no two workers
         # start with the same victim and none is needed here.
-        for v in self.victims:
+        for i, v in enumerate(self.victims):
             for _attempt in range(2):
                 self.c[C_STEAL_ATTEMPTS] += 1
                 h = v.steal_half(mine, STEAL_CAP)
                 if h >= 0:
                     self.c[C_STEALS] += 1
+                    self.steals_from[self.victim_cells[i]] += 1
                     if len(mine):
                         self.arena.notify_one()
                     return h
@@ -436,6 +442,8 @@ class Worker(ForkJoinHandling, PingHandling):
         """Publish the local counters to this worker's metrics block (single writer)."""
         if self.metrics_on:
             _COUNTERS.pack_into(self.seg.mm, self.mbase, *self.c)
+            self._steals_row.pack_into(self.seg.mm, self.mbase + metrics.STEALS_FROM_OFF,
+                                       *self.steals_from)
             self.flushed_ns = time.monotonic_ns()
 
     def orphaned(self) -> None:

@@ -15,7 +15,7 @@ const state = {
   last: null,
   updates: 0,
   hist: { t: [], rate: [], agentRate: [], queued: [], injector: [], pending: [], steals: [],
-    attempts: [], deque: [], inbox: [] },
+    attempts: [], deque: [], inbox: [], sm: [] },
   sort: { key: "cpu_ms", dir: -1 },
   slo: null,
 };
@@ -193,6 +193,57 @@ function barChart(c, labels, groups) {
   labels.forEach((lab, i) => g.fillText(lab, L + i * gw + gw * 0.1, h - 3));
 }
 
+// A matrix of counts, rows = thieves, columns = victims (log colour; the diagonal greyed:
+// a worker never steals from itself). More than `lump` rows or columns: the last is "rest".
+function matrixGrid(c, m, lump) {
+  const n = m.length, cols = n ? m[0].length : 0;
+  const { g, w, h } = canvas2d(c);
+  const L = 34, T = 14, size = Math.max(4, Math.min((w - L - 4) / Math.max(1, cols),
+    (h - T - 4) / Math.max(1, n)));
+  let max = 0;
+  for (const r of m) for (const v of r) if (v > max) max = v;
+  const name = (k, total) => (k === lump - 1 && total >= lump ? `w${k}+` : `w${k}`);
+  g.fillStyle = MUTED;
+  g.fillText("thief ↓ victim →", 0, 10);
+  const step = Math.max(1, Math.ceil(12 / size)); // label every step-th row/column
+  for (let j = 0; j < cols; j += step) g.fillText(name(j, cols), L + j * size + 1, T - 3 + 12);
+  for (let i = 0; i < n; i++) {
+    const y = T + 12 + i * size;
+    if (i % step === 0) { g.fillStyle = MUTED; g.fillText(name(i, n), 2, y + Math.min(size, 12) - 2); }
+    for (let j = 0; j < cols; j++) {
+      const x = L + j * size, v = m[i][j];
+      if (i === j && !(i === lump - 1 && n >= lump)) g.fillStyle = GRID;
+      else if (!v) g.fillStyle = "#0f1419";
+      else g.fillStyle = `rgba(63, 185, 80, ${0.2 + 0.8 * Math.log1p(v) / Math.log1p(max)})`;
+      g.fillRect(x, y, size - 1, size - 1);
+      if (v && size >= 26) {
+        g.fillStyle = "#e6edf3";
+        g.fillText(fmtNum(v), x + 3, y + size / 2 + 4);
+      }
+    }
+  }
+}
+
+function matrixDiff(a, b) { // a - b, same shape (b may be missing or smaller: no history yet)
+  return a.map((r, i) => r.map((v, j) => v - ((b && b[i] && b[i][j]) || 0)));
+}
+
+function drawMatrix(u) {
+  const m = u.sm;
+  $("p-matrix").hidden = !m || !m.length;
+  if (!m || !m.length) return;
+  const H = state.hist.sm, lump = (state.meta && state.meta.victims) || 64;
+  const old = H.length > 40 ? H[H.length - 41] : H[0];
+  const recent = matrixDiff(m, old);
+  matrixGrid($("c-matrix-recent"), recent, lump);
+  matrixGrid($("c-matrix-all"), m, lump);
+  let best = null;
+  recent.forEach((r, i) => r.forEach((v, j) => { if (v > 0 && (!best || v > best[0])) best = [v, i, j]; }));
+  $("matrix-note").textContent = best
+    ? `most in the last 10 s: w${best[1]} took ${fmtNum(best[0])} batches from w${best[2]}`
+    : "no steals in the last 10 s";
+}
+
 // -- the latency CDF ------------------------------------------------------------------------
 
 function bucketLo(i) {
@@ -311,6 +362,7 @@ function updateHistory(u) {
   const n = u.w.deque.length;
   while (H.deque.length < n) { H.deque.push([]); H.inbox.push([]); }
   for (let k = 0; k < n; k++) { push(H.deque[k], u.w.deque[k]); push(H.inbox[k], u.w.inbox[k]); }
+  if (u.sm) { H.sm.push(u.sm); if (H.sm.length > 41) H.sm.shift(); } // 10 s of matrices
 }
 
 function drawTimeCharts(u) {
@@ -503,6 +555,7 @@ function updateFooter(u) {
 function draw(u) {
   updateHeader(u);
   drawTimeCharts(u);
+  drawMatrix(u);
   updateLatency(u);
   updateWorkers(u);
   updatePinning(u);

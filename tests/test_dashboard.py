@@ -279,6 +279,35 @@ def test_a_full_mailbox_shows_its_depth(ex, dash):
             ref.result(T)
 
 
+def test_agents_that_move_show_their_migrations(ex, dash):
+    """Agents started on one worker while the other runs a task: the idle one takes some,
+    and the adopter counts each move in the agent's directory entry (D_OWNER), which the
+    agents table lists per agent; the workers' counter draws the migrations timeline."""
+    with stream(dash) as s:
+        total0 = s.next()["tot"]["migrations"]
+        moved: dict[str, Any] = {}
+        for _attempt in range(3):  # thieves appear when one worker runs out first
+            hog = L.hog_one_worker(ex)
+            refs = [ex.spawn_agent(L.Stepper, 300, 0.002, 10) for _ in range(8)]
+            hog.result(T)
+            deadline = time.monotonic() + 5  # they run about 2.4 s of steps in all
+            while not moved and time.monotonic() < deadline:
+                u = s.next()
+                moved = {r["id"]: r for r in u["ag"]["rows"] if r["migr"] >= 1}
+            st = ex.stats()
+            per_agent = sum(a.migrations for a in st.busiest_agents)
+            assert per_agent <= st.totals()["migrations"] - total0  # take-backs: not moves
+            [r.result(T) for r in refs]
+            if moved:
+                break
+        assert moved, "no agent moved in three tries"
+        row = next(iter(moved.values()))
+        assert row["worker"] in (0, 1) and row["migr"] <= 300
+        u = s.until(lambda u: u["tot"]["migrations"] > total0 and u["rate"]["migrations"]
+                    is not None)
+        assert u["tot"]["migrations"] >= total0 + row["migr"]
+
+
 def test_one_sampler_for_every_page_and_none_without(dash):
     sampler = dash.sampler
     time.sleep(3 * sampler.interval)  # earlier tests' streams are closed by now
@@ -414,7 +443,7 @@ def test_payload_rates_windows_and_replaced_workers():
     agent = AgentStats(id=7, worker=0, generation=0, cpu_ms=10.0, steps=100, messages=0,
                        mailbox=3)
     agent2 = AgentStats(id=7, worker=0, generation=0, cpu_ms=510.0, steps=300, messages=0,
-                        mailbox=3)
+                        mailbox=3, migrations=2)
 
     def stats(t: float, workers: list[WorkerStats], h: metrics.Histogram,
               agents: list[AgentStats]) -> Stats:
@@ -437,7 +466,8 @@ def test_payload_rates_windows_and_replaced_workers():
     assert lo <= 5_000_000 < metrics.bucket_bounds(run["g"][0] * payload.CDF_GROUP + 7)[1]
     assert run["c"] == [5]
     assert u["ag"]["rows"] == [{"id": "0x0000000000000007", "worker": 0, "gen": 0, "mailbox": 3, "oldest_ms": None,
-                                "steps": 300, "msgs": 0, "cpu_ms": 510.0, "steps_s": 100.0,
+                                "steps": 300, "msgs": 0, "cpu_ms": 510.0, "migr": 2,
+                                "steps_s": 100.0,
                                 "cpu_pct": 25.0}]
     first = payload.build(cur, None, None, 12.0)
     assert first["rate"]["tasks"] is None and first["lat"]["bulk"]["run"]["n"] == 15

@@ -30,6 +30,9 @@ from stealer.shared._layout import (
     GEN_MASK,
     K_MASK,
     K_ROOT,
+    MIGR_SHIFT,
+    OWNER_MASK,
+    OWNER_MOVING,
     R_KIND,
     R_NEXT,
     R_TSUBMIT,
@@ -90,6 +93,9 @@ class AgentStats:
     # ms since the oldest waiting message was sent (None: none waiting, or a chain that
     # moved under the reader's walk)
     oldest_ms: float | None = None
+    # times it moved to another worker (published for a peer and started there), counted by
+    # the worker that adopts it (_layout.py D_OWNER; saturates at 65,535)
+    migrations: int = 0
 
 
 @dataclass
@@ -196,9 +202,11 @@ def agent_stats(seg: Segment, top: int = 10) -> tuple[int, list[AgentStats], lis
         w0 = int(word0[i])
         gen_owner = int(d[j, D_GEN // 8])
         steps_msgs = int(d[j, D_STEPS // 8])
-        owner = gen_owner >> 32
+        owner = (gen_owner >> 32) & OWNER_MASK
         return AgentStats(
-            id=((w0 & GEN_MASK) << 32) | i, worker=owner - 1 if owner else None,
+            id=((w0 & GEN_MASK) << 32) | i,
+            worker=owner - 1 if owner and owner != OWNER_MOVING else None,
+            migrations=gen_owner >> (32 + MIGR_SHIFT),
             generation=gen_owner & 0xFFFFFFFF, cpu_ms=int(cpu[j]) / 1e6,
             steps=steps_msgs & 0xFFFFFFFF, messages=steps_msgs >> 32,
             mailbox=int(mailbox[j]), oldest_ms=oldest_ms(j))

@@ -82,7 +82,7 @@ def _agent_row(a: AgentStats, prev: AgentStats | None, dt: float) -> dict[str, A
     return {
         "id": f"{a.id:#018x}", "worker": a.worker, "gen": a.generation, "mailbox": a.mailbox,
         "oldest_ms": a.oldest_ms,
-        "steps": a.steps, "msgs": a.messages, "cpu_ms": _r(a.cpu_ms),
+        "steps": a.steps, "msgs": a.messages, "cpu_ms": _r(a.cpu_ms), "migr": a.migrations,
         "steps_s": _r(max(0, a.steps - prev.steps) / dt) if same and prev else None,
         "cpu_pct": _r(max(0.0, a.cpu_ms - prev.cpu_ms) / 10 / dt) if same and prev else None,
     }

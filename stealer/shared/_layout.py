@@ -91,7 +91,16 @@ D_COUNT = 24  # u32 messages accepted and not yet handled: senders add, the owne
 D_CAP = 28  # u32 mailbox capacity: the spawner, before the agent record is pushed
 D_FLAGS = 32  # u64 AF_* bits: or64/and64 by senders, stoppers and the owner
 D_GEN = 40  # u32 agent generation (restarts and stops): its owner stores
-D_OWNER = 44  # u32 worker index + 1 running the agent now (0: none), for stats: its owner stores
+D_OWNER = 44  # u32, stats only: bits 0-15 worker index + 1 running the agent now (0: none,
+#              OWNER_MOVING: published for another worker), bits 16-31 the agent's migrations
+#              (MIGR_SHIFT). Its owner stores it at adoption (adopt.py, +1 migration when it
+#              finds OWNER_MOVING there), the publisher stores OWNER_MOVING (leaving.py
+#              publish_one), relaxed: the next owner's read is ordered by the record's
+#              CAS to QUEUED and push, which its take pairs with; collect() reads it relaxed
+OWNER_MASK = 0xFFFF  # D_OWNER's owner bits (MAX_WORKERS is 8,192: worker index + 1 fits)
+OWNER_MOVING = 0xFFFF  # D_OWNER's owner bits while the agent is published, between workers
+MIGR_SHIFT = 16  # D_OWNER's migration count: moves to a worker other than the publisher,
+#                  saturating at 0xFFFF
 AF_NOTIFIED = 1  # a notification is on its way to the owner's inbox (cleared by the owner)
 AF_STOP = 2  # ref.stop(): finish at the next step boundary
 AF_PINGED = 4  # fork-join, any record (not only agents): a ping for this slot's frame is on its

@@ -15,7 +15,7 @@ const state = {
   last: null,
   updates: 0,
   hist: { t: [], rate: [], agentRate: [], queued: [], injector: [], pending: [], steals: [],
-    attempts: [], deque: [], inbox: [], sm: [] },
+    attempts: [], deque: [], inbox: [], sm: [], migr: [] },
   sort: { key: "cpu_ms", dir: -1 },
   slo: null,
 };
@@ -359,6 +359,7 @@ function updateHistory(u) {
   push(H.pending, u.client ? u.client.pending : null);
   push(H.steals, u.rate.steals);
   push(H.attempts, u.rate.steal_attempts);
+  push(H.migr, u.rate.migrations);
   const n = u.w.deque.length;
   while (H.deque.length < n) { H.deque.push([]); H.inbox.push([]); }
   for (let k = 0; k < n; k++) { push(H.deque[k], u.w.deque[k]); push(H.inbox[k], u.w.inbox[k]); }
@@ -516,7 +517,7 @@ function updateFaults(u) {
 
 const AGENT_COLS = [["id", "id", "left"], ["worker", "worker"], ["gen", "gen"],
   ["mailbox", "mailbox"], ["oldest msg ms", "oldest_ms"], ["steps", "steps"], ["steps/s", "steps_s"], ["messages", "msgs"],
-  ["CPU ms", "cpu_ms"], ["CPU %", "cpu_pct"]];
+  ["CPU ms", "cpu_ms"], ["CPU %", "cpu_pct"], ["migrations", "migr"]];
 
 function updateAgents(u) {
   const a = u.ag;
@@ -525,6 +526,8 @@ function updateAgents(u) {
   facts($("agents-summary"), [["live", fmtNum(a.live)], ["steps/s", fmtNum(u.rate.agent_steps)],
     ["messages/s", fmtNum(u.rate.agent_messages)], ["migrations/s", fmtNum(u.rate.migrations)],
     ["throttled/s", fmtNum(u.rate.throttled)], ["migrations", fmtNum(u.tot.migrations)]]);
+  lineChart($("c-migr"), [{ label: "migrations/s (agents moved to an idle peer)",
+    values: state.hist.migr, color: COLORS[4] }], "/s");
   const t = $("t-agents");
   t.tHead.replaceChildren(el("tr", {}, ...AGENT_COLS.map(([h, key, cls]) => {
     const th = el("th", { class: `sortable${cls ? " " + cls : ""}${state.sort.key === key ? " sorted" : ""}` },

@@ -20,6 +20,9 @@ from stealer.shared._layout import (
     D_FLAGS,
     D_GEN,
     D_OWNER,
+    MIGR_SHIFT,
+    OWNER_MASK,
+    OWNER_MOVING,
     R_TRIES,
     R_TSTART,
     ST_ERROR,
@@ -59,7 +62,9 @@ class Adoption:
         d.clear_notified(h)  # before the walk (mailbox.py); a dead owner may have left it set
         if self.stopping:  # shutting down: it stops at its first turn here
             self.r.or64(d.entry(h) + D_FLAGS, AF_STOP)  # seq_cst: read by our own turn
-        self.r.store32(d.entry(h) + D_OWNER, self.who)  # stats only: read by collect()
+        # stats only, read by collect(): ours now, its migrations kept (_layout.py D_OWNER)
+        owner = self.r.load32(d.entry(h) + D_OWNER)
+        self.r.store32(d.entry(h) + D_OWNER, (owner & ~OWNER_MASK) | self.who)
         e, tries = self.away.pop(h, (None, 0))
         ck = self.r.load64(d.entry(h) + D_CKPT)  # acquire: pairs with checkpoint()'s store
         # we published it and took it back, and nobody ran it in between: an owner that
@@ -77,6 +82,10 @@ class Adoption:
             self.take(e)
             self.schedule(e)
             return
+        if (owner & OWNER_MASK) == OWNER_MOVING and owner >> MIGR_SHIFT < OWNER_MASK:
+            # published by a peer (or by us, then run elsewhere): one more migration
+            self.r.store32(d.entry(h) + D_OWNER, owner + (1 << MIGR_SHIFT) - OWNER_MOVING
+                           + self.who)
         spawn = None
         if not ck:  # from its spawn: kept dormant if it has nothing to do (dormant.py)
             spawn = dormant.adopt(self, h, link, _Entry)

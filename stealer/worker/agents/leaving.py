@@ -31,6 +31,8 @@ from stealer.shared._layout import (
     K_MASK,
     K_REPLY,
     K_ROOT,
+    OWNER_MASK,
+    OWNER_MOVING,
     S_DONE,
     S_QUEUED,
     S_RUNNING,
@@ -300,7 +302,10 @@ class Leaving:
         self.away[h] = (e, self.tries(h))
         if len(self.away) > 64:
             self._prune_away()
-        self.r.store32(self.dir.entry(h) + D_OWNER, 0)  # stats only: read by collect()
+        # stats only, read by collect() (moving) and by the adopter (a migration if it is
+        # not us taking it back): _layout.py D_OWNER
+        ent = self.dir.entry(h)
+        self.r.store32(ent + D_OWNER, (self.r.load32(ent + D_OWNER) & ~OWNER_MASK) | OWNER_MOVING)
         w = self.w
         if FP.ON:
             FP.hit("agent.migrate_after_ckpt")

@@ -1253,6 +1253,41 @@ cdef class HotPath:
         """
         return self.c_finish(h, status, <const char *>data, len(data), completions, who)
 
+    def reply_inline(self, uint64_t rh, uint32_t status, bytes data not None,
+                     SPSCRing completions, uint64_t who):
+        """Worker ``who - 1``, an agent's reply to call slot ``rh`` (QUEUED, made by the
+        caller): claim it (QUEUED|0 -> RUNNING|who), then :meth:`finish_inline`, in one
+        call (the Python twin is Arena.reply_inline).  Returns -3 if it was not QUEUED|0
+        (nothing done: cancelled by its caller, or a stale replay), else as finish_inline:
+        0 when ``data`` does not fit (the slot is RUNNING|who, ours: store it the long
+        way), -1, 1 (a client's call: completed, its waiter woken as finish_inline says),
+        2 (an agent's call: the caller pings it)."""
+        self._check_handle(rh)
+        cdef char *r = self.rec(rh)
+        cdef uint64_t gen = rh >> 32
+        # seq_cst CAS, the claim: pairs with the caller's cancel CAS (QUEUED -> CANCELLED)
+        # and with a recoverer's CAS after our death
+        if not st_cas_seqcst_u64(r, gen | (<uint64_t>S_QUEUED << STATE_SHIFT),
+                                 gen | (<uint64_t>S_RUNNING << STATE_SHIFT) | (who << WHO_SHIFT)):
+            return -3
+        return self.c_finish(rh, status, <const char *>data, len(data), completions, who)
+
+    def read_msg(self, uint64_t h):
+        """Worker, the owner of an agent: the payload of message record ``h`` read back
+        (``serialize.load_call``'s result: a message is a pickle), or None when it is not
+        a pickle stored inline (the caller reads it the long way, Arena.read_call).  The
+        record is the owner's to read: the sender's push of it (seq_cst CAS on the
+        mailbox's D_HEAD) happened before the notification that brought us here."""
+        self._check_handle(h)
+        cdef char *r = self.rec(h)
+        cdef uint64_t n
+        if (<uint32_t *>(r + R_PCLASS))[0] != 0 or (<uint32_t *>(r + R_KIND))[0] & F_BUFFERS:
+            return None
+        n = (<uint64_t *>(r + R_PLEN))[0]
+        if n < 1 or n > INLINE or (<unsigned char *>(r + R_INLINE))[0] == SMALL:
+            return None
+        return _pickle_loads(PyBytes_FromStringAndSize(r + R_INLINE, <Py_ssize_t>n))
+
     def finish_value(self, uint64_t h, value, SPSCRing completions, uint64_t who=0):
         """Worker: :meth:`finish_inline` of a plain result (``ST_OK``), encoded here: the
         small format written from the value, else an in-band pickle (raises ``_OutOfBand``

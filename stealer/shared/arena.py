@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import pickle
 import secrets
 import stat
 import struct
@@ -147,6 +148,8 @@ class Arena:
             self.start_task = hot.start_task
             self.finish_value = hot.finish_value
             self.end_task = hot.end_task
+            self.reply_inline = hot.reply_inline
+            self.read_msg = hot.read_msg
             self.free = self._native_free(hot)
 
     def mpmc_rings(self, *more: Any) -> list[Any]:
@@ -382,6 +385,25 @@ class Arena:
             pass
         self.idle.wake_client(h)
         return 1
+
+    def reply_inline(self, rh: int, status: int, data: bytes, completions: Any,
+                     who: int) -> int:
+        """Worker who-1, an agent's reply to call slot ``rh``: claim it (QUEUED|0 ->
+        RUNNING|who), then :meth:`finish_inline`.  -3 if it was not QUEUED|0 (nothing
+        done), else as finish_inline (0: too large, the slot is ours, RUNNING|who)."""
+        if self.tr.cas(rh, S_QUEUED, 0, S_RUNNING, who) is not Outcome.OK:
+            return -3
+        return self.finish_inline(rh, status, data, completions, who)
+
+    def read_msg(self, h: int) -> Any:
+        """Worker: message record ``h``'s payload read back if it is a pickle stored
+        inline, else None (then :meth:`read_call` reads it)."""
+        off = self.off(h)
+        pclass, _rclass, _pref, n = _PCALL.unpack_from(self.mm, off + R_PCLASS)
+        if (pclass or _U32.unpack_from(self.mm, off + R_KIND)[0] & F_BUFFERS or not 1 <= n <= INLINE
+                or self.mm[off + R_INLINE] == serialize.SMALL):
+            return None
+        return pickle.loads(self.mm[off + R_INLINE : off + R_INLINE + n])
 
     def complete_take(self, h: int) -> tuple:
         """Client: (kind, status, link, inline result or None); frees the record if all inline."""

@@ -29,6 +29,7 @@ from stealer.shared import failpoints as FP
 from stealer.shared._layout import R_TSTART, S_CANCELLED, S_QUEUED, S_RUNNING, ST_ERROR, ST_OK
 from stealer.shared.records import Outcome
 from stealer.worker.agents.entry import _U64, C_MSGS, WAITING, _Entry
+from stealer.worker.outcome import encode_result
 
 
 class Messages:
@@ -51,8 +52,9 @@ class Messages:
             e.replay -= 1
         e.handled += 1
         try:
+            msg = a.read_msg(m)  # one native call for a pickle stored inline
             target, method, args, kwargs, reply, deadline, sender, seq, ack = decode_message(
-                a.read_call(a.off(m)))
+                a.read_call(a.off(m)) if msg is None else msg)
         except BaseException:  # a message that does not unpickle here: nobody to answer
             self.handled(e, m, replay)
             return
@@ -186,16 +188,40 @@ class Messages:
         if rh < 0:
             return
         a = self.a
+        w = self.w
+        if not FP.ON:  # (failpoints: the Python path below, which has them)
+            if enc is None:
+                enc = encode_result(status, value)
+            if not enc[2]:
+                # claim + store + finish + publish in one call (HotPath.reply_inline)
+                done = a.reply_inline(rh, enc[0], enc[1], w.completions, self.who)
+                if done == 1 or done == -1:
+                    return
+                if done == -3:
+                    self.unclaimed(rh)
+                    return
+                kind, _status, link = a.kind_link(a.off(rh))
+                if done == 2:
+                    w.publish_child(kind, link)
+                else:  # 0: too large to sit inline; the slot is ours (RUNNING|who)
+                    w.report_encoded(rh, kind, link, *enc)
+                return
         tr = a.tr
         if tr.cas(rh, S_QUEUED, 0, S_RUNNING, self.who) is not Outcome.OK:
-            st = tr.state(rh)
-            if st is not None and st[0] == S_CANCELLED:
-                a.release(rh, S_CANCELLED, 0, self.who)  # the caller gave up on it
-            return  # stale: a replayed message whose reply was sent before
+            self.unclaimed(rh)
+            return
         if FP.ON:
             FP.hit("agent.reply_after_claim")
         kind, _status, link = a.kind_link(a.off(rh))
         if enc is None:
-            self.w.report(rh, kind, link, status, value)
+            w.report(rh, kind, link, status, value)
         else:
-            self.w.report_encoded(rh, kind, link, *enc)
+            w.report_encoded(rh, kind, link, *enc)
+
+    def unclaimed(self, rh: int) -> None:
+        """Reply slot ``rh`` was not QUEUED|0 when we came to answer it."""
+        a = self.a
+        st = a.tr.state(rh)
+        if st is not None and st[0] == S_CANCELLED:
+            a.release(rh, S_CANCELLED, 0, self.who)  # the caller gave up on it
+        # else stale: a replayed message whose reply was sent before

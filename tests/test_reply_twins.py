@@ -1,0 +1,138 @@
+"""An agent's reply and its message read back in one native call each: ``HotPath.reply_inline``
+and ``HotPath.read_msg`` (native/_cqueues.pyx) against their Python references
+``Arena.reply_inline`` and ``Arena.read_msg`` (stealer/shared/arena.py), on twin segments
+(no processes), over the three configurations of tests/rig.py.
+
+A reply slot is made as a client's call makes it (``reply_slot``: K_ROOT, QUEUED|0) or as an
+agent's call does (K_REPLY); then it is left alone, cancelled by its caller, recycled
+(a stale handle), or already answered, and a reply of some size is stored.  Every twin must
+return the same result and leave the same state word, completions ring and stored result.
+A message is written as a sender writes it (a pickle inline, the small format, a payload too
+large to sit inline, one with out-of-band buffers) and read back.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stealer.shared import serialize
+from stealer.shared._layout import (
+    INLINE,
+    K_MSG,
+    K_REPLY,
+    K_ROOT,
+    S_CANCELLED,
+    S_DONE,
+    S_QUEUED,
+    STATE_SHIFT,
+    WHO_SHIFT,
+)
+from tests.rig import CONFIGS, make_rig
+
+WHO = 2  # worker 1
+
+
+def _rigs() -> list:
+    made = []
+    try:
+        for cfg in CONFIGS:
+            made.append(make_rig(cfg, nworkers=2, records=8))
+    except BaseException:
+        for rg in made:
+            rg.seg.unlink()
+        raise
+    return made
+
+
+def reply_case(rg, kind: int, fate: str, size: int) -> tuple:
+    a = rg.arena
+    rh = a.alloc()
+    a.setup(rh, kind, 77, 0)  # QUEUED|0 on no queue: a call's reply slot
+    r = rg.seg.region
+    off = a.off(rh)
+    gen = rh >> 32
+    target = rh
+    if fate == "cancelled":
+        assert a.tr.cas(rh, S_QUEUED, 0, S_CANCELLED, 0).name == "OK"
+    elif fate == "stale":  # recycled: our handle's generation is old
+        target = rh - (1 << 32) if gen else rh + (1 << 32)
+    elif fate == "answered":  # a replay answers a slot answered before
+        r.store64(off, gen | (S_DONE << STATE_SHIFT) | (WHO << WHO_SHIFT))
+    data = pickle.dumps(b"r" * size, 5)
+    got = a.reply_inline(target, 0, data, rg.completions[1], WHO)
+    st = a.tr.load(rh)
+    ring = []
+    while (h := rg.completions[1].pop()) >= 0:
+        ring.append(h)
+    stored = a.peek_result(rh)[3] if got in (1, 2) else None
+    return got, st, ring == [rh] if ring else ring, stored
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from([K_ROOT, K_REPLY]),
+       fate=st.sampled_from(["fresh", "cancelled", "stale", "answered"]),
+       size=st.integers(0, INLINE + 40))
+def test_native_reply_inline_matches_its_python_reference(kind, fate, size):
+    rigs = _rigs()
+    try:
+        got = [reply_case(rg, kind, fate, size) for rg in rigs]
+        assert got[0] == got[1] == got[2], got
+        res, (_gen, state, who), ring, stored = got[0]
+        # what each result means
+        if fate != "fresh":
+            assert res == -3 and ring == []
+        elif len(pickle.dumps(b"r" * size, 5)) > INLINE:
+            assert res == 0 and who == WHO and ring == []  # ours: stored the long way
+        elif kind == K_ROOT:
+            assert res == 1 and state == S_DONE and ring is True
+            assert pickle.loads(stored) == b"r" * size
+        else:
+            assert res == 2 and state == S_DONE and ring == []  # the caller is pinged
+    finally:
+        for rg in rigs:
+            rg.seg.unlink()
+
+
+def write_msg(rg, how: str) -> tuple[int, object]:
+    a = rg.arena
+    m = a.alloc()
+    off = a.setup(m, K_MSG, 0, 0)
+    value = (5, "act", (np.arange(2, dtype=np.float32),), None, 7, None, None, 0, 0)
+    if how == "inline":
+        data, bufs = serialize.dumps(value)
+    elif how == "small":
+        data, bufs = serialize.encode_small_call(3, (1, 2.5)), []
+        value = (3, (1, 2.5), None)
+    elif how == "large":
+        value = ("x" * 300,)
+        data, bufs = serialize.dumps(value)
+    else:  # out-of-band buffers
+        value = (np.zeros(1000),)
+        data, bufs = serialize.dumps(value)
+        assert bufs
+    a.put(off, data, bufs)
+    return m, value
+
+
+def test_read_msg_reads_an_inline_pickle_and_leaves_the_rest_to_read_call():
+    rigs = _rigs()
+    try:
+        for how in ("inline", "small", "large", "oob"):
+            outs = []
+            for rg in rigs:
+                m, value = write_msg(rg, how)
+                got = rg.arena.read_msg(m)
+                full = rg.arena.read_call(rg.arena.off(m))  # the long way: always right
+                if how == "inline":
+                    assert repr(got) == repr(full) == repr(value)
+                else:
+                    assert got is None, (rg.cfg, how)
+                outs.append(repr(got))
+            assert outs[0] == outs[1] == outs[2], (how, outs)
+    finally:
+        for rg in rigs:
+            rg.seg.unlink()

@@ -264,9 +264,13 @@ class Directory:
                defer: set[int] | None = None) -> None:
         """The notification for ``h`` is in ``owner``'s inbox: wake the owner (or defer)."""
         if owner != me:
-            if defer is not None:
+            if defer is None:
+                self.idle.notify_worker(owner)
+            elif owner not in defer:
+                # a batch's first message for this owner wakes it now, so it works while
+                # the rest of the batch is written; the caller wakes each owner once more
+                # when it is done (the owner may have drained its inbox and parked since)
                 defer.add(owner)
-            else:
                 self.idle.notify_worker(owner)
             if flags & AF_CONTROL and self.worker_base is not None:
                 signal_if_busy(self.r, self.worker_base(owner), h, flags)

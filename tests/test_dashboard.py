@@ -526,3 +526,86 @@ def test_the_agents_scan_runs_once_a_second_not_every_tick():
     scans = sum(calls)
     assert calls[0] is True and 1 <= scans <= 2 + elapsed / smp.AGENTS_EVERY_S
     assert len(calls) > scans, "every tick scanned the agents"
+
+
+# -- the journal's lag -------------------------------------------------------------------------
+
+
+class _Words:
+    """A stand-in for a segment's region: the words a shard publishes (Shard.publish_to)."""
+
+    def __init__(self) -> None:
+        self.w: dict[int, int] = {}
+
+    def store64(self, off: int, v: int) -> None:
+        self.w[off] = v
+
+
+def test_a_shard_publishes_how_far_its_fsyncs_trail(tmp_path, monkeypatch):
+    """Under "batch" the sync thread's fsync covers what was committed: while one is held
+    up, the events committed meanwhile trail it and the oldest one's time is published;
+    once it ends they are covered.  Under "always" nothing ever trails."""
+    from stealer.agents.journal import store
+    from stealer.shared.shm import J_OLDEST, J_SYNCED, J_WRITTEN
+
+    gate, entered = threading.Event(), threading.Event()
+    real_fsync = store.os.fsync
+
+    def slow_fsync(fd: int) -> None:
+        entered.set()
+        assert gate.wait(T)
+        real_fsync(fd)
+
+    monkeypatch.setattr(store.os, "fsync", slow_fsync)
+    words = _Words()
+    shard = store.Shard(str(tmp_path / "w0.db"), "batch", 1)
+    try:
+        shard.publish_to(words, 64)
+        assert words.w == {64 + J_WRITTEN: 0, 64 + J_SYNCED: 0, 64 + J_OLDEST: 0}
+        t0 = time.monotonic_ns()
+        shard.end("a", 0, b"x", 0)
+        assert entered.wait(T)  # the sync thread is inside its fsync now, covering event 1
+        shard.end("b", 0, b"y", 0)
+        shard.end("c", 0, b"z", 0)
+        assert words.w[64 + J_WRITTEN] == 3 and words.w[64 + J_SYNCED] == 0
+        assert t0 <= words.w[64 + J_OLDEST] <= time.monotonic_ns()  # event 1's time
+        gate.set()
+        deadline = time.monotonic() + T
+        while words.w[64 + J_SYNCED] < 3 or words.w[64 + J_OLDEST]:
+            assert time.monotonic() < deadline, words.w
+            time.sleep(0.005)
+    finally:
+        gate.set()
+        shard.close()
+    always = store.Shard(str(tmp_path / "w1.db"), "always", 1)
+    try:
+        always.publish_to(words, 128)
+        always.end("a", 0, b"x", 0)
+        assert (words.w[128 + J_WRITTEN], words.w[128 + J_SYNCED], words.w[128 + J_OLDEST]) \
+            == (1, 1, 0)
+    finally:
+        always.close()
+
+
+def test_the_journal_panel_off_and_on(ex, dash, tmp_path):
+    assert json.loads(dash.sampler.latest())["jr"] is None  # no journal: the page says "off"
+    assert ex.stats().journal is None
+    with stealer.Executor(2, journal=str(tmp_path / "j")) as jex:
+        assert jex.wait_ready(60)
+        with serve_dashboard(jex) as d:
+            ref = jex.spawn_agent(L.Counter, name="c")
+            for _ in range(20):
+                ref.send("add", 1)
+            assert ref.call("get").result(T) == 20
+            deadline = time.monotonic() + T
+            while True:
+                jr = json.loads(d.sampler.latest())["jr"]
+                if jr["events"] >= 21 and jr["unsynced"] == 0:  # a spawn, 20 sends, a call
+                    break
+                assert time.monotonic() < deadline, jr
+                time.sleep(d.sampler.interval)
+            assert jr["mode"] == "batch" and jr["lag_ms"] == 0.0
+            assert [s["shard"] for s in jr["shards"]] == ["client", "w0", "w1"]
+            assert jr["shards"][0]["events"] >= 21  # the client's shard holds the sends
+            assert jex.stats().journal["mode"] == "batch"
+            ref.stop()

@@ -55,8 +55,11 @@ from stealer.shared.queues import impl as _default_queues
 from stealer.shared.recovery import Pings, Recovery
 from stealer.shared.shm import (
     H_CLIENT_PARK,
+    H_JOURNAL,
+    H_JOURNAL_MODE,
     H_SHUTDOWN,
     H_STOP_AGENTS,
+    JOURNAL_MODES,
     LEASE_SLOTS,
     STATE_READY,
     STATE_STARTING,
@@ -183,6 +186,9 @@ class _Pool(Settling, WorkerDeaths):
         layout = self.layout
         n = self.n
         self.region = r = seg.region
+        if self.journal is not None:  # its lag, for stats (shm.py H_JOURNAL_MODE, H_JOURNAL)
+            r.store32(H_JOURNAL_MODE, JOURNAL_MODES.index(self.journal.mode))
+            self.journal.shard.publish_to(r, H_JOURNAL)
         self.injector = Q.MPMCRing(r, layout.offsets["injector"], layout.injector_cap)
         self.injector.init()
         self.arena = Arena(seg, self.injector)

@@ -44,9 +44,16 @@ from stealer.shared._layout import (
 )
 from stealer.shared.shm import (
     H_CREATED_NS,
+    H_JOURNAL,
+    H_JOURNAL_MODE,
+    J_OLDEST,
+    J_SYNCED,
+    J_WRITTEN,
+    JOURNAL_MODES,
     SHM_DIR,
     W_CPU,
     W_CURRENT,
+    W_JOURNAL,
     W_PID,
     W_STATE,
     Segment,
@@ -54,7 +61,7 @@ from stealer.shared.shm import (
     client_pid,
 )
 
-__all__ = ["AgentStats", "Stats", "WorkerStats", "collect", "executor_gone"]
+__all__ = ["AgentStats", "Stats", "WorkerStats", "collect", "executor_gone", "journal_stats"]
 
 STATE_NAMES = ("starting", "ready", "exiting", "retired", "init-failed")
 
@@ -117,6 +124,9 @@ class Stats:
     busiest_agents: list[AgentStats] = field(default_factory=list)  # by CPU time, top first
     # agents with messages waiting, the deepest mailbox first (the same scan, same top count)
     fullest_agents: list[AgentStats] = field(default_factory=list)
+    # the agents' journal (Executor(journal=PATH)), None without one: its durability mode
+    # and how far the fsyncs trail the commits (journal_stats)
+    journal: dict[str, Any] | None = None
 
     def totals(self) -> dict[str, int]:
         """Counters summed over workers."""
@@ -148,6 +158,7 @@ class Stats:
             "records": self.records,
             "busiest_agents": [a.__dict__ for a in self.busiest_agents],
             "fullest_agents": [a.__dict__ for a in self.fullest_agents],
+            "journal": self.journal,
         }
 
 
@@ -217,6 +228,38 @@ def agent_stats(seg: Segment, top: int = 10) -> tuple[int, list[AgentStats], lis
     return len(idx), busiest, fullest
 
 
+def journal_stats(seg: Segment) -> dict[str, Any] | None:
+    """The journal's lag, None without a journal: ``mode`` (its durability), then per shard
+    (``client``, ``w0``...) the events committed, those no fsync covers yet (``unsynced``)
+    and the age in ms of the oldest of them (``lag_ms``), and the totals (the sum and the
+    worst age).  Under "always" every commit is fsync'ed (0); under "none" stealer never
+    fsyncs (the OS writes back when it likes): ``unsynced`` and ``lag_ms`` are None."""
+    r = seg.region
+    mode = r.load32(H_JOURNAL_MODE)
+    if not mode:
+        return None
+    name = JOURNAL_MODES[mode] if mode < len(JOURNAL_MODES) else str(mode)
+    now = time.monotonic_ns()
+    shards = []
+    bases = [("client", H_JOURNAL)] + [(f"w{k}", seg.layout.worker(k) + W_JOURNAL)
+                                        for k in range(seg.layout.nworkers)]
+    for label, base in bases:
+        written = r.load64(base + J_WRITTEN)
+        synced = r.load64(base + J_SYNCED)
+        oldest = r.load64(base + J_OLDEST)
+        row: dict[str, Any] = {"shard": label, "events": written}
+        if name == "none":
+            row.update(unsynced=None, lag_ms=None)
+        else:
+            row.update(unsynced=max(0, written - synced),
+                       lag_ms=round(max(0, now - oldest) / 1e6, 3) if oldest else 0.0)
+        shards.append(row)
+    off = name == "none"
+    return {"mode": name, "events": sum(s["events"] for s in shards),
+            "unsynced": None if off else sum(s["unsynced"] for s in shards),
+            "lag_ms": None if off else max(s["lag_ms"] for s in shards), "shards": shards}
+
+
 def collect(seg: Segment, queues: Any | None = None, agents: bool = True) -> Stats:
     """Read a snapshot of the executor whose segment is ``seg``.
 
@@ -273,6 +316,7 @@ def collect(seg: Segment, queues: Any | None = None, agents: bool = True) -> Sta
         latency=latency,
         records_free=len(Q.MPMCRing(r, L.offsets["record_free"], L.free_cap(L.records))),
         records=L.records,
+        journal=journal_stats(seg),
     )
 
 

@@ -16,6 +16,9 @@ latency histograms of about ``window_s`` ago (for a windowed CDF) into a plain d
 * ``sm``: the victim -> thief steal matrix (:func:`steal_matrix`): successful steals
   since the start, ``[thief][victim]``, at most ``metrics.VICTIMS`` rows and columns (the
   last row and column lump the workers past it);
+* ``jr``: the agents' journal: None without one (the page says "off"), else its mode,
+  events committed, those no fsync covers yet and the oldest one's age (ms), in all and
+  per shard (client, w0...: one per worker), from :func:`stealer.client.stats.journal_stats`;
 * ``client``: pending, backlog, crashes, replacements... (only when the dashboard runs in
   the executor's own process; an executor attached by id does not know them).
 
@@ -176,6 +179,7 @@ def build(cur: Stats, prev: Stats | None, base: Hists | None, window_s: float,
         "ag": ag if ag is not None else agents_block(cur),
         "rec": [cur.records_free, cur.records],
         "sm": steal_matrix(cur),
+        "jr": cur.journal,
     }
 
 

@@ -94,6 +94,19 @@ H_LOCK_HOLDER = 576  # u32 pid holding the pure-Python reference's lock (0: free
 #                     under the lock; read by the client after a worker death
 H_STOP_AGENTS = 640  # u32 1: the client is shutting down; workers stop their agents at the next
 #                     step boundary: client store32 (seq_cst) in begin_shutdown, workers load32
+H_JOURNAL_MODE = 704  # u32 the agents' journal's durability, JOURNAL_MODES index (0: no journal):
+#                      the client store32s it once at start, before any worker exists; stats load32
+JOURNAL_MODES = ("off", "always", "batch", "none")
+H_JOURNAL = 712  # u64[3] client.db's J_WRITTEN, J_SYNCED, J_OLDEST (below), as W_JOURNAL's
+# A journal shard's progress (agents/journal/store.py Shard.publish_to), three u64 at its base:
+J_WRITTEN = 0  # events committed to the shard so far: the shard's writer store64s it under the
+#                shard's lock after each commit; stats load64 it (relaxed: a statistic, paired
+#                with nothing, at most a few events behind)
+J_SYNCED = 8  # events an fsync of the shard's log has covered (J_WRITTEN under "always"): the
+#               sync thread store64s it under that lock after its fsync; stats load64 (relaxed)
+J_OLDEST = 16  # monotonic ns of the oldest committed event no fsync has covered yet (0: none):
+#                the writer (first event after a sync began) and the sync thread (after its
+#                fsync), both under the shard's lock; stats load64 it (relaxed) for the lag
 # Worker sets (stealer/shared/idle.py): bit k % 64 of u64 word k // 64 is worker k. Each transition of
 # a worker is one atomic RMW on its own bit, so a worker killed at any point leaves a state the
 # client's Idle.forget (one idempotent and64) repairs; a count is a popcount.
@@ -148,7 +161,10 @@ W_BUSY_AVG = 288  # u64 this worker's busy share x BUSY_SCALE << 1 | 1 if busy n
 #                  both (relaxed: a hint for moving agents, a torn pair harmless)
 W_BUSY_AT = 296  # u64 monotonic ns of that share (see W_BUSY_AVG)
 BUSY_SCALE = 1 << 20  # W_BUSY_AVG's fixed point
-WORKER_BYTES = 320
+W_JOURNAL = 320  # u64[3] this worker's journal shard (w<k>.db): J_WRITTEN, J_SYNCED, J_OLDEST
+#                 above, stored by that worker's shard (its writer and its sync thread, under
+#                 the shard's lock), read relaxed by stats; zero without a journal
+WORKER_BYTES = 384
 
 # Record (task) layout: RECORD_BYTES each (stealer/shared/_layout.py has the fields).
 

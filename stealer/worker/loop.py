@@ -84,6 +84,7 @@ from stealer.shared.shm import (
     STATE_STARTING,
     W_CPU,
     W_CURRENT,
+    W_JOURNAL,
     W_LEASE,
     W_PID,
     W_PING_IN,
@@ -270,6 +271,7 @@ class Worker(ForkJoinHandling, PingHandling):
             from stealer.agents.journal.opening import WorkerJournal
 
             self.journal = WorkerJournal(*jcfg, a.index, a.incarnation)
+            self.journal.shard.publish_to(self.seg.region, self.wbase + W_JOURNAL)  # its lag
         from stealer.worker.agents.host import Host
 
         self.host = Host(self)  # the agents living on this worker (stealer/worker/agents/host.py)

@@ -130,6 +130,15 @@ class Shard:
         self.dirty = False
         self.closed = False
         self._wal_fd = -1
+        # how far the fsyncs trail the commits (the lag a power loss could take), published
+        # by publish_to: events committed, events an fsync covered, and the monotonic ns of
+        # the oldest committed event no finished fsync covers (the one in flight's first, else
+        # the first since it began); all under ``lock``
+        self.written = 0
+        self.synced = 0
+        self._pending_ns = 0  # first event committed since the last fsync began (0: none)
+        self._syncing_ns = 0  # first event the fsync in flight covers (0: none in flight)
+        self._gauge: tuple[Any, int] | None = None  # (region, base) of J_WRITTEN.. in shm
         try:
             try:
                 self.c = self._open()
@@ -173,18 +182,59 @@ class Shard:
             except sqlite3.Error as exc:
                 raise _explain(exc, self.path) from exc
             self.dirty = True
+            self.written += 1
+            if self.mode == "always":  # synchronous=FULL: the commit was fsync'ed
+                self.synced = self.written
+            elif not self._pending_ns:
+                self._pending_ns = time.monotonic_ns()
+            if self._gauge is not None:
+                self._publish()
+
+    # -- the lag ------------------------------------------------------------------------
+    def publish_to(self, region: Any, base: int) -> None:
+        """Publish the shard's progress at ``base`` of a shared segment from now on (the
+        three u64 words J_WRITTEN, J_SYNCED, J_OLDEST of stealer/shared/shm.py), for
+        ``Executor.stats()`` and the dashboard: how far the fsyncs trail the commits."""
+        with self.lock:
+            self._gauge = (region, base)
+            self._publish()
+
+    def oldest_unsynced_ns(self) -> int:
+        """Monotonic ns of the oldest committed event no finished fsync covers (0: none)."""
+        return self._syncing_ns or self._pending_ns
+
+    def _publish(self) -> None:  # under self.lock
+        assert self._gauge is not None
+        r, base = self._gauge
+        r.store64(base, self.written)  # J_WRITTEN (shm.py): relaxed, read by stats
+        r.store64(base + 8, self.synced)  # J_SYNCED
+        r.store64(base + 16, self.oldest_unsynced_ns())  # J_OLDEST
 
     def _sync_loop(self) -> None:
         wal = self.path + "-wal"
         while not self.closed:
             time.sleep(SYNC_EVERY)
-            if not self.dirty:
-                continue
-            self.dirty = False
+            with self.lock:
+                if not self.dirty:
+                    continue
+                self.dirty = False
+                covers = self.written  # every event committed so far: in the log's pages
+                self._syncing_ns, self._pending_ns = self._pending_ns, 0
+            synced = False
             with contextlib.suppress(OSError):
                 if self._wal_fd < 0:
                     self._wal_fd = os.open(wal, os.O_RDONLY)
                 os.fsync(self._wal_fd)
+                synced = True
+            with self.lock:
+                if synced:
+                    self.synced = max(self.synced, covers)
+                else:  # tried again next round: those events still trail
+                    self.dirty = True
+                    self._pending_ns = self._syncing_ns or self._pending_ns
+                self._syncing_ns = 0
+                if self._gauge is not None:
+                    self._publish()
 
     def sync(self) -> None:
         """fsync the log now (the sync thread's work, for a clean close)."""

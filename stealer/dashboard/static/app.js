@@ -15,7 +15,7 @@ const state = {
   last: null,
   updates: 0,
   hist: { t: [], rate: [], agentRate: [], queued: [], injector: [], pending: [], steals: [],
-    attempts: [], deque: [], inbox: [], sm: [], migr: [] },
+    attempts: [], deque: [], inbox: [], sm: [], migr: [], jlag: [] },
   sort: { key: "cpu_ms", dir: -1 },
   slo: null,
 };
@@ -360,6 +360,7 @@ function updateHistory(u) {
   push(H.steals, u.rate.steals);
   push(H.attempts, u.rate.steal_attempts);
   push(H.migr, u.rate.migrations);
+  push(H.jlag, u.jr ? u.jr.lag_ms : null);
   const n = u.w.deque.length;
   while (H.deque.length < n) { H.deque.push([]); H.inbox.push([]); }
   for (let k = 0; k < n; k++) { push(H.deque[k], u.w.deque[k]); push(H.inbox[k], u.w.inbox[k]); }
@@ -548,6 +549,26 @@ function updateAgents(u) {
       k === "cpu_ms" || k === "cpu_pct" || k === "steps_s" || k === "oldest_ms" ? fmtNum(r[k]) : (r[k] ?? "–"))))));
 }
 
+function updateJournal(u) {
+  const j = u.jr;
+  $("c-journal").hidden = !j || j.lag_ms === null;
+  if (!j) {
+    facts($("journal"), [["journal", "off"], ["", "no Executor(journal=PATH): agents are not durable"]]);
+    return;
+  }
+  const rows = [["durability", j.mode], ["events committed", fmtNum(j.events)]];
+  if (j.lag_ms === null) {
+    rows.push(["lag", "not tracked: the OS writes back when it likes"]);
+  } else {
+    rows.push(["not yet fsync'ed", `${fmtNum(j.unsynced)} events`],
+      ["lag (oldest of them)", `${fmtNum(j.lag_ms, 1)} ms`, j.lag_ms > 1000 ? "bad" : ""]);
+    const worst = [...j.shards].sort((a, b) => b.lag_ms - a.lag_ms)[0];
+    if (worst && worst.lag_ms > 0) rows.push(["worst shard", `${worst.shard}: ${fmtNum(worst.unsynced)} events, ${fmtNum(worst.lag_ms, 1)} ms`]);
+    lineChart($("c-journal"), [{ label: "lag ms", values: state.hist.jlag, color: COLORS[6] }], "ms");
+  }
+  facts($("journal"), rows);
+}
+
 function updateFooter(u) {
   const s = u.smp || {};
   $("footer").textContent = `update ${fmtNum(s.bytes)} bytes every ${s.interval_s} s · sampler ` +
@@ -563,6 +584,7 @@ function draw(u) {
   updateWorkers(u);
   updatePinning(u);
   updateFaults(u);
+  updateJournal(u);
   updateAgents(u);
   updateFooter(u);
 }

@@ -1272,12 +1272,13 @@ cdef class HotPath:
             return -3
         return self.c_finish(rh, status, <const char *>data, len(data), completions, who)
 
-    def read_msg(self, uint64_t h):
-        """Worker, the owner of an agent: the payload of message record ``h`` read back
-        (``serialize.load_call``'s result: a message is a pickle), or None when it is not
-        a pickle stored inline (the caller reads it the long way, Arena.read_call).  The
-        record is the owner's to read: the sender's push of it (seq_cst CAS on the
-        mailbox's D_HEAD) happened before the notification that brought us here."""
+    def read_inline(self, uint64_t h):
+        """Worker: the call payload of record ``h`` read back (``serialize.load_call``'s
+        result) when it is a pickle stored inline, else None (the caller reads it the long
+        way, Arena.read_call): an agent's message, an agent's spawn.  The record is the
+        caller's to read: a message's push (seq_cst CAS on the mailbox's D_HEAD) happened
+        before the notification that brought its owner here; a spawn's start CAS (QUEUED ->
+        RUNNING) acquired what its submitter wrote."""
         self._check_handle(h)
         cdef char *r = self.rec(h)
         cdef uint64_t n

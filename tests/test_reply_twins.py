@@ -1,6 +1,6 @@
 """An agent's reply and its message read back in one native call each: ``HotPath.reply_inline``
-and ``HotPath.read_msg`` (native/_cqueues.pyx) against their Python references
-``Arena.reply_inline`` and ``Arena.read_msg`` (stealer/shared/arena.py), on twin segments
+and ``HotPath.read_inline`` (native/_cqueues.pyx) against their Python references
+``Arena.reply_inline`` and ``Arena.read_inline`` (stealer/shared/arena.py), on twin segments
 (no processes), over the three configurations of tests/rig.py.
 
 A reply slot is made as a client's call makes it (``reply_slot``: K_ROOT, QUEUED|0) or as an
@@ -118,14 +118,14 @@ def write_msg(rg, how: str) -> tuple[int, object]:
     return m, value
 
 
-def test_read_msg_reads_an_inline_pickle_and_leaves_the_rest_to_read_call():
+def test_read_inline_reads_an_inline_pickle_and_leaves_the_rest_to_read_call():
     rigs = _rigs()
     try:
         for how in ("inline", "small", "large", "oob"):
             outs = []
             for rg in rigs:
                 m, value = write_msg(rg, how)
-                got = rg.arena.read_msg(m)
+                got = rg.arena.read_inline(m)
                 full = rg.arena.read_call(rg.arena.off(m))  # the long way: always right
                 if how == "inline":
                     assert repr(got) == repr(full) == repr(value)

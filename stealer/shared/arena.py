@@ -149,7 +149,7 @@ class Arena:
             self.finish_value = hot.finish_value
             self.end_task = hot.end_task
             self.reply_inline = hot.reply_inline
-            self.read_msg = hot.read_msg
+            self.read_inline = hot.read_inline
             self.free = self._native_free(hot)
 
     def mpmc_rings(self, *more: Any) -> list[Any]:
@@ -395,9 +395,9 @@ class Arena:
             return -3
         return self.finish_inline(rh, status, data, completions, who)
 
-    def read_msg(self, h: int) -> Any:
-        """Worker: message record ``h``'s payload read back if it is a pickle stored
-        inline, else None (then :meth:`read_call` reads it)."""
+    def read_inline(self, h: int) -> Any:
+        """Worker: record ``h``'s call payload read back if it is a pickle stored inline
+        (an agent's message or spawn), else None (then :meth:`read_call` reads it)."""
         off = self.off(h)
         pclass, _rclass, _pref, n = _PCALL.unpack_from(self.mm, off + R_PCLASS)
         if (pclass or _U32.unpack_from(self.mm, off + R_KIND)[0] & F_BUFFERS or not 1 <= n <= INLINE

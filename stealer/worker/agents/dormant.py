@@ -71,7 +71,9 @@ def adopt(host: Any, h: int, link: int, entry: Any) -> tuple | None:
     d = host.dir
     ent = d.entry(h)
     try:
-        spawn = a.read_call(a.off(h))
+        spawn = a.read_inline(h)  # one native call for a pickle stored inline
+        if spawn is None:
+            spawn = a.read_call(a.off(h))
     except BaseException:
         return ()
     cls, args, kwargs, _opts, deadline_at = spawn[:5]

@@ -52,7 +52,7 @@ class Messages:
             e.replay -= 1
         e.handled += 1
         try:
-            msg = a.read_msg(m)  # one native call for a pickle stored inline
+            msg = a.read_inline(m)  # one native call for a pickle stored inline
             target, method, args, kwargs, reply, deadline, sender, seq, ack = decode_message(
                 a.read_call(a.off(m)) if msg is None else msg)
         except BaseException:  # a message that does not unpickle here: nobody to answer

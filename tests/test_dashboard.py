@@ -609,3 +609,37 @@ def test_the_journal_panel_off_and_on(ex, dash, tmp_path):
             assert jr["shards"][0]["events"] >= 21  # the client's shard holds the sends
             assert jex.stats().journal["mode"] == "batch"
             ref.stop()
+
+
+# -- map progress -------------------------------------------------------------------------------
+
+
+def test_running_maps_show_their_progress(ex, dash):
+    """A map(progress=True) is listed (results handed out / inputs) while it runs, and
+    leaves the list when read to the end or dropped unread; a map without progress is not."""
+    import gc
+
+    plain = ex.map(tasks.square, range(10))
+    it = ex.map(tasks.sleep_then, [0.001] * 40, range(40), progress=True)
+    try:
+        assert [next(it) for _ in range(5)] == list(range(5))
+        maps = ex.stats().maps
+        assert len(maps) == 1, maps
+        m = maps[0]
+        assert m["label"] == "map(sleep_then)" and m["done"] == 5
+        assert m["total"] == 40 and m["submitted"] == 40 and m["elapsed_s"] >= 0
+        with stream(dash) as s:
+            u = s.until(lambda u: u["maps"] and u["maps"][0]["done"] == 5)
+            assert u["maps"][0]["total"] == 40 and u["maps_more"] == 0
+        assert list(it) == list(range(5, 40))
+        assert ex.stats().maps == []  # read to the end: gone
+        dropped = ex.map(tasks.square, range(4), progress=True)
+        assert len(ex.stats().maps) == 1
+        del dropped  # never read: its tasks ran, and it leaves the list with its iterator
+        gc.collect()
+        assert ex.stats().maps == []
+        with stream(dash) as s:
+            s.until(lambda u: u["maps"] == [])
+    finally:
+        it.close()
+        list(plain)

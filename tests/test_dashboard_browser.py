@@ -68,6 +68,14 @@ def test_the_page_in_chromium(ex, tmp_path):
         assert b.evaluate("window.stealerDashboard.last.sm.map((r, i) => r[i])", page) == [0, 0]
         assert b.evaluate("document.getElementById('p-matrix').hidden", page) is False
 
+        # a map that asked for progress: its bar and counts, 3 of 20 results read
+        it = ex.map(tasks.sleep_then, [0.001] * 20, range(20), progress=True)
+        assert [next(it) for _ in range(3)] == [0, 1, 2]
+        b.wait_for("(document.querySelector('#maps .map p') || {}).textContent"
+                   "?.startsWith('map(sleep_then) 3 / 20 (15.0%)')", page)
+        # no journal here: the journal panel says so
+        assert b.evaluate("document.querySelector('#journal dd').textContent", page) == "off"
+
         # an agent with a full mailbox: its row shows the depth
         ref = ex.spawn_agent(L.Counter, 0, 0.2, mailbox=8)
         with contextlib.suppress(MailboxFull):
@@ -91,6 +99,7 @@ def test_the_page_in_chromium(ex, tmp_path):
             ref.stop()
             with contextlib.suppress(Exception):
                 ref.result(T)
+        assert list(it) == list(range(3, 20))
         data = shot.read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
         errors = b.errors(page)

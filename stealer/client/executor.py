@@ -427,6 +427,7 @@ class Executor(_fbase.Executor):
                 raise SerializationError("the initializer must not carry out-of-band buffers")
             init_bytes = data
         self._max_workers = max_workers
+        self._maps: weakref.WeakSet = weakref.WeakSet()  # running map(progress=True) calls
         self._cpus = plan
         self._retries = retries
         self._parent: Executor | None = None
@@ -590,7 +591,9 @@ class Executor(_fbase.Executor):
         feed = None if buffersize is None else _MapFeed(self, call, items, buffersize)
         results = _map_results(fs, end_time, chunksize > 1, feed, token)
         if progress:
-            return map_progress(results, counted, iterables, read_all=buffersize is None)
+            return map_progress(results, counted, iterables, read_all=buffersize is None,
+                                running=self._maps,
+                                name=f"map({getattr(fn, '__qualname__', type(fn).__name__)})")
         return results
 
     def _map_token(self) -> _MapToken | None:
@@ -740,6 +743,9 @@ class Executor(_fbase.Executor):
             "replacements": sum(pool.incarnations) - pool.n,
             "rings_repaired": pool.rings_repaired,  # cells a dead worker left half-done
         }
+        now = time.monotonic()
+        s.maps = sorted((m.as_dict(now) for m in list(self._maps)),
+                        key=lambda m: -m["elapsed_s"])
         return s
 
     @property

@@ -16,6 +16,10 @@ the stream is a terminal, so nothing is written in tests, pipes and CI logs.
 :func:`map_bar` is what ``Executor.map(progress=True)`` draws: tqdm's bar when tqdm is
 installed, else this one (no dependency).  The core imports nothing from the tools layer;
 ``stealer.bench.progress`` re-exports this module for the tools.
+
+:class:`MapProgress` is what a running ``map(progress=True)`` shows besides its bar: the
+executor keeps one per running map (weakly: a map's iterator dropped unread leaves none
+behind) and ``Executor.stats().maps`` lists them, for the dashboard.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol, TextIO
 
-__all__ = ["Progress", "render_bar", "map_bar", "map_progress", "Bar", "Counted", "counting"]
+__all__ = ["Progress", "render_bar", "map_bar", "map_progress", "Bar", "Counted", "counting",
+           "MapProgress"]
 
 
 def render_bar(
@@ -240,13 +245,54 @@ def counting(results: Iterator[Any], bar: Bar) -> Iterator[Any]:
             close()
 
 
+class MapProgress:
+    """One running ``map(progress=True)``: its bar, and what it has done for the stats.
+
+    ``done``: results handed out; ``total``: inputs (None: unknown yet); ``submitted``:
+    inputs read so far; ``started``: monotonic time of the map call.  Updated by the
+    iterator's thread, read by any other (plain ints: a snapshot may be one behind).
+    """
+
+    __slots__ = ("__weakref__", "bar", "counted", "done", "label", "running", "started",
+                 "total")
+
+    def __init__(self, bar: Bar, label: str, total: int | None, counted: Counted) -> None:
+        self.bar = bar
+        self.label = label
+        self.total = total
+        self.done = 0
+        self.counted = counted
+        self.started = time.monotonic()
+        self.running: Any = None  # the executor's set of running maps, while in it
+
+    # the Bar protocol, for counting(): the bar's count, and ours
+    def update(self, n: int = 1) -> Any:
+        self.done += n
+        return self.bar.update(n)
+
+    def close(self) -> Any:
+        """The map ended (read to the end, failed or closed): it leaves the running maps."""
+        if self.running is not None:
+            self.running.discard(self)
+            self.running = None
+        return self.bar.close()
+
+    def as_dict(self, now: float | None = None) -> dict[str, Any]:
+        return {"label": self.label, "done": self.done, "total": self.total,
+                "submitted": self.counted.n,
+                "elapsed_s": round((now or time.monotonic()) - self.started, 3)}
+
+
 def map_progress(results: Iterator[Any], counted: Counted, iterables: tuple,
-                 read_all: bool, label: str = "map") -> Iterator[Any]:
+                 read_all: bool, label: str = "map",
+                 running: Any = None, name: str | None = None) -> Iterator[Any]:
     """The iterator of ``Executor.map(progress=True)``: ``results`` counted on a map bar.
 
     The total is the number of inputs: all were read already when ``read_all`` (map
     submits every task up front), else the shortest ``len()`` of the iterables, or
     unknown (a lazily read input without a length: the bar counts without an ETA).
+    ``running``: a set (the executor's WeakSet) the map's :class:`MapProgress` stays in
+    while it runs, under ``name`` (default ``label``), for ``Executor.stats().maps``.
     """
     if read_all:
         total: int | None = counted.n
@@ -255,4 +301,8 @@ def map_progress(results: Iterator[Any], counted: Counted, iterables: tuple,
             total = min(len(it) for it in iterables)
         except TypeError:
             total = None
-    return counting(results, map_bar(total, label))
+    bar = MapProgress(map_bar(total, label), name or label, total, counted)
+    if running is not None:  # the executor's running maps (a WeakSet): gone with the iterator
+        running.add(bar)
+        bar.running = running
+    return counting(results, bar)

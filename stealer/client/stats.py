@@ -127,6 +127,10 @@ class Stats:
     # the agents' journal (Executor(journal=PATH)), None without one: its durability mode
     # and how far the fsyncs trail the commits (journal_stats)
     journal: dict[str, Any] | None = None
+    # running map(progress=True) calls, the oldest first: label, done (results handed out),
+    # total (None: unknown), submitted (inputs read), elapsed_s; only Executor.stats()
+    # knows them (the executor's own process), collect() leaves this empty
+    maps: list[dict[str, Any]] = field(default_factory=list)
 
     def totals(self) -> dict[str, int]:
         """Counters summed over workers."""
@@ -159,6 +163,7 @@ class Stats:
             "busiest_agents": [a.__dict__ for a in self.busiest_agents],
             "fullest_agents": [a.__dict__ for a in self.fullest_agents],
             "journal": self.journal,
+            "maps": list(self.maps),
         }
 
 

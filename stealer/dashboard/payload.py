@@ -19,6 +19,9 @@ latency histograms of about ``window_s`` ago (for a windowed CDF) into a plain d
 * ``jr``: the agents' journal: None without one (the page says "off"), else its mode,
   events committed, those no fsync covers yet and the oldest one's age (ms), in all and
   per shard (client, w0...: one per worker), from :func:`stealer.client.stats.journal_stats`;
+* ``maps``: running ``map(progress=True)`` calls, the oldest :data:`MAX_MAPS` (label,
+  results handed out, total inputs or None, inputs read, seconds running), and
+  ``maps_more``: how many more run (only in the executor's own process);
 * ``client``: pending, backlog, crashes, replacements... (only when the dashboard runs in
   the executor's own process; an executor attached by id does not know them).
 
@@ -39,6 +42,7 @@ from stealer.top import _hist_delta, _worker_delta
 
 __all__ = ["build", "steal_matrix", "agents_block", "agents_by_id", "latency_block", "CDF_GROUP", "RATE_KEYS"]
 
+MAX_MAPS = 16  # running maps listed in an update (the rest are counted)
 CDF_GROUP = 8  # fine buckets per CDF point: 64 per power of two / 8 = 8 points (9% wide)
 #: counters reported per second, per worker and summed
 RATE_KEYS = ("tasks", "steals", "steal_attempts", "parks", "errors", "agent_steps",
@@ -180,6 +184,8 @@ def build(cur: Stats, prev: Stats | None, base: Hists | None, window_s: float,
         "rec": [cur.records_free, cur.records],
         "sm": steal_matrix(cur),
         "jr": cur.journal,
+        "maps": cur.maps[:MAX_MAPS],
+        "maps_more": max(0, len(cur.maps) - MAX_MAPS),
     }
 
 

@@ -549,6 +549,26 @@ function updateAgents(u) {
       k === "cpu_ms" || k === "cpu_pct" || k === "steps_s" || k === "oldest_ms" ? fmtNum(r[k]) : (r[k] ?? "–"))))));
 }
 
+function updateMaps(u) {
+  const maps = u.maps || [];
+  $("p-maps").hidden = !u.client; // only the executor's own process knows its maps
+  if (!u.client) return;
+  const rows = maps.map((m) => {
+    const frac = m.total ? Math.min(1, m.done / m.total) : null;
+    const rate = m.elapsed_s > 0 ? m.done / m.elapsed_s : 0;
+    const eta = m.total && rate > 0 ? ` · eta ${fmtNum((m.total - m.done) / rate, 1)} s` : "";
+    const fill = el("div", {});
+    fill.style.width = `${frac === null ? 100 : 100 * frac}%`; // CSSOM: no inline style under the CSP
+    return el("div", { class: "map", "data-label": m.label }, el("div", { class: "bar" }, fill),
+      el("p", {}, `${m.label} ${fmtNum(m.done)} / ${m.total === null ? "?" : fmtNum(m.total)}` +
+        (frac === null ? "" : ` (${(100 * frac).toFixed(1)}%)`) +
+        ` · ${fmtNum(rate)}/s · ${fmtNum(m.elapsed_s, 1)} s${eta}`));
+  });
+  if (u.maps_more) rows.push(el("p", { class: "note" }, `and ${u.maps_more} more`));
+  if (!rows.length) rows.push(el("p", { class: "note" }, "none running"));
+  $("maps").replaceChildren(...rows);
+}
+
 function updateJournal(u) {
   const j = u.jr;
   $("c-journal").hidden = !j || j.lag_ms === null;
@@ -585,6 +605,7 @@ function draw(u) {
   updatePinning(u);
   updateFaults(u);
   updateJournal(u);
+  updateMaps(u);
   updateAgents(u);
   updateFooter(u);
 }

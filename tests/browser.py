@@ -175,9 +175,25 @@ class Chromium:
                 out.append(f"log: {p['entry'].get('text')} {p['entry'].get('url', '')}")
         return out
 
-    def screenshot(self, session: str, path: Path) -> Path:
-        data = self.call("Page.captureScreenshot", {"format": "png",
-                                                    "captureBeyondViewport": True}, session)
+    def screenshot(self, session: str, path: Path, selectors: list[str] | None = None) -> Path:
+        """The whole page as a PNG at ``path``; with ``selectors``, the box around the
+        elements they match (a group of panels), with a margin of 8 px."""
+        params: dict[str, Any] = {"format": "png", "captureBeyondViewport": True}
+        if selectors:
+            box = self.evaluate(
+                "(() => { const rs = " + json.dumps(selectors) + ".flatMap((s) => [...document"
+                ".querySelectorAll(s)]).filter((e) => !e.hidden).map((e) => "
+                "e.getBoundingClientRect()); if (!rs.length) return null; "
+                "const x = Math.min(...rs.map((r) => r.left)) + scrollX, "
+                "y = Math.min(...rs.map((r) => r.top)) + scrollY; "
+                "return [x, y, Math.max(...rs.map((r) => r.right)) + scrollX - x, "
+                "Math.max(...rs.map((r) => r.bottom)) + scrollY - y]; })()", session)
+            if box is None:
+                raise CDPError(f"nothing shown matches {selectors}")
+            x, y, w, h = box
+            params["clip"] = {"x": max(0, x - 8), "y": max(0, y - 8), "width": w + 16,
+                              "height": h + 16, "scale": 1}
+        data = self.call("Page.captureScreenshot", params, session)
         path.write_bytes(base64.b64decode(data["data"]))
         return path
 

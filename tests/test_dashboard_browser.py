@@ -53,6 +53,9 @@ def test_the_page_in_chromium(ex, tmp_path):
         b.wait_for("window.stealerDashboard && window.stealerDashboard.updates >= 1", page)
         ready_s = time.monotonic() - t0
         assert ready_s < 5.0, f"first update drawn after {ready_s:.2f} s"
+        # measured by the page itself: navigation start -> the first update drawn
+        ready_ms = b.evaluate("window.stealerDashboard.readyMs", page)
+        assert isinstance(ready_ms, (int, float)) and ready_ms > 0
         assert b.evaluate("location.search", page) == "", "the token stays in the address bar"
         assert b.evaluate("document.getElementById('status').textContent", page) == "live"
         assert b.evaluate("document.getElementById('exec-id').textContent", page) == ex.id

@@ -17,6 +17,7 @@ const state = {
   hist: { t: [], rate: [], agentRate: [], queued: [], injector: [], pending: [], steals: [],
     attempts: [], deque: [], inbox: [], sm: [], migr: [], jlag: [] },
   sort: { key: "cpu_ms", dir: -1 },
+  readyMs: null,
   slo: null,
 };
 window.stealerDashboard = state; // for the browser tests and for a curious console
@@ -637,6 +638,8 @@ function connect() {
     state.last = u;
     state.updates += 1;
     render(u);
+    // page ready: navigation start (performance's time origin) -> the first update drawn
+    if (state.readyMs === null) state.readyMs = performance.now();
   };
   es.onerror = () => { if (es.readyState !== EventSource.CLOSED) setStatus("reconnecting…", "error"); };
 }

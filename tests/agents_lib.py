@@ -381,3 +381,12 @@ class Stamp(stealer.Agent):
 
     def get(self) -> int:
         return self.n
+
+
+class Timed(stealer.Agent):
+    """Message-only: ``work(seconds)`` keeps its worker busy that long, then returns when
+    it ended (CLOCK_MONOTONIC, comparable across the processes of one machine)."""
+
+    def work(self, seconds: float) -> float:
+        busy(seconds)
+        return time.monotonic()

@@ -347,6 +347,27 @@ def test_throttling_keeps_a_light_agent_ahead_of_a_hog(ex1):
     assert max(waits) < 0.2
 
 
+def test_a_long_batch_of_messages_lets_the_other_agents_in(ex1):
+    """An agent with 16 slow messages waiting does not hold its worker for all 16: past
+    MSG_SLICE_NS its batch ends at a message boundary and the other runnable agents get
+    their turn (16 handlers of 3 s each once held a worker for 48 s)."""
+    hold, a, b = (ex1.spawn_agent(L.Timed), ex1.spawn_agent(L.Timed),
+                  ex1.spawn_agent(L.Stamp))
+    for r in (hold, a):
+        r.call("work", 0).result(T)
+    b.call("hit").result(T)
+    busy = hold.call("work", 0.2)  # the one worker is inside this handler for 200 ms...
+    time.sleep(0.05)
+    fa = [a.call("work", 0.02) for _ in range(16)]  # ...while a's 16 and b's 1 arrive
+    fb = b.call("hit")
+    tb = fb.result(T)
+    ta = [f.result(T) for f in fa]
+    assert busy.result(T) < ta[0]
+    assert tb < ta[2], (tb, ta)  # b ran after a's first message or two, not after 16
+    for r in (hold, a, b):
+        r.stop()
+
+
 def test_unpicklable_state_stays_put_and_works(ex):
     ref = ex.spawn_agent(L.Unpicklable, checkpoint_every=10)
     assert ref.result(T) == 100

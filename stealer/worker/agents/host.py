@@ -21,7 +21,7 @@ record's transitions:
 * worker death: the record is RUNNING|dead; the client's recovery re-queues
   it (retries) and the next worker adopts it from its checkpoint.
 
-A turn: the agent's new messages are handled (FIFO, up to MSG_BATCH per
+A turn: the agent's new messages are handled (FIFO, up to MSG_BATCH, or MSG_SLICE_NS, per
 turn), then one step if it wants one.  Handlers and steps may be
 generators that yield what they wait for (a reply, a blocking call,
 fork-join children); the agent is then *suspended* (not in the run queue)
@@ -98,6 +98,10 @@ from stealer.worker.agents.runqueue import RunQueue
 __all__ = ["Host"]
 
 MSG_BATCH = 16  # messages an agent handles per turn before the others get theirs
+# ... or fewer: past this much time in its batch (a bulk step's length), or once an agent of
+# a higher tier is runnable, the batch ends at the next message boundary when another agent
+# waits (16 handlers of 3 s held a worker for 48 s while its other agents got nothing)
+MSG_SLICE_NS = 5_000_000
 # publish the worker's counters at least this often while agents' turns run (tasks:
 # worker/loop.py FLUSH_NS, 2 ms)
 TURN_FLUSH_NS = 50_000_000
@@ -275,11 +279,16 @@ class Host(Adoption, Messages, Generators, Calls, Leaving):
                 self.after_turn(e, t1)
 
     def deliver_batch(self, e: _Entry) -> None:
-        """Handle the agent's pending messages, up to MSG_BATCH (a turn's, or a nested
-        control turn's: inline.py)."""
+        """Handle the agent's pending messages, up to MSG_BATCH or MSG_SLICE_NS while
+        other agents wait (a turn's, or a nested control turn's: inline.py)."""
+        start = time.monotonic_ns()
+        rq = self.rq
         while e.pending and e.state < SUSPENDED and not e.blocked:
             if e.handled >= MSG_BATCH:
                 break
+            if e.handled and rq.n and (time.monotonic_ns() - start > MSG_SLICE_NS
+                                       or rq.top_tier() < e.tier):
+                break  # the others' turn; the rest of ours after them (it stays runnable)
             # ref.stop() during the batch: its ping waits in our inbox until this turn
             # ends (16 slow handlers: seconds), so look at the flag itself; the next turn
             # stops it, as a stop seen at a ping does

@@ -52,6 +52,17 @@ class Load:
     running: int = 0  # tasks handed to its workers (running, or waiting in their deques)
     task_s: float = 0.0  # mean task duration measured on the node (0: not measured yet)
     at: float = 0.0  # when the node made the report (its clock; only compared with itself)
+    # For moving agents between live nodes (stealer/cluster/balance.py) and for the figures
+    # `stealer top` shows: the fraction of its workers' time that tasks and agents occupied
+    # over the node's last window (~0.2 s), the agents it hosts, those with messages
+    # handed to them and not answered (each holds a worker while it has), the tasks it ran,
+    # and the tasks it got from / gave to other nodes (steals and lifeline pushes).
+    busy: float = 0.0
+    agents: int = 0
+    active: int = 0
+    done: int = 0
+    got: int = 0
+    given: int = 0
 
     def per_worker(self, extra: int = 0) -> float:
         """Tasks per worker, counting ``extra`` more sent since the report."""

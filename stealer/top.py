@@ -23,9 +23,18 @@ Counters are published by each worker every 64 steps and whenever it
 parks, so a frame may be a few steps behind; a worker replaced after a
 crash restarts its counters (its deltas then count from zero).
 
+A cluster executor (``Executor(cluster=...)``) has no segment: its client
+publishes its figures as a small snapshot in /dev/shm about four times a
+second (stealer/cluster/snapshot.py), under an id of the form
+``stealer-<client pid>-cluster-<hex>`` (``ex.id``) that :func:`list_executors`
+lists beside the local ones; its frame (:func:`render_cluster`) has one row per
+node: busy %, queued and running tasks, tasks done and their rate, agents and
+those with messages, tasks got from and given to other nodes, and the latency
+of its results at the client.
+
 ``main`` is the command line (``stealer top [ID] [--interval S] [--once]
-[--count N] [--prometheus]``); :func:`render` and :func:`list_executors` are
-usable on their own.
+[--count N] [--prometheus]``); :func:`render`, :func:`render_cluster` and
+:func:`list_executors` are usable on their own.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ import numpy as np
 
 from stealer.client.hang import SHOW_AFTER, Stalls
 from stealer.client.stats import Stats, WorkerStats, collect, executor_gone
+from stealer.cluster import snapshot
 from stealer.shared import metrics
 from stealer.shared.metrics import Histogram, bucket_bounds
 from stealer.shared.shm import (
@@ -60,7 +70,7 @@ from stealer.shared.shm import (
     our_files,
 )
 
-__all__ = ["list_executors", "render", "main", "executor_gone"]
+__all__ = ["list_executors", "render", "render_cluster", "main", "executor_gone"]
 
 CLEAR = "\x1b[H\x1b[2J"  # cursor home + clear screen
 _sleep = time.sleep  # indirection so tests can interrupt the refresh loop
@@ -75,7 +85,9 @@ def list_executors() -> list[dict[str, Any]]:
 
     Scans /dev/shm for stealer segments owned by this uid whose client
     process is alive; segments still being created (no magic yet) are
-    skipped.  Reads only the segment headers.
+    skipped.  Reads only the segment headers.  Cluster executors' snapshots
+    are listed too (``kind: "cluster"``, their workers those of every alive
+    node).
     """
     out = []
     now = time.time()
@@ -103,6 +115,7 @@ def list_executors() -> list[dict[str, Any]]:
             "uptime_s": max(0.0, now - created) if created else 0.0,
             "created": created,
         })
+    out += snapshot.list_snapshots()
     out.sort(key=lambda e: (e["created"], e["id"]))
     return out
 
@@ -306,6 +319,80 @@ def render(prev: Stats | None, cur: Stats, width: int = 100) -> str:
     return "\n".join(line[:width].rstrip() for line in lines) + "\n"
 
 
+def _fmt_opt_ms(ms: float | None) -> str:
+    return "-" if ms is None else _fmt_ms(ms * 1e6)
+
+
+def render_cluster(prev: dict[str, Any] | None, cur: dict[str, Any], width: int = 100) -> str:
+    """The text of one frame for a cluster executor's snapshot ``cur`` (the dict that
+    stealer/cluster/snapshot.py reads: ``ClusterExecutor.stats()`` as a dict, with id,
+    pid, time and uptime_s).  With ``prev`` (an earlier snapshot of the same executor),
+    rates cover ``cur["time"] - prev["time"]``; without it, they are averages since the
+    executor started.  Lines are cut at ``width`` characters."""
+    if prev is not None and (prev.get("id") != cur.get("id") or cur["time"] <= prev["time"]):
+        prev = None
+    dt = cur["time"] - prev["time"] if prev is not None else cur["uptime_s"]
+    window = f"last {dt:.1f} s" if prev is not None else "since start"
+    nodes: dict[str, dict[str, Any]] = cur.get("nodes", {})
+    before = prev["nodes"] if prev is not None else {}
+    alive = [n for n in nodes.values() if n.get("alive")]
+    lines = [f"stealer top - {cur['id']} (cluster)",
+             f"up {_fmt_uptime(cur['uptime_s'])}   nodes {len(alive)} alive of {len(nodes)}   "
+             f"workers {sum(n['workers'] for n in alive)}   client pid {cur.get('pid', '-')}",
+             f"tasks {_fmt_int(cur['submitted'])} submitted   {_fmt_int(cur['done'])} done   "
+             f"{_fmt_int(cur['outstanding'])} outstanding   {_fmt_int(cur['moved'])} stolen "
+             f"between nodes   {_fmt_int(cur['resubmitted'])} re-placed   "
+             f"{_fmt_int(cur['duplicates'])} duplicates dropped"]
+    moves = cur.get("agent_moves", 0)
+    each = f" ({cur.get('move_s', 0.0) * 1e3:.0f} ms each)" if moves else ""
+    lines.append(f"agents {_fmt_int(sum(n.get('agents', 0) for n in alive))}   "
+                 f"{_fmt_int(moves)} moved between live nodes{each}   "
+                 f"{_fmt_int(cur.get('replayed', 0))} replayed after a loss   "
+                 f"{_fmt_int(cur.get('state_errors', 0))} state errors")
+    lines.append("")
+    lines.append(f"nodes, rates {window}; latency of results at the client (last 2,048)")
+    lines.append(f"{'node':<12} {'up':>4} {'wrk':>3} {'busy%':>5} {'queued':>6} "
+                 f"{'run':>5} {'done':>8} {'tasks/s':>8} {'agents':>6} {'active':>6} "
+                 f"{'got':>6} {'given':>6} {'p50 ms':>6} {'p99 ms':>6}")
+    tot = {"queued": 0, "running": 0, "done": 0, "rate": 0.0, "agents": 0, "active": 0,
+           "got": 0, "given": 0}
+    for nid in sorted(nodes):
+        n = nodes[nid]
+        p = before.get(nid)
+        done = n.get("done") or 0
+        d = done - (p.get("done") or 0) if p is not None and done >= (p.get("done") or 0) \
+            else done
+        rate = d / dt if dt > 0 else None
+        lat = n.get("latency_ms") or {}
+        lines.append(
+            f"{nid[:12]:<12} {'yes' if n.get('alive') else 'lost':>4} {n['workers']:>3} "
+            f"{100 * n.get('busy', 0.0):>5.1f} {n.get('queued', 0):>6} "
+            f"{n.get('running', 0):>5} {_fmt_int(done):>8} {_fmt_rate(rate):>8} "
+            f"{n.get('agents', 0):>6} {n.get('active', 0):>6} {_fmt_int(n.get('got', 0)):>6} "
+            f"{_fmt_int(n.get('given', 0)):>6} {_fmt_opt_ms(lat.get('p50')):>6} "
+            f"{_fmt_opt_ms(lat.get('p99')):>6}")
+        if n.get("alive"):
+            for k in ("queued", "running", "agents", "active", "got", "given"):
+                tot[k] += n.get(k, 0) or 0
+            tot["done"] += done
+            tot["rate"] += rate or 0.0
+    lines.append(
+        f"{'all':<12} {'':>4} {sum(n['workers'] for n in alive):>3} {'':>5} "
+        f"{tot['queued']:>6} {tot['running']:>5} {_fmt_int(tot['done']):>8} "
+        f"{_fmt_rate(tot['rate'] if dt > 0 else None):>8} {tot['agents']:>6} "
+        f"{tot['active']:>6} {_fmt_int(tot['got']):>6} {_fmt_int(tot['given']):>6}")
+    losses = cur.get("losses") or []
+    if losses:
+        lines.append("")
+        lines.append("lost nodes")
+        for loss in losses:
+            lines.append(f"  {str(loss.get('node'))[:12]}  {loss.get('why')}: "
+                         f"{_fmt_int(loss.get('tasks', 0))} tasks, "
+                         f"{_fmt_int(loss.get('replaced', 0))} placed again in "
+                         f"{1e3 * loss.get('replace_s', 0.0):.0f} ms")
+    return "\n".join(line[:width].rstrip() for line in lines) + "\n"
+
+
 # -- command line --------------------------------------------------------------
 
 
@@ -334,6 +421,8 @@ def _resolve(arg: str | None, err: TextIO, prog: str = "stealer top") -> tuple[s
     """
     if arg is None or arg.isdigit():
         execs = list_executors()
+        if prog != "stealer top":  # (the dashboard attaches to local executors only)
+            execs = [e for e in execs if e.get("kind") != "cluster"]
         if arg is not None:
             execs = [e for e in execs if e["client_pid"] == int(arg)]
         if len(execs) == 1:
@@ -375,6 +464,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     exec_id, code = _resolve(args.id, err)
     if exec_id is None:
         return code
+    count = 1 if args.once else args.count
+    if snapshot.is_cluster_id(exec_id):
+        return _main_cluster(args, exec_id, count, out, err)
     try:
         seg = Segment.attach_any(exec_id)
     except ValueError as exc:
@@ -397,29 +489,73 @@ def main(argv: Sequence[str] | None = None) -> int:
         fmt = prometheus.text
     else:
         fmt = None
-    count = 1 if args.once else args.count
     tty = out.isatty()
-    prev: Stats | None = None
-    frames = 0
+    prev: list[Stats] = []
     stalls = Stalls()  # frozen workers, seen over our own frames
+
+    def frame() -> str | int:
+        cur = collect(seg)
+        stalls.observe(cur.workers, time.monotonic())
+        gone = executor_gone(exec_id)  # after the read: never show a dead executor's frame
+        if gone:
+            if tty:
+                out.write("\n")
+            print(f"stealer top: {gone}", file=err)
+            return 1
+        width = shutil.get_terminal_size().columns if tty else 100
+        text = fmt(cur) if fmt is not None else render(prev[0] if prev else None, cur, width)
+        prev[:] = [cur]
+        return text
+
+    return _frames(frame, out, tty, count, args.interval)
+
+
+def _main_cluster(args: argparse.Namespace, exec_id: str, count: int, out: TextIO,
+                  err: TextIO) -> int:
+    """``stealer top`` on a cluster executor: frames from its published snapshot."""
+    if args.prometheus:
+        print("stealer top: --prometheus reads a local executor's segment; a cluster "
+              "executor's figures are its stats() (or this table)", file=err)
+        return 2
+    tty = out.isatty()
+    prev: list[dict[str, Any]] = []
+
+    def frame() -> str | int:
+        try:
+            cur = snapshot.read(exec_id)
+        except FileNotFoundError:
+            if prev and tty:
+                out.write("\n")
+            print(f"stealer top: cluster executor {exec_id} has exited" if prev else
+                  f"stealer top: no executor with id {exec_id} (not in {SHM_DIR}; it may "
+                  "have exited). Run `stealer top` without an id to list running "
+                  "executors.", file=err)
+            return 1
+        except (OSError, ValueError) as exc:
+            print(f"stealer top: cannot read {exec_id}: {exc}", file=err)
+            return 1
+        width = shutil.get_terminal_size().columns if tty else 100
+        text = render_cluster(prev[0] if prev else None, cur, width)
+        prev[:] = [cur]
+        return text
+
+    return _frames(frame, out, tty, count, args.interval)
+
+
+def _frames(frame: Any, out: TextIO, tty: bool, count: int, interval: float) -> int:
+    """Print ``frame()``'s text every ``interval`` until ``count`` frames (0: no end),
+    Ctrl-C or a closed pipe (0), or until it returns an exit code instead of a text."""
+    frames = 0
     try:
         while True:
-            cur = collect(seg)
-            stalls.observe(cur.workers, time.monotonic())
-            gone = executor_gone(exec_id)  # after the read: never show a dead executor's frame
-            if gone:
-                if tty:
-                    out.write("\n")
-                print(f"stealer top: {gone}", file=err)
-                return 1
-            width = shutil.get_terminal_size().columns if tty else 100
-            frame = fmt(cur) if fmt is not None else render(prev, cur, width)
-            _emit(out, frame, tty, frames == 0)
+            text = frame()
+            if isinstance(text, int):
+                return text
+            _emit(out, text, tty, frames == 0)
             frames += 1
             if count and frames >= count:
                 return 0
-            prev = cur
-            _sleep(args.interval)
+            _sleep(interval)
     except KeyboardInterrupt:
         if tty:
             out.write("\n")

@@ -271,3 +271,120 @@ def test_main_ends_when_the_executor_goes_away(capsys):
     assert "stealer top - " in out and f"executor {ex.id} has exited" in err
     assert top.main([ex.id, "--once"]) == 1
     assert "no executor with id" in capsys.readouterr().err
+
+
+# -- cluster executors (their published snapshot; no Ray needed here) ------------------
+
+
+def cluster_snapshot(t: float, done: tuple[int, int], **over) -> dict:
+    """What a cluster client publishes (ClusterExecutor._snapshot): its stats() as a dict."""
+    import dataclasses
+
+    from stealer.cluster.ledger import ClusterStats
+
+    def node(alive: bool, n_done: int, **kw) -> dict:
+        return {"alive": alive, "workers": 2, "queued": 3, "running": 2, "task_s": 0.002,
+                "busy": 0.5, "agents": 4, "active": 1, "done": n_done, "steals": None,
+                "got": 7, "given": 0, "latency_ms": {"n": 10, "p50": 1.5, "p99": 12.0},
+                "pid": None, **kw}
+
+    st = ClusterStats({"a" * 32: node(True, done[0]),
+                       "b" * 32: node(True, done[1], busy=1.0, active=4, got=0, given=7)},
+                      submitted=500, done=480, outstanding=20, moved=7, agent_moves=2,
+                      move_s=0.018)
+    data = dataclasses.asdict(st)
+    data.update(id="stealer-1-cluster-" + "0" * 16, pid=1, created=t - 10, time=t,
+                uptime_s=10.0, kind="cluster")
+    data.update(over)
+    return data
+
+
+def node_rows(frame: str) -> dict[str, list[str]]:
+    return {line.split()[0]: line.split() for line in frame.splitlines()
+            if re.match(r"^(a{12}|b{12}|all)\s", line)}
+
+
+def test_render_cluster_rows_per_node():
+    prev = cluster_snapshot(1000.0, (100, 40))
+    cur = cluster_snapshot(1002.0, (300, 50))
+    frame = top.render_cluster(prev, cur)
+    assert frame.startswith("stealer top - stealer-1-cluster-") and "(cluster)" in frame
+    assert "nodes 2 alive of 2" in frame and "workers 4" in frame and "last 2.0 s" in frame
+    assert "500 submitted" in frame and "7 stolen between nodes" in frame
+    assert "2 moved between live nodes (18 ms each)" in frame
+    rows = node_rows(frame)
+    # node alive wrk busy% queued run done tasks/s agents active got given p50 p99
+    assert rows["a" * 12][1:] == ["yes", "2", "50.0", "3", "2", "300", "100", "4", "1", "7",
+                                  "0", "1.500", "12.0"]
+    assert rows["b" * 12][1:] == ["yes", "2", "100.0", "3", "2", "50", "5.0", "4", "4", "0",
+                                  "7", "1.500", "12.0"]
+    assert rows["all"][1:] == ["4", "6", "4", "350", "105", "8", "5", "7", "7"]
+    # without a previous frame (or one of another executor): averages since the start
+    assert "since start" in top.render_cluster(None, cur)
+    assert "since start" in top.render_cluster({**prev, "id": "other"}, cur)
+    assert node_rows(top.render_cluster(None, cur))["a" * 12][7] == "30.0"  # 300 in 10 s
+    assert max(len(x) for x in top.render_cluster(prev, cur, width=50).splitlines()) <= 50
+
+
+def test_render_cluster_shows_lost_nodes():
+    cur = cluster_snapshot(1002.0, (300, 50), losses=[
+        {"node": "b" * 32, "why": "ActorDiedError", "tasks": 64, "replaced": 64,
+         "at": 0.0, "replace_s": 0.012}])
+    cur["nodes"]["b" * 32]["alive"] = False
+    frame = top.render_cluster(None, cur)
+    assert "nodes 1 alive of 2" in frame and "workers 2" in frame
+    assert node_rows(frame)["b" * 12][1] == "lost"
+    assert "ActorDiedError: 64 tasks, 64 placed again in 12 ms" in frame
+
+
+def test_a_cluster_snapshot_is_listed_read_and_removed(capsys):
+    from stealer.cluster import snapshot
+
+    name = snapshot.new_id()
+    frames = iter(range(10**6))
+
+    def snap() -> dict:
+        n = next(frames)
+        return cluster_snapshot(1000.0 + n, (10 * n, n), id=name, pid=os.getpid(),
+                                created=time.time() - 5)
+
+    pub = snapshot.Publisher(name, snap, interval_s=0.01)
+    try:
+        path = snapshot.path_of(name)
+        st = os.stat(path)
+        assert st.st_mode & 0o777 == 0o600 and st.st_uid == os.getuid()
+        (mine,) = [e for e in top.list_executors() if e["id"] == name]
+        assert mine["client_pid"] == os.getpid() and mine["workers"] == 4
+        assert mine["kind"] == "cluster" and 4 < mine["uptime_s"] < 60
+        assert top.main([name, "--count", "2", "--interval", "0.05"]) == 0
+        out = capsys.readouterr().out
+        assert out.count(f"stealer top - {name} (cluster)") == 2
+        assert "since start" in out and "last " in out and "a" * 12 in out
+        assert top.main([name, "--once", "--prometheus"]) == 2
+        assert "cluster" in capsys.readouterr().err
+        # the dashboard attaches to local executors only: never picks a cluster's id
+        import io
+
+        assert top._resolve(None, io.StringIO(), "stealer dashboard")[0] != name
+        assert top._resolve(str(os.getpid()), io.StringIO(), "stealer dashboard")[0] != name
+    finally:
+        pub.stop()
+    assert not os.path.exists(snapshot.path_of(name))
+    assert all(e["id"] != name for e in top.list_executors())
+    capsys.readouterr()
+    assert top.main([name, "--once"]) == 1
+    assert "no executor with id" in capsys.readouterr().err
+
+
+def test_a_dead_clients_snapshot_is_not_listed_and_is_cleaned_up():
+    from stealer.cluster import snapshot
+
+    dead = f"stealer-{2**22 + 12345}-cluster-{'1' * 16}"  # past pid_max: no such process
+    snapshot.write(dead, cluster_snapshot(1000.0, (1, 1), id=dead))
+    try:
+        assert os.path.exists(snapshot.path_of(dead))
+        assert all(e["id"] != dead for e in top.list_executors())
+        assert snapshot.cleanup_dead() >= 1
+        assert not os.path.exists(snapshot.path_of(dead))
+    finally:
+        snapshot.remove(dead)

@@ -7,6 +7,7 @@ keeps a ledger of :class:`Task` by task id, and by its agents' side
 
 from __future__ import annotations
 
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,7 @@ class Task:
     """One unfinished task (or agent operation) of the ledger: its future, its call, the
     node the client last knew it on."""
 
-    __slots__ = ("agent", "call", "fut", "hops", "losses", "node")
+    __slots__ = ("agent", "at", "call", "fut", "hops", "losses", "node")
 
     def __init__(self, fut: Future, call: tuple, node: NodeView | None,
                  agent: AgentRecord | None = None) -> None:
@@ -30,6 +31,7 @@ class Task:
         self.losses = 0
         self.hops = 0  # moves between nodes so far: a move report with fewer is stale
         self.agent = agent
+        self.at = 0.0  # when its batch left for its node (the node's latency, at the client)
 
 
 class AgentRecord:
@@ -55,6 +57,16 @@ class AgentRecord:
         self.state_seq = 0  # the message the state kept covers
         self.log: list[list] = []
         self.seq = 0
+        # Moving between live nodes (stealer/cluster/moves.py): ``moving`` while its state
+        # is fetched and it is stopped on its node, (the evict op's task id, the node it
+        # goes to, the message its state covers); its operations meanwhile wait in
+        # ``held`` (task ids, in their order) and go to the new node after its restore.
+        self.moving: tuple[int, NodeView | None, int] | None = None
+        self.held: list[int] = []
+        self.pinned = False  # a move failed (its state could not be taken): it stays
+        self.looked = 0  # its seq when the client last looked for agents to move
+        self.sized: tuple[int, int | None] = (-1, 0)  # (state_seq, the kept state's bytes)
+        self.moves = 0
 
 
 class NodeView:
@@ -73,6 +85,7 @@ class NodeView:
         self.backoff = 0.0
         self.peers_seen = -1  # the membership version whose peers it was sent
         self.acked = 0  # the last result batch processed (the node drops it and those before)
+        self.lat: deque[float] = deque(maxlen=2048)  # seconds from batch out to result in
 
 
 @dataclass
@@ -90,3 +103,6 @@ class ClusterStats:
     losses: list[dict[str, Any]] = field(default_factory=list)  # one per lost node
     replayed: int = 0  # answered agent messages run again after a restart (for their effect)
     state_errors: int = 0  # agents whose state could not be kept (it stopped being asked)
+    agent_moves: int = 0  # agents moved between live nodes (stealer/cluster/moves.py)
+    move_s: float = 0.0  # the measured time of a move (from its state in to its restore)
+    move_errors: int = 0  # moves given up (the state could not be taken): the agent stayed

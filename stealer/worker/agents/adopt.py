@@ -57,16 +57,18 @@ class Adoption:
     # -- adopting an agent (its record was just started by this worker) -----------------
     def adopt(self, h: int, kind: int, link: int) -> None:
         d = self.dir
+        r = self.r
+        ent = d.entry(h)
         if FP.ON:
             FP.hit("agent.adopt")
         d.clear_notified(h)  # before the walk (mailbox.py); a dead owner may have left it set
         if self.stopping:  # shutting down: it stops at its first turn here
-            self.r.or64(d.entry(h) + D_FLAGS, AF_STOP)  # seq_cst: read by our own turn
+            r.or64(ent + D_FLAGS, AF_STOP)  # seq_cst: read by our own turn
         # stats only, read by collect(): ours now, its migrations kept (_layout.py D_OWNER)
-        owner = self.r.load32(d.entry(h) + D_OWNER)
-        self.r.store32(d.entry(h) + D_OWNER, (owner & ~OWNER_MASK) | self.who)
-        e, tries = self.away.pop(h, (None, 0))
-        ck = self.r.load64(d.entry(h) + D_CKPT)  # acquire: pairs with checkpoint()'s store
+        owner = r.load32(ent + D_OWNER)
+        r.store32(ent + D_OWNER, (owner & ~OWNER_MASK) | self.who)
+        e, tries = self.away.pop(h, (None, 0)) if self.away else (None, 0)
+        ck = r.load64(ent + D_CKPT)  # acquire: pairs with checkpoint()'s store
         # we published it and took it back, and nobody ran it in between: an owner that
         # handled messages and died before checkpointing leaves the same checkpoint but
         # a moved D_DONE and one more R_TRIES (then: restore, replay, a new generation)
@@ -88,7 +90,7 @@ class Adoption:
                            + self.who)
         spawn = None
         if not ck:  # from its spawn: kept dormant if it has nothing to do (dormant.py)
-            spawn = dormant.adopt(self, h, link, _Entry)
+            spawn = dormant.adopt(self, h, link, _Entry, ent)
             if spawn is None:
                 return
         e = _Entry(h, link)

@@ -56,12 +56,13 @@ _U64 = struct.Struct("=Q")
 _MISSING = object()
 
 
-def adopt(host: Any, h: int, link: int, entry: Any) -> tuple | None:
+def adopt(host: Any, h: int, link: int, entry: Any, ent: int) -> tuple | None:
     """Host.adopt of agent ``h`` with no checkpoint (fresh from its spawn, or restarted
     from it): build it and keep it dormant if it has nothing to do; None when adopted
     here (dormant, or -- a message or a ``step`` attribute that came with the object --
     scheduled as any agent), else its spawn payload for Host.adopt's own path (``()``:
     the payload did not read; Host.adopt reads it again and fails the agent with that).
+    ``ent``: its directory entry's offset (Directory.entry).
 
     What decides before the object is built: no journal, no deadline, no ``step`` on the
     class, no stop asked, an empty mailbox (so no handled message either: D_DONE is 0 and
@@ -69,7 +70,6 @@ def adopt(host: Any, h: int, link: int, entry: Any) -> tuple | None:
     a = host.a
     r = host.r
     d = host.dir
-    ent = d.entry(h)
     try:
         spawn = a.read_inline(h)  # one native call for a pickle stored inline
         if spawn is None:

@@ -95,7 +95,7 @@ class PendingAll(Pending):
         self.next = 0  # parts before this one are known to be there (the host's ready())
 
 
-def call_all(refs: Any, method: str, args: Any = None) -> Any:
+def call_all(refs: Any, method: str, args: Any = None, seg: str | None = None) -> Any:
     """Call ``method`` on every agent of ``refs`` at once, the i-th with the i-th tuple
     of positional arguments in ``args`` (``None``: no arguments for any).
 
@@ -104,9 +104,10 @@ def call_all(refs: Any, method: str, args: Any = None) -> Any:
     to get the list of replies (see :class:`PendingAll`).  A full mailbox blocks, as
     ``ref.call`` does, until it has room (backpressure: nothing is dropped); a stopped
     agent's future fails with AgentStopped and the others resolve.  Every ref must
-    belong to the same executor.
+    belong to the same executor (``seg``: the one that executor's ``call_all`` names).
+    Every check is made before anything is sent, in one pass over ``refs``.
     """
-    refs = list(refs)
+    refs = refs if type(refs) is list else list(refs)
     if args is None:
         arglists = [()] * len(refs)
     else:
@@ -115,7 +116,7 @@ def call_all(refs: Any, method: str, args: Any = None) -> Any:
             if not isinstance(a, (tuple, list)):
                 raise TypeError(f"call_all() takes one tuple of positional arguments per agent "
                                 f"(e.g. [(x,) for x in xs]), not {type(a).__name__}")
-            arglists.append(tuple(a))
+            arglists.append(a if type(a) is tuple else tuple(a))
         if len(arglists) != len(refs):
             raise ValueError(f"call_all() got {len(refs)} agents but {len(arglists)} "
                              "argument tuples")
@@ -123,16 +124,22 @@ def call_all(refs: Any, method: str, args: Any = None) -> Any:
         raise ValueError(f"a message names a public method of the agent, not {method!r}")
     if not refs:
         return []
-    for r in refs:
-        if not isinstance(r, AgentRef):
-            raise TypeError(f"call_all() takes agent refs, not {type(r).__name__}")
-    seg = refs[0]._seg
-    if any(r._seg != seg for r in refs):
-        raise ValueError("call_all(): every agent must belong to the same executor")
+    first = refs[0]
+    if not isinstance(first, AgentRef):
+        raise TypeError(f"call_all() takes agent refs, not {type(first).__name__}")
+    want = first._seg if seg is None else seg
     now = time.monotonic()
-    targets = [(r._h, r._uid, None if r._deadline is None else now + r._deadline)
-               for r in refs]
-    return refs[0]._runtime().call_all(targets, method, arglists)
+    targets = []
+    add = targets.append
+    for r in refs:
+        if type(r) is not AgentRef and not isinstance(r, AgentRef):
+            raise TypeError(f"call_all() takes agent refs, not {type(r).__name__}")
+        if r._seg != want:
+            raise ValueError(f"call_all(): {r!r} belongs to another executor" if seg is not None
+                             else "call_all(): every agent must belong to the same executor")
+        dl = r._deadline
+        add((r._h, r._uid, None if dl is None else now + dl))
+    return first._runtime().call_all(targets, method, arglists)
 
 
 class Ctx:

@@ -691,12 +691,7 @@ class Executor(_fbase.Executor):
         agent use :func:`stealer.call_all` and ``yield`` it."""
         from stealer.agents.api import call_all
 
-        refs = list(refs)
-        mine = self._pool.name
-        for r in refs:
-            if isinstance(r, AgentRef) and r._seg != mine:
-                raise ValueError(f"call_all(): {r!r} belongs to another executor")
-        return call_all(refs, method, args)
+        return call_all(refs, method, args, self._pool.name)
 
     def agent(self, name: str) -> AgentRef:
         """The agent spawned with ``name`` in this executor's journal (in this run or,

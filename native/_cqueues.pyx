@@ -1128,6 +1128,18 @@ cdef class HotPath:
         if old >= st_load_relaxed_u32(e + D_CAP):
             st_futex_wake(e + D_COUNT, 1 << 30)
 
+    def msg_done(self, Py_ssize_t ent, uint64_t m):
+        """Worker, the owner of the agent whose directory entry is at ``ent``: message
+        ``m`` is handled (Directory.mark_done, then give_back of its mailbox slot, in one
+        call; the Python twin is Directory.msg_done)."""
+        if ent < 0 or ent + DIR_BYTES > self.region.size:
+            raise ValueError(f"directory entry at {ent} lies outside the segment")
+        cdef char *e = self.region.base + ent
+        # release store: read (acquire) by a recoverer after our death, and by the stats;
+        # before the slot is given back (seq_cst RMW in _give_back)
+        st_store_release_u64(e + D_DONE, m + 1)
+        self._give_back(e)
+
     def start(self, uint64_t h, Py_ssize_t current_off, uint64_t t_start,
               Py_ssize_t wait_hist_off=-1, uint64_t who=0):
         """Worker ``who - 1``: the ``start`` transition QUEUED -> RUNNING|who.

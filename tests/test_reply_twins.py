@@ -136,3 +136,35 @@ def test_read_inline_reads_an_inline_pickle_and_leaves_the_rest_to_read_call():
     finally:
         for rg in rigs:
             rg.seg.unlink()
+
+
+def test_msg_done_marks_the_message_and_gives_its_slot_back_as_the_reference_does():
+    """HotPath.msg_done (native) against Directory.mark_done + give_back (Python): the same
+    D_DONE and D_COUNT after each handled message, a full mailbox included."""
+    from stealer.agents.mailbox import Directory
+    from stealer.shared._layout import D_COUNT, D_DONE
+    from stealer.shared.idle import Idle
+
+    rigs = _rigs()
+    try:
+        seen = []
+        for rg in rigs:
+            a, r = rg.arena, rg.seg.region
+            d = Directory(r, a, rg.layout.offsets["agents"], rg.inboxes, Idle(r, rg.layout))
+            assert (d.hot is not None) == (rg.cfg == "native")
+            h = a.alloc()
+            a.setup(h, K_ROOT, 0, 0)
+            d.init(h, 3)
+            out = []
+            for _ in range(3):
+                assert d.reserve(h)
+            assert not d.reserve(h)  # full
+            for m in (5, 9, 2):
+                d.msg_done(h, m)
+                e = d.entry(h)
+                out.append((r.load64(e + D_DONE), r.load32(e + D_COUNT)))
+            seen.append(out)
+        assert seen[0] == seen[1] == seen[2] == [(6, 2), (10, 1), (3, 0)], seen
+    finally:
+        for rg in rigs:
+            rg.seg.unlink()

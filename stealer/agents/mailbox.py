@@ -129,6 +129,7 @@ class Directory:
         # Layout.worker: where a worker's words are (a control agent's busy owner is
         # signalled, inline.py); None: never signal
         self.worker_base = worker_base
+        self.hot = getattr(arena, "hot", None)  # the native HotPath (msg_done), if used
 
     def entry(self, h: int) -> int:
         """Byte offset of agent ``h``'s directory entry."""
@@ -321,6 +322,16 @@ class Directory:
     def mark_done(self, h: int, m: int) -> None:
         """Owner: message ``m`` is handled (release: read by a recoverer after our death)."""
         self.r.store64(self.entry(h) + D_DONE, m + 1)
+
+    def msg_done(self, h: int, m: int) -> None:
+        """Owner: message ``m`` is handled and its slot given back (:meth:`mark_done`,
+        then :meth:`give_back`; one native call with the extension, HotPath.msg_done)."""
+        hot = self.hot
+        if hot is not None:
+            hot.msg_done(self.entry(h), m)
+            return
+        self.mark_done(h, m)
+        self.give_back(h)
 
     def done_mark(self, h: int) -> int:
         return self.r.load64(self.entry(h) + D_DONE)

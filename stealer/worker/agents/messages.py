@@ -136,9 +136,11 @@ class Messages:
         e.applied = m + 1  # its effect is in the state now (a checkpoint may cover it)
         if replay:
             return  # D_DONE is already past it (never move it back) and its slot was returned
+        if not FP.ON:
+            self.dir.msg_done(e.h, m)  # both steps below, in one native call
+            return
         self.dir.mark_done(e.h, m)
-        if FP.ON:
-            FP.hit("agent.after_mark_done")
+        FP.hit("agent.after_mark_done")
         self.dir.give_back(e.h)
 
     # -- the journal: replies and duplicates ------------------------------------------------

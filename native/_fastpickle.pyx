@@ -62,6 +62,23 @@ cdef inline void _byte(Out *o, unsigned char c):
     o.n += 1
 
 
+cdef inline bint _op(Out *o, unsigned char c):
+    """One opcode, if there is room."""
+    if o.n >= CAP:
+        return False
+    _byte(o, c)
+    return True
+
+
+cdef bint _items(Out *o, object x, Py_ssize_t n, int depth):
+    """The ``n`` items of tuple or list ``x``, one level down."""
+    cdef Py_ssize_t i
+    for i in range(n):
+        if not _value(o, x[i], depth - 1):
+            return False
+    return True
+
+
 cdef inline void _le(Out *o, uint64_t v, int k):
     cdef int i
     for i in range(k):
@@ -166,7 +183,7 @@ cdef bint _array(Out *o, object x):
 
 
 cdef bint _value(Out *o, object x, int depth):
-    cdef Py_ssize_t n, i, pos
+    cdef Py_ssize_t n, pos
     cdef const char *s
     cdef PyObject *k
     cdef PyObject *v
@@ -175,15 +192,9 @@ cdef bint _value(Out *o, object x, int depth):
         return False
     t = type(x)
     if x is None:
-        if not _room(o, 1):
-            return False
-        _byte(o, 0x4E)  # NONE
-        return True
+        return _op(o, 0x4E)  # NONE
     if t is bool:
-        if not _room(o, 1):
-            return False
-        _byte(o, 0x88 if x else 0x89)  # NEWTRUE / NEWFALSE
-        return True
+        return _op(o, 0x88 if x else 0x89)  # NEWTRUE / NEWFALSE
     if t is int:
         return _int(o, x)
     if t is float:
@@ -201,55 +212,33 @@ cdef bint _value(Out *o, object x, int depth):
     if t is tuple:
         n = len(x)
         if n == 0:
-            if not _room(o, 1):
-                return False
-            _byte(o, 0x29)  # EMPTY_TUPLE
-            return True
-        if n > 3:
-            if not _room(o, 1):
-                return False
-            _byte(o, 0x28)  # MARK
-        for i in range(n):
-            if not _value(o, x[i], depth - 1):
-                return False
-        if not _room(o, 1):
+            return _op(o, 0x29)  # EMPTY_TUPLE
+        if n > 3 and not _op(o, 0x28):  # MARK
             return False
-        _byte(o, (0x85, 0x86, 0x87)[n - 1] if n <= 3 else 0x74)  # TUPLE1/2/3, TUPLE
-        return True
+        if not _items(o, x, n, depth):
+            return False
+        return _op(o, (0x85, 0x86, 0x87)[n - 1] if n <= 3 else 0x74)  # TUPLE1/2/3, TUPLE
     if t is list:
-        if not _remember(o, x):
-            return False
         n = len(x)
-        if not _room(o, 2):
+        if not _remember(o, x) or not _op(o, 0x5D):  # EMPTY_LIST
             return False
-        _byte(o, 0x5D)  # EMPTY_LIST
         if n == 0:
             return True
-        _byte(o, 0x28)  # MARK
-        for i in range(n):
-            if not _value(o, x[i], depth - 1):
-                return False
-        if not _room(o, 1):
+        if not _op(o, 0x28) or not _items(o, x, n, depth):  # MARK, the items
             return False
-        _byte(o, 0x65)  # APPENDS
-        return True
+        return _op(o, 0x65)  # APPENDS
     if t is dict:
-        if not _remember(o, x):
+        if not _remember(o, x) or not _op(o, 0x7D):  # EMPTY_DICT
             return False
-        if not _room(o, 2):
-            return False
-        _byte(o, 0x7D)  # EMPTY_DICT
         if not len(x):
             return True
-        _byte(o, 0x28)  # MARK
+        if not _op(o, 0x28):  # MARK
+            return False
         pos = 0
         while PyDict_Next(x, &pos, &k, &v):
             if not _value(o, <object>k, depth - 1) or not _value(o, <object>v, depth - 1):
                 return False
-        if not _room(o, 1):
-            return False
-        _byte(o, 0x75)  # SETITEMS
-        return True
+        return _op(o, 0x75)  # SETITEMS
     if t is _ndarray and _ndarray is not None:
         return _array(o, x)
     return False

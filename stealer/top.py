@@ -28,9 +28,9 @@ publishes its figures as a small snapshot in /dev/shm about four times a
 second (stealer/cluster/snapshot.py), under an id of the form
 ``stealer-<client pid>-cluster-<hex>`` (``ex.id``) that :func:`list_executors`
 lists beside the local ones; its frame (:func:`render_cluster`) has one row per
-node: busy %, queued and running tasks, tasks done and their rate, agents and
-those with messages, tasks got from and given to other nodes, and the latency
-of its results at the client.
+node: busy %, queued and running tasks, tasks done and their rate, agent
+messages answered per second, agents and those with messages, tasks got from
+and given to other nodes, and the latency of its results at the client.
 
 ``main`` is the command line (``stealer top [ID] [--interval S] [--once]
 [--count N] [--prometheus]``); :func:`render`, :func:`render_cluster` and
@@ -319,6 +319,12 @@ def render(prev: Stats | None, cur: Stats, width: int = 100) -> str:
     return "\n".join(line[:width].rstrip() for line in lines) + "\n"
 
 
+def _fmt_count(n: int) -> str:
+    """A count in at most 7 characters: 1,234,567 as 1.23M."""
+    return f"{n / 1e6:.2f}M" if n >= 10_000_000 else f"{n / 1e6:.3f}M" if n >= 1e6 else (
+        _fmt_int(n))
+
+
 def _fmt_opt_ms(ms: float | None) -> str:
     return "-" if ms is None else _fmt_ms(ms * 1e6)
 
@@ -339,10 +345,11 @@ def render_cluster(prev: dict[str, Any] | None, cur: dict[str, Any], width: int 
     lines = [f"stealer top - {cur['id']} (cluster)",
              f"up {_fmt_uptime(cur['uptime_s'])}   nodes {len(alive)} alive of {len(nodes)}   "
              f"workers {sum(n['workers'] for n in alive)}   client pid {cur.get('pid', '-')}",
-             f"tasks {_fmt_int(cur['submitted'])} submitted   {_fmt_int(cur['done'])} done   "
-             f"{_fmt_int(cur['outstanding'])} outstanding   {_fmt_int(cur['moved'])} stolen "
-             f"between nodes   {_fmt_int(cur['resubmitted'])} re-placed   "
-             f"{_fmt_int(cur['duplicates'])} duplicates dropped"]
+             f"tasks {_fmt_int(cur['submitted'])} submitted   "
+             f"{_fmt_int(cur['moved'])} stolen between nodes   "
+             f"{_fmt_int(cur['resubmitted'])} re-placed after a loss",
+             f"results {_fmt_int(cur['done'])} in, {_fmt_int(cur['outstanding'])} awaited "
+             f"(tasks' and agents')   {_fmt_int(cur.get('duplicates', 0))} duplicates dropped"]
     moves = cur.get("agent_moves", 0)
     each = f" ({cur.get('move_s', 0.0) * 1e3:.0f} ms each)" if moves else ""
     lines.append(f"agents {_fmt_int(sum(n.get('agents', 0) for n in alive))}   "
@@ -351,35 +358,42 @@ def render_cluster(prev: dict[str, Any] | None, cur: dict[str, Any], width: int 
                  f"{_fmt_int(cur.get('state_errors', 0))} state errors")
     lines.append("")
     lines.append(f"nodes, rates {window}; latency of results at the client (last 2,048)")
-    lines.append(f"{'node':<12} {'up':>4} {'wrk':>3} {'busy%':>5} {'queued':>6} "
-                 f"{'run':>5} {'done':>8} {'tasks/s':>8} {'agents':>6} {'active':>6} "
-                 f"{'got':>6} {'given':>6} {'p50 ms':>6} {'p99 ms':>6}")
-    tot = {"queued": 0, "running": 0, "done": 0, "rate": 0.0, "agents": 0, "active": 0,
-           "got": 0, "given": 0}
+    lines.append(f"{'node':<12} {'wrk':>3} {'busy':>4} {'queued':>6} {'run':>5} {'done':>7} "
+                 f"{'tasks/s':>7} {'msgs/s':>7} {'agents':>6} {'active':>6} {'got':>6} "
+                 f"{'given':>6} {'p50 ms':>6} {'p99 ms':>6}")
+    tot = {"queued": 0, "running": 0, "done": 0, "rate": 0.0, "mrate": 0.0, "agents": 0,
+           "active": 0, "got": 0, "given": 0}
+
+    def delta(n: dict[str, Any], p: dict[str, Any] | None, key: str) -> int:
+        now, then = n.get(key) or 0, (p.get(key) or 0) if p is not None else 0
+        return now - then if now >= then else now
+
     for nid in sorted(nodes):
         n = nodes[nid]
         p = before.get(nid)
         done = n.get("done") or 0
-        d = done - (p.get("done") or 0) if p is not None and done >= (p.get("done") or 0) \
-            else done
-        rate = d / dt if dt > 0 else None
+        rate = delta(n, p, "done") / dt if dt > 0 else None
+        mrate = delta(n, p, "msgs") / dt if dt > 0 else None
         lat = n.get("latency_ms") or {}
+        busy = f"{100 * n.get('busy', 0.0):.0f}" if n.get("alive") else "lost"
         lines.append(
-            f"{nid[:12]:<12} {'yes' if n.get('alive') else 'lost':>4} {n['workers']:>3} "
-            f"{100 * n.get('busy', 0.0):>5.1f} {n.get('queued', 0):>6} "
-            f"{n.get('running', 0):>5} {_fmt_int(done):>8} {_fmt_rate(rate):>8} "
-            f"{n.get('agents', 0):>6} {n.get('active', 0):>6} {_fmt_int(n.get('got', 0)):>6} "
-            f"{_fmt_int(n.get('given', 0)):>6} {_fmt_opt_ms(lat.get('p50')):>6} "
-            f"{_fmt_opt_ms(lat.get('p99')):>6}")
+            f"{nid[:12]:<12} {n['workers']:>3} {busy:>4} {n.get('queued', 0):>6} "
+            f"{n.get('running', 0):>5} {_fmt_count(done):>7} {_fmt_rate(rate):>7} "
+            f"{_fmt_rate(mrate):>7} {n.get('agents', 0):>6} {n.get('active', 0):>6} "
+            f"{_fmt_int(n.get('got', 0)):>6} {_fmt_int(n.get('given', 0)):>6} "
+            f"{_fmt_opt_ms(lat.get('p50')):>6} {_fmt_opt_ms(lat.get('p99')):>6}")
         if n.get("alive"):
             for k in ("queued", "running", "agents", "active", "got", "given"):
                 tot[k] += n.get(k, 0) or 0
             tot["done"] += done
             tot["rate"] += rate or 0.0
+            tot["mrate"] += mrate or 0.0
+    ok = dt > 0
     lines.append(
-        f"{'all':<12} {'':>4} {sum(n['workers'] for n in alive):>3} {'':>5} "
-        f"{tot['queued']:>6} {tot['running']:>5} {_fmt_int(tot['done']):>8} "
-        f"{_fmt_rate(tot['rate'] if dt > 0 else None):>8} {tot['agents']:>6} "
+        f"{'all':<12} {sum(n['workers'] for n in alive):>3} {'':>4} {tot['queued']:>6} "
+        f"{tot['running']:>5} {_fmt_count(tot['done']):>7} "
+        f"{_fmt_rate(tot['rate'] if ok else None):>7} "
+        f"{_fmt_rate(tot['mrate'] if ok else None):>7} {tot['agents']:>6} "
         f"{tot['active']:>6} {_fmt_int(tot['got']):>6} {_fmt_int(tot['given']):>6}")
     losses = cur.get("losses") or []
     if losses:

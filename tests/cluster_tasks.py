@@ -62,6 +62,14 @@ class Counter(stealer.Agent):
     def get(self) -> int:
         return self.n
 
+    def spin_add(self, k: int, seconds: float) -> int:
+        """Busy for ``seconds`` (an agent that keeps its worker busy), then add ``k``."""
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+        self.n += k
+        return self.n
+
     def where(self) -> str:
         return os.environ.get("STEALER_NODE_CPUS", "?")
 

@@ -211,6 +211,37 @@ def test_agents_live_on_both_nodes_and_answer_through_them(ex):
     assert [r.result(timeout=30) for r in refs] == [10 * i + 106 for i in range(8)]
 
 
+def test_stealer_top_renders_a_running_cluster_executor(ex, capsys):
+    """The client publishes its figures (owner-only, under ex.id in /dev/shm) about four
+    times a second; `stealer top` lists it with the local executors and renders one row
+    per node."""
+    from stealer import top
+
+    assert [f.result(timeout=60) for f in [ex.submit(ct.square, i) for i in range(300)]] \
+        == [i * i for i in range(300)]
+    path = os.path.join("/dev/shm", ex.id)
+    st = os.stat(path)
+    assert st.st_mode & 0o777 == 0o600 and st.st_uid == os.getuid()
+    (mine,) = [e for e in top.list_executors() if e["id"] == ex.id]
+    assert mine["kind"] == "cluster" and mine["workers"] == 2
+    assert mine["client_pid"] == os.getpid()
+    deadline = time.monotonic() + 10
+    while True:  # (the nodes' counts ride on their next result batch, then a snapshot)
+        capsys.readouterr()
+        assert top.main([ex.id, "--once"]) == 0
+        out = capsys.readouterr().out
+        rows = {line.split()[0]: line.split() for line in out.splitlines()
+                if line[:12] in {n[:12] for n in ex.nodes}}
+        done = sum(int(r[5].replace(",", "")) for r in rows.values())
+        if done >= 300 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert f"stealer top - {ex.id} (cluster)" in out and "nodes 2 alive of 2" in out
+    assert len(rows) == 2 and all(r[1] == "1" and r[2] != "lost" for r in rows.values()), out
+    assert done >= 300, out
+    assert ex.stats().nodes[ex.nodes[0]]["latency_ms"]["n"] > 0
+
+
 def test_a_transient_unavailable_node_is_retried_not_lost(ex, monkeypatch):
     """ActorUnavailableError (a node agent unreachable for a while) only retries the call:
     no loss, no re-run elsewhere, every result once."""
@@ -298,6 +329,62 @@ def test_a_node_cut_off_from_its_client_fences_itself(cluster, own):
             ray.get(agent.submit.remote([(1, ct.square, (2,), {}, 0)]), timeout=30)
     finally:
         ray.kill(agent)
+
+
+def test_busy_agents_move_to_an_idle_node_and_answer_in_order(cluster, own):
+    """Eight counter agents all started on one node, each kept busy (calls of 2 ms, up to
+    8 outstanding each), the other node idle: after the imbalance lasts, some move there
+    by checkpoint + restore while calls keep coming.  Every reply is right and in order for
+    each agent (its counter counts up by one: none missing, none twice), the final states
+    are exact, the agents that keep no state (state_every=0) never move, and ex.agent(name)
+    finds the moved ones."""
+    e = stealer.Executor(cluster=True, seed=5)
+    note_segments(e)
+    try:
+        first = e.nodes[0]
+        every = [8] * 6 + [0] * 2
+        refs = [e.spawn_agent(ct.Counter, 1000 * i, node=first, state_every=k, name=f"m{i}")
+                for i, k in enumerate(every)]
+        assert {r.node for r in refs} == {first}
+        futs: list[list] = [[] for _ in refs]
+        seen: list[list[int]] = [[] for _ in refs]  # replies in the order they came
+        rounds, after = 0, None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            for i, r in enumerate(refs):
+                f = r.call("spin_add", 1, 0.002)
+                f.add_done_callback(lambda f, i=i: seen[i].append(f.result()))
+                futs[i].append(f)
+            rounds += 1
+            if rounds > 8:  # at most 8 calls outstanding per agent
+                for fs in futs:
+                    fs[rounds - 9].result(timeout=60)
+            if after is None and any(r.node != first for r in refs):
+                after = rounds
+            if after is not None and rounds >= after + 40:
+                break
+        assert after is not None, "no agent moved off the busy node"
+        moved = [i for i, r in enumerate(refs) if r.node != first]
+        assert 0 < len(moved) < len(refs)
+        assert not set(moved) & {6, 7}  # state_every=0: no state kept, never moved
+        for i, fs in enumerate(futs):
+            got = [f.result(timeout=60) for f in fs]
+            assert got == list(range(1000 * i + 1, 1000 * i + 1 + rounds)), i
+            assert seen[i] == got, i  # and they came back in that order
+        for i in moved:
+            assert e.agent(f"m{i}").node == refs[i].node != first
+            assert e.agent(f"m{i}").call("get").result(timeout=30) == 1000 * i + rounds
+        st = e.stats()
+        assert st.agent_moves >= len(moved) and st.move_errors == 0
+        assert st.resubmitted == 0 and st.replayed == 0 and not st.losses
+        assert st.nodes[first]["agents"] == len(refs) - len(moved), st.nodes
+        for r in refs:
+            r.stop()
+        assert [r.result(timeout=30) for r in refs] == [1000 * i + rounds
+                                                        for i in range(len(refs))]
+    finally:
+        e.shutdown()
+    assert not os.path.exists(os.path.join("/dev/shm", e.id))  # its top snapshot too
 
 
 def test_node_loss_resubmits_its_tasks_and_new_nodes_join(cluster, own):

@@ -276,20 +276,23 @@ def test_main_ends_when_the_executor_goes_away(capsys):
 # -- cluster executors (their published snapshot; no Ray needed here) ------------------
 
 
-def cluster_snapshot(t: float, done: tuple[int, int], **over) -> dict:
+def cluster_snapshot(t: float, done: tuple[int, int], msgs: tuple[int, int] = (0, 0),
+                     **over) -> dict:
     """What a cluster client publishes (ClusterExecutor._snapshot): its stats() as a dict."""
     import dataclasses
 
     from stealer.cluster.ledger import ClusterStats
 
-    def node(alive: bool, n_done: int, **kw) -> dict:
+    def node(alive: bool, n_done: int, n_msgs: int, **kw) -> dict:
         return {"alive": alive, "workers": 2, "queued": 3, "running": 2, "task_s": 0.002,
-                "busy": 0.5, "agents": 4, "active": 1, "done": n_done, "steals": None,
+                "busy": 0.5, "agents": 4, "active": 1, "done": n_done, "msgs": n_msgs,
+                "steals": None,
                 "got": 7, "given": 0, "latency_ms": {"n": 10, "p50": 1.5, "p99": 12.0},
                 "pid": None, **kw}
 
-    st = ClusterStats({"a" * 32: node(True, done[0]),
-                       "b" * 32: node(True, done[1], busy=1.0, active=4, got=0, given=7)},
+    st = ClusterStats({"a" * 32: node(True, done[0], msgs[0]),
+                       "b" * 32: node(True, done[1], msgs[1], busy=1.0, active=4, got=0,
+                                      given=7)},
                       submitted=500, done=480, outstanding=20, moved=7, agent_moves=2,
                       move_s=0.018)
     data = dataclasses.asdict(st)
@@ -305,24 +308,24 @@ def node_rows(frame: str) -> dict[str, list[str]]:
 
 
 def test_render_cluster_rows_per_node():
-    prev = cluster_snapshot(1000.0, (100, 40))
-    cur = cluster_snapshot(1002.0, (300, 50))
+    prev = cluster_snapshot(1000.0, (100, 40), (0, 1000))
+    cur = cluster_snapshot(1002.0, (300, 50), (0, 3000))
     frame = top.render_cluster(prev, cur)
     assert frame.startswith("stealer top - stealer-1-cluster-") and "(cluster)" in frame
     assert "nodes 2 alive of 2" in frame and "workers 4" in frame and "last 2.0 s" in frame
     assert "500 submitted" in frame and "7 stolen between nodes" in frame
     assert "2 moved between live nodes (18 ms each)" in frame
     rows = node_rows(frame)
-    # node alive wrk busy% queued run done tasks/s agents active got given p50 p99
-    assert rows["a" * 12][1:] == ["yes", "2", "50.0", "3", "2", "300", "100", "4", "1", "7",
+    # node wrk busy queued run done tasks/s msgs/s agents active got given p50 p99
+    assert rows["a" * 12][1:] == ["2", "50", "3", "2", "300", "100", "0.0", "4", "1", "7",
                                   "0", "1.500", "12.0"]
-    assert rows["b" * 12][1:] == ["yes", "2", "100.0", "3", "2", "50", "5.0", "4", "4", "0",
+    assert rows["b" * 12][1:] == ["2", "100", "3", "2", "50", "5.0", "1000", "4", "4", "0",
                                   "7", "1.500", "12.0"]
-    assert rows["all"][1:] == ["4", "6", "4", "350", "105", "8", "5", "7", "7"]
+    assert rows["all"][1:] == ["4", "6", "4", "350", "105", "1000", "8", "5", "7", "7"]
     # without a previous frame (or one of another executor): averages since the start
     assert "since start" in top.render_cluster(None, cur)
     assert "since start" in top.render_cluster({**prev, "id": "other"}, cur)
-    assert node_rows(top.render_cluster(None, cur))["a" * 12][7] == "30.0"  # 300 in 10 s
+    assert node_rows(top.render_cluster(None, cur))["a" * 12][6] == "30.0"  # 300 in 10 s
     assert max(len(x) for x in top.render_cluster(prev, cur, width=50).splitlines()) <= 50
 
 
@@ -333,7 +336,7 @@ def test_render_cluster_shows_lost_nodes():
     cur["nodes"]["b" * 32]["alive"] = False
     frame = top.render_cluster(None, cur)
     assert "nodes 1 alive of 2" in frame and "workers 2" in frame
-    assert node_rows(frame)["b" * 12][1] == "lost"
+    assert node_rows(frame)["b" * 12][2] == "lost"
     assert "ActorDiedError: 64 tasks, 64 placed again in 12 ms" in frame
 
 

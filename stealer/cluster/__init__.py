@@ -8,6 +8,8 @@ never imports it nor Ray (the optional extra ``stealer[ray]``).
 
 Modules: ``policy.py`` (placement and the steal rules, pure Python), ``client.py`` (the
 executor the user holds: batches, results, node loss), ``ledger.py`` (its records of tasks,
-agents and nodes), ``agents.py`` (agents on the cluster), ``node.py`` (the node agent, a Ray
-actor on each node that runs that node's local executor).
+agents and nodes), ``agents.py`` (agents on the cluster), ``balance.py`` (when agents move
+between live nodes, pure Python) and ``moves.py`` (moving them), ``node.py`` (the node agent,
+a Ray actor on each node that runs that node's local executor), ``snapshot.py`` (the figures
+``stealer top`` reads, no Ray).
 """

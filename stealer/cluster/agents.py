@@ -46,7 +46,8 @@ class ClusterAgentRef:
 
     @property
     def node(self) -> str | None:
-        """The node it lives on now (it moves when its node is lost)."""
+        """The node it lives on now (it moves when its node is lost, or to even out busy
+        and idle nodes: stealer/cluster/moves.py)."""
         n = self._a.node
         return None if n is None else n.id
 
@@ -97,7 +98,7 @@ class AgentsOnCluster:
 
     def spawn_agent(self, cls: type, /, *args: Any, init_kwargs: dict | None = None,
                     retries: int | None = None, name: str | None = None,
-                    state_every: int = STATE_EVERY,
+                    state_every: int = STATE_EVERY, node: str | None = None,
                     **options: Any) -> ClusterAgentRef:
         """Start an agent on a node (power of two choices): ``cls(*args, **init_kwargs)``
         lives in that node's executor (options as :meth:`stealer.Executor.spawn_agent`).
@@ -112,7 +113,9 @@ class AgentsOnCluster:
         callers.  A deterministic agent so ends as if its node had never been lost; one
         with effects outside its state repeats them (at-least-once).  ``state_every=0``:
         no state kept (it starts again from its spawn arguments, with only the messages it
-        had not answered)."""
+        had not answered), and it never moves between live nodes.  ``node``: start it on
+        that node (one of ``ex.nodes``) instead of placing it; it may still move later
+        (stealer/cluster/moves.py)."""
         if not isinstance(state_every, int) or state_every < 0:
             raise ValueError(f"state_every is a number of messages >= 0 (0: keep no "
                              f"state), not {state_every!r}")
@@ -127,7 +130,13 @@ class AgentsOnCluster:
             if not loads:
                 raise ClusterError("no alive node to spawn the agent on")
             a.every = state_every
-            a.node = self._place_agent()
+            if node is None:
+                a.node = self._place_agent()
+            else:
+                a.node = self._nodes.get(node)
+                if a.node is None or not a.node.alive or not a.node.ready:
+                    raise ClusterError(f"no node executor on node {node!r}; pick one of "
+                                       "ex.nodes")
             self._agents[a.aid] = a
             if name is not None:
                 self._names[name] = a
@@ -164,7 +173,7 @@ class AgentsOnCluster:
             tid = next(self._tids)
             t = Task(fut, (AgentOp(kind, a.aid, arg), (), {}), a.node, a)
             self._ledger[tid] = t
-            full = self._enqueue(a.node, tid, t)
+            full = self._deliver(a, tid, t)  # (held while the agent moves)
             more = None
             if a.every and kind in ("call", "send"):
                 a.seq += 1
@@ -188,7 +197,7 @@ class AgentsOnCluster:
         self._ledger[tid] = t
         a.log.append([covers, tid, "state", None])
         fut.add_done_callback(functools.partial(self._kept, a, covers))
-        return self._enqueue(a.node, tid, t)
+        return self._deliver(a, tid, t)
 
     def _kept(self, a: AgentRecord, covers: int, fut: Future) -> None:
         if fut.cancelled():  # (shutdown(cancel_futures=True)): nothing to keep
@@ -206,7 +215,9 @@ class AgentsOnCluster:
 
     def _restart(self, a: AgentRecord, tids: list[int], lost: NodeView) -> None:
         """An agent whose node was lost: spawned again elsewhere, then its unanswered
-        operations in their first order (under the lock)."""
+        operations in their first order (under the lock).  One that was moving: its
+        held operations (never sent) are unanswered ones too."""
+        tids = tids + self._abort_move(a)
         a.losses += 1
         loads = self._alive()
         if a.losses > a.retries or not loads:
@@ -246,9 +257,9 @@ class AgentsOnCluster:
                 self._stats.replayed += 1
         for tid in sorted(lost_ops):  # the rest: unlogged operations (no state kept, result)
             t = self._ledger[tid]
-            if t.call[0].kind in ("spawn", "set_state"):
-                del self._ledger[tid]  # the old start's ack: the new one replaces it
-                continue
+            if t.call[0].kind in ("spawn", "set_state", "evict"):
+                del self._ledger[tid]  # the old start's ack (the new one replaces it), or
+                continue  # a move's evict: the restart is the move now
             t.hops += 1 << 16
             full.add(self._enqueue(a.node, tid, t))
         self._stats.resubmitted += len(tids)

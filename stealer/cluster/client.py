@@ -30,13 +30,19 @@ How a task travels::
   its executor is ready.  It also pings each node agent (their ``health`` concurrency group),
   which keeps them from fencing themselves.
 
+* **Agents between live nodes**: each load report also goes to the rebalancing rule
+  (``balance.py``), which may move agents from a busy node to an idle one by checkpoint +
+  restore (``moves.py``).
+
 Threads: the caller's (``submit`` appends to a batch; a full batch is sent from there), the
-collector (waits on every outstanding Ray call, settles futures, re-places lost work) and
-the membership/flush thread (time-bounded batches, pings, joins and deaths).
+collector (waits on every outstanding Ray call, settles futures, re-places lost work, moves
+agents), the membership/flush thread (time-bounded batches, pings, joins and deaths) and
+the publisher of the figures ``stealer top`` reads (``snapshot.py``, four times a second).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import random
@@ -51,8 +57,11 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from stealer.cluster import snapshot
 from stealer.cluster.agents import AgentsOnCluster, ClusterAgentRef
+from stealer.cluster.balance import BalanceConfig, Balancer
 from stealer.cluster.ledger import AgentRecord, ClusterStats, NodeView, Task
+from stealer.cluster.moves import AgentMoves
 from stealer.cluster.node import NodeAgent, run_chunk
 from stealer.cluster.policy import Load, StealConfig, place
 from stealer.errors import (
@@ -67,11 +76,19 @@ from stealer.errors import (
 __all__ = ["ClusterAgentRef", "ClusterExecutor", "ClusterStats"]
 
 DEFAULT_STEAL = StealConfig()  # frozen: one instance serves every executor
+DEFAULT_BALANCE = BalanceConfig()
 START_S = 60.0  # node agents must be ready this long after Executor(cluster=...)
 
 #: Local executor options a node executor takes as they are.
 LOCAL_OPTIONS = ("cpus", "thread_limit", "records", "metrics", "hang_timeout",
                  "max_tasks_per_child", "initializer", "initargs")
+
+
+def _pct(sorted_s: list[float], q: float) -> float | None:
+    """The q-th percentile of sorted seconds, in ms (None: no sample)."""
+    if not sorted_s:
+        return None
+    return 1e3 * sorted_s[min(len(sorted_s) - 1, int(len(sorted_s) * q / 100))]
 
 
 def _complain(who: str, exc: BaseException) -> None:
@@ -105,7 +122,7 @@ def _connect(cluster: Any) -> bool:
     return True
 
 
-class ClusterExecutor(AgentsOnCluster, _fbase.Executor):
+class ClusterExecutor(AgentMoves, AgentsOnCluster, _fbase.Executor):
     """A ``concurrent.futures.Executor`` over one stealer executor per node of a Ray cluster.
 
     ``cluster``: a Ray address, or True for the Ray this process already initialised.
@@ -116,7 +133,10 @@ class ClusterExecutor(AgentsOnCluster, _fbase.Executor):
     still runs work (never when it has nothing left).  ``fence_s``: a node agent that hears
     nothing from this client for that long stops
     its workers.  ``steal``: the steal rules between nodes (a StealConfig; None: no stealing
-    between nodes).  Other keyword arguments (``cpus``, ``thread_limit``, ``records``,
+    between nodes).  ``rebalance``: when agents move between live nodes (a BalanceConfig,
+    ``stealer/cluster/balance.py``; None: only when their node is lost).  ``top_s``: how
+    often the figures ``stealer top`` shows are published (None: not published).  Other
+    keyword arguments (``cpus``, ``thread_limit``, ``records``,
     ``metrics``, ``hang_timeout``, ``max_tasks_per_child``, ``initializer``, ``initargs``)
     go to each node's executor.  Agents: ``spawn_agent``, ``agent(name)``, ``agents()``,
     ``call_all`` (``stealer/cluster/agents.py``).
@@ -126,7 +146,9 @@ class ClusterExecutor(AgentsOnCluster, _fbase.Executor):
                  retries: int = 3, batch_size: int = 256, batch_s: float = 0.002,
                  fence_s: float = 10.0, health_s: float = 0.5, window_s: float = 0.005,
                  linger_s: float = 0.05,
-                 steal: StealConfig | None = DEFAULT_STEAL, seed: int | None = None,
+                 steal: StealConfig | None = DEFAULT_STEAL,
+                 rebalance: BalanceConfig | None = DEFAULT_BALANCE,
+                 top_s: float | None = snapshot.INTERVAL_S, seed: int | None = None,
                  **local: Any) -> None:
         bad = sorted(set(local) - set(LOCAL_OPTIONS))
         if bad:
@@ -161,6 +183,11 @@ class ClusterExecutor(AgentsOnCluster, _fbase.Executor):
         self._stats = ClusterStats()
         self._shutdown = False
         self._closing = False
+        self._balancer = Balancer(rebalance) if rebalance is not None else None
+        self._moving: set[int] = set()  # agents whose state is on its way (moves.py)
+        self._id = snapshot.new_id()
+        self._created = time.time()
+        self._top: snapshot.Publisher | None = None
         self._start_nodes(wait=True)
         if not any(n.ready for n in self._nodes.values()):
             self._stop_nodes()
@@ -172,6 +199,8 @@ class ClusterExecutor(AgentsOnCluster, _fbase.Executor):
                                           daemon=True)]
         for t in self._threads:
             t.start()
+        if top_s:
+            self._top = snapshot.Publisher(self._id, self._snapshot, top_s)
 
     # -- nodes -----------------------------------------------------------------------------
 
@@ -299,7 +328,8 @@ class ClusterExecutor(AgentsOnCluster, _fbase.Executor):
             batch, node.pending = node.pending, []
             if not batch or not node.alive:
                 return
-            batch = [b for b in batch if self._running(b[0])]
+            now = time.monotonic()
+            batch = [b for b in batch if self._running(b[0], now)]
             node.sent += len(batch)
         if not batch:
             return
@@ -336,12 +366,13 @@ class ClusterExecutor(AgentsOnCluster, _fbase.Executor):
             raise exc  # not a pickling problem after all
         return good
 
-    def _running(self, tid: int) -> bool:
+    def _running(self, tid: int, now: float) -> bool:
         """Mark a task's future running as its batch leaves (under the lock); False if the
         user cancelled it, which drops it."""
         t = self._ledger.get(tid)
         if t is None:
             return False
+        t.at = now
         if t.fut.running() or t.fut.set_running_or_notify_cancel():
             return True
         del self._ledger[tid]
@@ -425,6 +456,7 @@ class ClusterExecutor(AgentsOnCluster, _fbase.Executor):
             node.load, node.sent = load, 0
             if node.alive and not self._closed_down():
                 self._poll(node)
+            self._balance(node)  # agents between live nodes (moves.py)
 
     def _closed_down(self) -> bool:
         return self._closing and not self._ledger
@@ -443,12 +475,14 @@ class ClusterExecutor(AgentsOnCluster, _fbase.Executor):
                 if to is None or not to.alive:
                     dead.append(tid)
             done = []
+            now, lat = time.monotonic(), node.lat
             for tid, ok, value in out:
                 t = self._ledger.pop(tid, None)
                 if t is None:
                     st.duplicates += 1
                     continue
                 done.append((t.fut, ok, value))
+                lat.append(now - t.at)
             st.done += len(done)
             if dead:
                 self._replace(dead, node)
@@ -490,6 +524,8 @@ class ClusterExecutor(AgentsOnCluster, _fbase.Executor):
                 return
             node.alive = False
             self._membership += 1
+            if self._balancer is not None:
+                self._balancer.forget(node.id)
             for ref in [r for r, (_k, n, _e) in self._waits.items() if n is node]:
                 del self._waits[ref]
             tids = [tid for tid, t in self._ledger.items() if t.node is node]
@@ -624,6 +660,9 @@ class ClusterExecutor(AgentsOnCluster, _fbase.Executor):
         self._stop_nodes()
 
     def _stop_nodes(self) -> None:
+        top, self._top = getattr(self, "_top", None), None
+        if top is not None:
+            top.stop()
         nodes = [n for n in self._nodes.values() if n.alive]
         refs = [n.handle.stop.remote() for n in nodes]
         try:
@@ -643,9 +682,11 @@ class ClusterExecutor(AgentsOnCluster, _fbase.Executor):
             ray.shutdown()
 
     def stats(self) -> ClusterStats:
-        """A snapshot: per node (workers, queued, running, task_s, steals), the task counts,
-        and one entry per lost node (how many tasks it had, how fast they were re-placed)."""
-        st = self._stats
+        """A snapshot: per node (alive, workers, queued, running, task_s, busy, agents,
+        active agents, tasks done, steals, tasks got from / given to other nodes, the
+        latency of its results at the client), the task counts, the agents' moves, and one
+        entry per lost node (how many tasks it had, how fast they were re-placed).  Asks
+        every node for its counters; :meth:`_snapshot` (``stealer top``) asks none."""
         alive = [n for n in self._nodes.values() if n.alive and n.ready]
         statuses = {}
         try:
@@ -653,17 +694,43 @@ class ClusterExecutor(AgentsOnCluster, _fbase.Executor):
             statuses = dict(zip([n.id for n in alive], ray.get(refs, timeout=10)))
         except Exception:
             pass
+        return self._gather(statuses)
+
+    def _gather(self, statuses: dict[str, dict]) -> ClusterStats:
+        st = self._stats
         with self._lock:
-            nodes = {}
-            for n in self._nodes.values():
-                s = statuses.get(n.id, {})
-                nodes[n.id] = {"alive": n.alive, "workers": n.workers, "queued": n.load.queued,
-                               "running": n.load.running, "task_s": n.load.task_s,
-                               "done": s.get("done"), "steals": s.get("steals"),
-                               "pid": s.get("pid")}
-            return ClusterStats(nodes, st.submitted, st.done, len(self._ledger),
-                                st.resubmitted, st.duplicates, st.moved, st.transient,
-                                list(st.losses), st.replayed, st.state_errors)
+            views = [(n, n.load, list(n.lat)) for n in self._nodes.values()]
+            stats = ClusterStats({}, st.submitted, st.done, len(self._ledger),
+                                 st.resubmitted, st.duplicates, st.moved, st.transient,
+                                 list(st.losses), st.replayed, st.state_errors,
+                                 st.agent_moves, st.move_s, st.move_errors)
+        for n, ld, lat in views:
+            s = statuses.get(n.id, {})
+            lat.sort()
+            stats.nodes[n.id] = {
+                "alive": n.alive, "workers": n.workers, "queued": ld.queued,
+                "running": ld.running, "task_s": ld.task_s, "busy": ld.busy,
+                "agents": s.get("agents", ld.agents), "active": ld.active,
+                "done": s.get("done", ld.done), "msgs": ld.msgs, "steals": s.get("steals"),
+                "got": ld.got, "given": ld.given,
+                "latency_ms": {"n": len(lat), "p50": _pct(lat, 50), "p99": _pct(lat, 99)},
+                "pid": s.get("pid")}
+        return stats
+
+    def _snapshot(self) -> dict[str, Any]:
+        """What ``stealer top`` shows (stealer/cluster/snapshot.py): the stats from the
+        load reports the client has, no call to any node."""
+        data = dataclasses.asdict(self._gather({}))
+        now = time.time()
+        data.update(id=self._id, pid=os.getpid(), created=self._created, time=now,
+                    uptime_s=now - self._created, kind="cluster")
+        return data
+
+    @property
+    def id(self) -> str:
+        """Its id for ``stealer top`` (``stealer-<pid>-cluster-<hex>``): the name of the
+        figures it publishes in /dev/shm (stealer/cluster/snapshot.py)."""
+        return self._id
 
     @property
     def nodes(self) -> list[str]:

@@ -70,6 +70,7 @@ WINDOW_MIN, WINDOW_MAX = 8, 256  # tasks per worker in the local executor's wind
 BATCH_OUT = 512  # results that end a results() call's linger
 LIFELINE_POLL_S = 0.05  # an idle node on lifelines looks again this often
 LIFELINE_RENEW_S = 0.25  # and registers its lifelines again this often
+BUSY_WINDOW_S = 0.2  # the window of the occupied fraction a load report carries
 
 
 def node_cpus(default: Any = "auto") -> Any:
@@ -89,7 +90,10 @@ class AgentOp:
     """An operation on an agent, travelling in a task batch in place of a function: the
     node agent runs it on its local executor's agent at once (agents never wait in the
     node's queue, so thieves never take them).  ``kind``: spawn (``a``: cls, args,
-    init_kwargs, options), call / send (method, args, kwargs), stop, result."""
+    init_kwargs, options), call / send (method, args, kwargs), stop, result, state and
+    set_state (``a``: the state; the client keeps agents' states), evict (the agent's
+    state, then the agent leaves this node: stopped here, its final value dropped; the
+    client moves it to another live node, stealer/cluster/moves.py)."""
 
     __slots__ = ("a", "aid", "kind")
 
@@ -169,10 +173,18 @@ class NodeAgent:
         self.peer_loads: dict[str, Load] = {}
         self.thief = Thief(node_id, steal or StealConfig(), random.Random(seed))
         self.victim = Victim(node_id, steal or StealConfig())
-        self.steals = {"asked": 0, "got": 0, "given": 0, "pushed": 0}
+        self.steals = {"asked": 0, "got": 0, "given": 0, "pushed": 0, "took": 0}
         self.ll_epochs: dict[str, int] = {}  # thief -> the epoch of its last (un)lifeline
         self.epoch = 0  # of our own lifeline calls
         self.agents: dict[int, Any] = {}  # client's agent id -> local AgentRef
+        # agent id -> its operations handed to its local agent and not answered yet: an
+        # agent with some holds a worker (the occupied fraction, and Load.active)
+        self.agent_out: dict[int, int] = {}
+        self.evicted = 0  # agents that left for another live node
+        self.msgs_n = 0  # agent operations answered (messages, and the client's state calls)
+        self._occ_t = self._win_t = time.monotonic()  # last change; the window's start
+        self._occ_area = 0.0  # worker-seconds occupied in the window so far
+        self.busy_frac = 0.0  # occupied fraction of the last window
         self.polls = 0  # results() calls answered
         self.seq = 0  # the last result batch made
         self.unacked: dict[int, tuple[list, list]] = {}  # seq -> (results, moved), sent
@@ -258,7 +270,7 @@ class NodeAgent:
         """For tests and stats: the node's counters, fenced or not."""
         return {"node": self.node, "fenced": self.fenced, "queued": len(self.queue),
                 "inflight": self.inflight, "done": self.done_n, "steals": dict(self.steals),
-                "agents": len(self.agents), "polls": self.polls,
+                "agents": len(self.agents), "evicted": self.evicted, "polls": self.polls,
                 "worker_pids": [p for p in self.ex.worker_pids() if p] if not self.fenced else [],
                 "segment": self.ex.segment_name, "pid": os.getpid()}
 
@@ -301,6 +313,7 @@ class NodeAgent:
     def take(self, batch: list[tuple], source: str) -> None:
         """A lifeline push from ``source`` (it reports the move to the client)."""
         self._accept(batch)
+        self.steals["took"] += len(batch)
 
     # -- the queue and the window ---------------------------------------------------------
 
@@ -338,6 +351,7 @@ class NodeAgent:
                 if self.inflight >= window or not self.queue or self.fenced:
                     return
                 tid, fn, args, kwargs, _hops = self.queue.popleft()
+                self._occupy()
                 self.inflight += 1
                 key = (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None))
                 if key != self.last_fn:  # another workload: its tasks' length is unknown
@@ -349,6 +363,7 @@ class NodeAgent:
                 f = self.ex.submit(fn, *args, **kwargs)
             except BaseException as exc:  # unpicklable, or the executor broke
                 with self.lock:
+                    self._occupy()
                     self.inflight -= 1
                 self._finished(tid, False, (exc, ""))
                 continue
@@ -357,6 +372,7 @@ class NodeAgent:
     def _done(self, tid: int, f: Any) -> None:
         ok, value = _outcome(f)
         with self.lock:
+            self._occupy()
             self.inflight -= 1
             self.done_n += 1
             self._measure()
@@ -367,6 +383,19 @@ class NodeAgent:
             ev, loop = self.idle_ev, self.loop
             if ev is not None and loop is not None:
                 loop.call_soon_threadsafe(ev.set)
+
+    def _occupy(self) -> None:
+        """Account the time since the last change of what occupies the workers (tasks
+        handed to them, agents with messages: each holds one), closing the window every
+        BUSY_WINDOW_S (under self.lock, before every such change and every report)."""
+        now = time.monotonic()
+        held = min(self.workers, self.inflight + len(self.agent_out))
+        self._occ_area += held * (now - self._occ_t)
+        self._occ_t = now
+        span = now - self._win_t
+        if span >= BUSY_WINDOW_S:
+            self.busy_frac = min(1.0, self._occ_area / (self.workers * span))
+            self._win_t, self._occ_area = now, 0.0
 
     def _measure(self) -> None:
         """Mean task duration: completions per worker over a span the node stayed busy
@@ -403,27 +432,55 @@ class NodeAgent:
             if op.kind in ("call", "send"):
                 method, args, kwargs = op.a
                 f = ref.call(method, *args, **kwargs)
-            elif op.kind == "state":  # the client keeps it (stealer/cluster/agents.py)
+            elif op.kind in ("state", "evict"):  # the client keeps it (agents.py, moves.py)
                 f = ref.call(STATE)
             elif op.kind == "set_state":
                 f = ref.call(SET_STATE, op.a)
             elif op.kind == "result":
                 f = ref.future
+                f.add_done_callback(functools.partial(self._agent_done, tid, None, False))
+                return
             else:  # stop
                 ref.stop()
                 self._finished(tid, True, None)
                 return
-            f.add_done_callback(functools.partial(self._agent_done, tid))
+            with self.lock:
+                self._occupy()
+                self.agent_out[op.aid] = self.agent_out.get(op.aid, 0) + 1
+            f.add_done_callback(functools.partial(
+                self._agent_done, tid, op.aid, op.kind == "evict"))
         except BaseException as exc:
             self._finished(tid, False, (exc, ""))
 
-    def _agent_done(self, tid: int, f: Any) -> None:
+    def _agent_done(self, tid: int, aid: int | None, evict: bool, f: Any) -> None:
         ok, value = _outcome(f)
+        if aid is not None:
+            with self.lock:
+                self._occupy()
+                self.msgs_n += 1
+                n = self.agent_out.get(aid, 0) - 1
+                if n > 0:
+                    self.agent_out[aid] = n
+                else:
+                    self.agent_out.pop(aid, None)
+        if evict and ok:  # its state is the client's now: the agent leaves this node
+            ref = self.agents.pop(aid, None)
+            if ref is not None:
+                self.evicted += 1
+                with contextlib.suppress(Exception):
+                    ref.stop()  # (no message of its is left here: the client holds them)
         self._finished(tid, ok, value)
 
     def load(self) -> Load:
-        return Load(self.node, self.workers, queued=len(self.queue), running=self.inflight,
-                    task_s=self.task_s, at=time.monotonic())
+        with self.lock:
+            self._occupy()
+            st = self.steals
+            return Load(self.node, self.workers, queued=len(self.queue),
+                        running=self.inflight, task_s=self.task_s, at=time.monotonic(),
+                        busy=self.busy_frac, agents=len(self.agents),
+                        active=len(self.agent_out), done=self.done_n, msgs=self.msgs_n,
+                        got=st["got"] + st["took"],
+                        given=st["given"] + st["pushed"])
 
     # -- stealing between nodes -------------------------------------------------------------
 

@@ -56,11 +56,13 @@ class Load:
     # `stealer top` shows: the fraction of its workers' time that tasks and agents occupied
     # over the node's last window (~0.2 s), the agents it hosts, those with messages
     # handed to them and not answered (each holds a worker while it has), the tasks it ran,
-    # and the tasks it got from / gave to other nodes (steals and lifeline pushes).
+    # the agent messages it answered, and the tasks it got from / gave to other nodes
+    # (steals and lifeline pushes).
     busy: float = 0.0
     agents: int = 0
     active: int = 0
     done: int = 0
+    msgs: int = 0
     got: int = 0
     given: int = 0
 

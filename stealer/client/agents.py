@@ -577,9 +577,9 @@ class AgentClient:
         if len(futs) > 1:
             # one batch: a thread waiting on any of them is woken by the last one's reply
             # (or a worker running out of work), not by each (Settling.wait_for)
-            fids = tuple(f._st_fid for f in futs)
+            batch = [[f._st_fid for f in futs], len(futs) - 1]  # the ids, a cursor
             for f in futs:
-                f._st_batch = fids
+                f._st_batch = batch
         return futs
 
     # -- agents that failed outside their worker ---------------------------------------

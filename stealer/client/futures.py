@@ -130,7 +130,7 @@ class _Future(Future):
         self._st_fid = fid
         self._st_fn = fn  # for messages only (see _st_name)
         self._st_handle = None
-        self._st_batch = None  # call_all's futures: the ids of the batch (client/waiting.py)
+        self._st_batch = None  # call_all's: [the batch's ids, a cursor] (client/waiting.py)
         self._st_backlog = False
         self._result = None
         self._exception = None

@@ -73,10 +73,18 @@ class Settling:
         gathering a lockstep round is woken about once per worker, not once per reply."""
         futures = self.futures
         pending = _fbase.PENDING
-        for fid in reversed(f._st_batch):
-            g = futures.get(fid)
+        batch = f._st_batch
+        fids, i = batch
+        # from the cursor down: a settled future stays settled, so the batch is walked once
+        # in all, however often its waiters park (a batch of 100,000 calls: not 100,000
+        # lookups per park)
+        while i >= 0:
+            g = futures.get(fids[i])
             if g is not None and g._state == pending and g._st_handle is not None:
+                batch[1] = i
                 return g._st_handle
+            i -= 1
+        batch[1] = -1
         h = f._st_handle
         return -1 if h is None else h
 

@@ -331,17 +331,24 @@ class ClusterExecutor(AgentMoves, AgentsOnCluster, _fbase.Executor):
             now = time.monotonic()
             batch = [b for b in batch if self._running(b[0], now)]
             node.sent += len(batch)
-        if not batch:
-            return
-        try:
-            ref = node.handle.submit.remote(batch)
-        except Exception as exc:  # Ray could not serialize the batch: find who, fail them
-            batch = self._unpicklable(batch, exc)
             if not batch:
                 return
-            ref = node.handle.submit.remote(batch)
+            # numbered as taken: the node runs its batches in this order, whichever call
+            # reaches it first (two threads may send batches of one node; and an agent's
+            # messages must be handled in the order they were sent)
+            node.bseq += 1
+            seq = node.bseq
+        try:
+            ref = node.handle.submit.remote(batch, seq)
+        except Exception as exc:  # Ray could not serialize the batch: find who, fail them
+            try:
+                batch = self._unpicklable(batch, exc)
+            except Exception:
+                node.handle.submit.remote([], seq)  # (the node's sequence stays whole)
+                raise
+            ref = node.handle.submit.remote(batch, seq)  # (even empty: the same reason)
         with self._lock:
-            self._waits[ref] = ("submit", node, batch)
+            self._waits[ref] = ("submit", node, (batch, seq))
 
     def _unpicklable(self, batch: list[tuple], exc: Exception) -> list[tuple]:
         """The tasks of ``batch`` that pickle; the others' futures fail with
@@ -507,8 +514,8 @@ class ClusterExecutor(AgentMoves, AgentsOnCluster, _fbase.Executor):
             return
         if kind == "results":
             self._poll(node)
-        elif kind == "submit":
-            ref = node.handle.submit.remote(extra)
+        elif kind == "submit":  # (the same seq: the node drops it if the first one ran)
+            ref = node.handle.submit.remote(*extra)
             with self._lock:
                 self._waits[ref] = ("submit", node, extra)
         elif kind == "ready":

@@ -80,6 +80,7 @@ class NodeView:
         self.sent = 0  # tasks sent since its last load report
         self.pending: list[tuple] = []  # (tid, fn, args, kwargs, hops) not sent yet
         self.pending_since = 0.0
+        self.bseq = 0  # the last batch sent (the node runs them in this order, once each)
         self.ready = False
         self.alive = True
         self.backoff = 0.0

@@ -180,6 +180,9 @@ class NodeAgent:
         # agent id -> its operations handed to its local agent and not answered yet: an
         # agent with some holds a worker (the occupied fraction, and Load.active)
         self.agent_out: dict[int, int] = {}
+        self.next_in = 1  # the client's next batch to run (submit's seq)
+        self.early: dict[int, list[tuple]] = {}  # batches that came before their turn
+        self.reordered = 0  # batches that came before their turn (held until it)
         self.evicted = 0  # agents that left for another live node
         self.msgs_n = 0  # agent operations answered (messages, and the client's state calls)
         self._occ_t = self._win_t = time.monotonic()  # last change; the window's start
@@ -195,10 +198,24 @@ class NodeAgent:
 
     # -- the client's calls --------------------------------------------------------------
 
-    async def submit(self, batch: list[tuple]) -> Load:
-        """Tasks from the client: (tid, fn, args, kwargs, hops) each.  Returns the load."""
+    async def submit(self, batch: list[tuple], seq: int | None = None) -> Load:
+        """Tasks from the client: (tid, fn, args, kwargs, hops) each.  Returns the load.
+
+        ``seq``: the batch's number, from 1 up: batches run in that order whatever order
+        the calls arrive in (Ray keeps no order between the calls of one caller to an
+        async actor, and two client threads may send batches of this node), so an
+        agent's messages are handled in the order they were sent; a batch sent again
+        after a lost reply runs once.  None: at once (a caller that numbers nothing)."""
         self._contact()
-        self._accept(batch)
+        if seq is None:
+            self._accept(batch)
+        elif seq >= self.next_in and seq not in self.early:
+            self.early[seq] = batch
+            self.reordered += seq > self.next_in
+            while self.next_in in self.early:
+                b = self.early.pop(self.next_in)
+                self.next_in += 1
+                self._accept(b)
         return self.load()
 
     async def results(self, ack: int, wait_s: float, linger_s: float,
@@ -271,6 +288,7 @@ class NodeAgent:
         return {"node": self.node, "fenced": self.fenced, "queued": len(self.queue),
                 "inflight": self.inflight, "done": self.done_n, "steals": dict(self.steals),
                 "agents": len(self.agents), "evicted": self.evicted, "polls": self.polls,
+                "reordered": self.reordered,
                 "worker_pids": [p for p in self.ex.worker_pids() if p] if not self.fenced else [],
                 "segment": self.ex.segment_name, "pid": os.getpid()}
 

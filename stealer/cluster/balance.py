@@ -9,12 +9,13 @@ the messages sent meanwhile held at the client and delivered after, in their ord
 
 The rule:
 
-* **A busy node**: its workers were occupied for at least ``busy`` of the node's last window
-  (tasks and agents with messages: ``Load.busy``), and more of its agents had messages
-  waiting than it has workers (``Load.active > Load.workers``): agents waited for a worker,
-  so some of them would run in parallel elsewhere.  Many agents on few workers is not
-  enough; a node busy with tasks alone is not either (stealing moves tasks).
-* **An idle node**: occupied for at most ``idle`` of its window, nothing queued.
+* **A busy node**: its workers were occupied (by tasks, and by agents with messages) for at
+  least ``busy`` of the time lately (``Load.busy``, a mean over time weighted to the last
+  0.1 s), and more of its agents had messages waiting than it has workers (``Load.active >
+  Load.workers``): agents waited for a worker, so some of them would run in parallel
+  elsewhere.  Many agents on few workers is not enough; a node busy with tasks alone is not
+  either (stealing moves tasks).
+* **An idle node**: occupied for at most ``idle`` of the time lately, nothing queued.
 * **Lasting**: a (busy, idle) pair moves anything only once each node has shown that for
   ``reports`` reports in a row spanning ``hold_s`` at least: a momentary difference never
   moves anything.  After a move both nodes start again from no streak, so the next move

@@ -54,7 +54,7 @@ class Load:
     at: float = 0.0  # when the node made the report (its clock; only compared with itself)
     # For moving agents between live nodes (stealer/cluster/balance.py) and for the figures
     # `stealer top` shows: the fraction of its workers' time that tasks and agents occupied
-    # over the node's last window (~0.2 s), the agents it hosts, those with messages
+    # lately (an exponentially weighted mean over time, 0.1 s), the agents it hosts, those with messages
     # handed to them and not answered (each holds a worker while it has), the tasks it ran,
     # the agent messages it answered, and the tasks it got from / gave to other nodes
     # (steals and lifeline pushes).

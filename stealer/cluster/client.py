@@ -404,6 +404,8 @@ class ClusterExecutor(AgentMoves, AgentsOnCluster, _fbase.Executor):
 
     def _collect(self) -> None:
         while True:
+            if not ray.is_initialized():  # ray.shutdown() before ours: a Ray call from
+                return  # this thread would start Ray again (and abort the process)
             with self._lock:
                 refs = list(self._waits)
                 if self._closing and not refs:
@@ -586,6 +588,8 @@ class ClusterExecutor(AgentMoves, AgentsOnCluster, _fbase.Executor):
     def _tend(self) -> None:
         next_look = time.monotonic() + self._health_s
         while True:
+            if not ray.is_initialized():  # (as in _collect)
+                return
             with self._lock:
                 if self._closing and not self._ledger and not any(
                         n.pending for n in self._nodes.values()):

@@ -13,9 +13,14 @@ health checks (the settings are printed), node k's executor pinned to CPU k.  On
    against the same on one node (``steal=None``, every tree submitted to one node);
 4. node death: ``--death-tasks`` tasks of 20 ms, the second node removed mid-run; the time
    from the removal to the client's re-placing of that node's tasks, and a check that every
-   result came back exactly once.
+   result came back exactly once;
+5. agents between live nodes: 8 agents all started on one node, each call busy 2 ms,
+   ``--agent-rounds`` rounds of one call to each (8 outstanding per agent at most): the
+   makespan with the rebalancing on (some agents move to the idle node) against the same
+   with ``rebalance=None`` (they all stay), and the moves made.
 
-    python benchmarks/cluster.py [--tasks 20000] [--ray-tasks 2000] [--json]
+    python benchmarks/cluster.py [--tasks 20000] [--ray-tasks 2000] [--agent-rounds 300]
+                                 [--json]
 """
 
 from __future__ import annotations
@@ -43,6 +48,39 @@ class Echo(stealer.Agent):
 
     def echo(self, x):
         return x
+
+
+class BusyCounter(stealer.Agent):
+    """An agent whose calls keep its worker busy: ``work(s)`` busy-waits, counts one."""
+
+    def __init__(self):
+        self.n = 0
+
+    def work(self, s):
+        busy(s)
+        self.n += 1
+        return self.n
+
+
+def busy_agents(ex, node: str, rounds: int, seconds: float = 0.002,
+                agents: int = 8, window: int = 8) -> tuple[float, int]:
+    """``rounds`` rounds of one ``work(seconds)`` call to each of ``agents`` agents started
+    on ``node``: (makespan, agents that ended on another node)."""
+    refs = [ex.spawn_agent(BusyCounter, node=node) for _ in range(agents)]
+    assert [r.call("work", 0.0).result() for r in refs] == [1] * agents
+    futs: list[list] = []
+    t = time.perf_counter()
+    for k in range(rounds):
+        futs.append([r.call("work", seconds) for r in refs])
+        if k >= window:
+            [f.result() for f in futs[k - window]]
+    got = [[f.result() for f in fs] for fs in futs]
+    dt = time.perf_counter() - t
+    assert got == [[k + 2] * agents for k in range(rounds)], "a reply was wrong"
+    moved = sum(r.node != node for r in refs)
+    for r in refs:
+        r.stop()
+    return dt, moved
 
 
 @ray.remote(num_cpus=1)
@@ -85,6 +123,7 @@ def main() -> None:
     ap.add_argument("--tasks", type=int, default=20000)
     ap.add_argument("--ray-tasks", type=int, default=2000)
     ap.add_argument("--death-tasks", type=int, default=200)
+    ap.add_argument("--agent-rounds", type=int, default=300)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     env = lambda k: {"STEALER_NODE_CPUS": str(k)}  # noqa: E731
@@ -142,14 +181,22 @@ def main() -> None:
             r.stop()
         ex.submit(fib, 20, 16).result()
         two = timed(lambda: [f.result() for f in [ex.submit(fib, 30, 18) for _ in range(8)]])
+        moving, moved = busy_agents(ex, ex.nodes[0], a.agent_rounds)
+        st = ex.stats()
         ex.shutdown()
-        ex1 = stealer.Executor(cluster=True, steal=None)
+        ex1 = stealer.Executor(cluster=True, steal=None, rebalance=None)
         one_node = ex1.nodes[0]
         ex1.submit_to(one_node, fib, 20, 16).result()
         one = timed(lambda: [f.result() for f in
                              [ex1.submit_to(one_node, fib, 30, 18) for _ in range(8)]])
+        staying, stayed_moved = busy_agents(ex1, one_node, a.agent_rounds)
         ex1.shutdown()
         out["forkjoin_roots"] = {"one_node_s": one, "two_nodes_s": two, "speedup": one / two}
+        out["busy_agents_on_one_node"] = {
+            "rounds": a.agent_rounds, "work_s": a.agent_rounds * 8 * 0.002,
+            "rebalanced_s": moving, "agents_moved": moved, "moves": st.agent_moves,
+            "move_ms": st.move_s * 1e3, "without_rebalancing_s": staying,
+            "moved_without": stayed_moved, "speedup": staying / moving}
 
         # -- a node dies mid-run
         ex = stealer.Executor(cluster=True, seed=2)
@@ -171,6 +218,11 @@ def main() -> None:
             "results": len(fs), "duplicates_dropped": st.duplicates,
             "nodes_left": [n == head for n in ex.nodes]}
         ex.shutdown()
+    except BaseException:  # (printed before Ray goes: an executor left running may abort)
+        import traceback
+
+        traceback.print_exc()
+        raise
     finally:
         ray.shutdown()
         c.shutdown()

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from stealer.shared.shm import shm_dir
+from stealer.shared.shm import _alive, shm_dir
 
 __all__ = ["NAME_RE", "Publisher", "is_cluster_id", "list_snapshots", "new_id", "read"]
 
@@ -43,16 +43,6 @@ def is_cluster_id(name: str) -> bool:
 
 def path_of(name: str) -> str:
     return os.path.join(shm_dir(), os.path.basename(name))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def write(name: str, data: dict[str, Any]) -> None:

@@ -69,8 +69,10 @@ def test_what_it_writes_loads_back_as_pickle_would(v):
     assert same(pickle.loads(data), pickle.loads(pickle.dumps(v, 5)))
 
 
-def test_the_model_test_wrote_most_of_its_examples():
-    # (runs after it: pytest keeps the file's order) not a test of nothing
+def test_the_model_test_writes_most_of_its_examples():
+    """The model above is not a test of refusals: most of what it draws is written."""
+    written.clear()
+    test_what_it_writes_loads_back_as_pickle_would()  # (a @given test runs every example)
     assert len(written) >= 100 and sum(written) >= 0.7 * len(written)
 
 

@@ -368,6 +368,27 @@ def test_a_long_batch_of_messages_lets_the_other_agents_in(ex1):
         r.stop()
 
 
+def test_an_agent_notified_during_a_long_batch_gets_its_turn(ex1):
+    """As above, but the other agent's message comes while the batch already runs (its
+    notification waits in the worker's inbox, read only between turns): the batch still
+    ends at a message boundary past MSG_SLICE_NS."""
+    hold, a, b = (ex1.spawn_agent(L.Timed), ex1.spawn_agent(L.Timed),
+                  ex1.spawn_agent(L.Stamp))
+    for r in (hold, a):
+        r.call("work", 0).result(T)
+    b.call("hit").result(T)
+    busy = hold.call("work", 0.2)
+    time.sleep(0.05)
+    fa = [a.call("work", 0.02) for _ in range(16)]  # pending when a's turn starts
+    busy.result(T)
+    time.sleep(0.03)  # a's batch is running now
+    tb = b.call("hit").result(T)
+    ta = [f.result(T) for f in fa]
+    assert tb < ta[8], (tb, ta)  # not after all 16 (320 ms)
+    for r in (hold, a, b):
+        r.stop()
+
+
 def test_unpicklable_state_stays_put_and_works(ex):
     ref = ex.spawn_agent(L.Unpicklable, checkpoint_every=10)
     assert ref.result(T) == 100

@@ -283,11 +283,15 @@ class Host(Adoption, Messages, Generators, Calls, Leaving):
         other agents wait (a turn's, or a nested control turn's: inline.py)."""
         start = time.monotonic_ns()
         rq = self.rq
+        inbox = self.w.inbox
         while e.pending and e.state < SUSPENDED and not e.blocked:
             if e.handled >= MSG_BATCH:
                 break
-            if e.handled and rq.n and (time.monotonic_ns() - start > MSG_SLICE_NS
-                                       or rq.top_tier() < e.tier):
+            # another agent waits (runnable here, or notified since the turn began: its inbox
+            # entry is read only between turns) and our slice is over, or it has a higher tier
+            if (e.handled and (rq.n or len(inbox))
+                    and (time.monotonic_ns() - start > MSG_SLICE_NS
+                         or (rq.n and rq.top_tier() < e.tier))):
                 break  # the others' turn; the rest of ours after them (it stays runnable)
             # ref.stop() during the batch: its ping waits in our inbox until this turn
             # ends (16 slow handlers: seconds), so look at the flag itself; the next turn

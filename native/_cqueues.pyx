@@ -1671,6 +1671,13 @@ cdef tuple _dec_call(const unsigned char *p, Py_ssize_t n):
 from pickle import dumps as _pickle_dumps, loads as _pickle_loads
 
 
+def set_loads(f):
+    """The pickle reader of this module's inline reads (serialize.py sets the native
+    reader of small pickles, stealer._fastpickle.loads, which falls back to pickle's)."""
+    global _pickle_loads
+    _pickle_loads = f
+
+
 class _OutOfBand(Exception):
     """Raised by the fast submit's pickler at the first out-of-band buffer (before it is
     copied): such a payload takes the Python path, which keeps its buffers apart."""
@@ -1773,3 +1780,33 @@ cdef class ClientSubmit:
 
 
 include "_layout_py.pxi"
+
+
+# -- signals held while a client thread settles a batch (stealer/client/waiting.py) ------------
+from posix.signal cimport SIG_BLOCK, SIG_SETMASK, sigfillset, sigset_t
+
+
+cdef extern from "<signal.h>" nogil:
+    int pthread_sigmask(int how, const sigset_t *set, sigset_t *oldset)
+
+
+def block_signals():
+    """Block every signal in the calling thread (SIGKILL and SIGSTOP stay, as the kernel
+    keeps them); returns the old mask, for :func:`restore_signals`.  Two calls instead
+    of ``signal.pthread_sigmask``'s, which convert a set of 62 signals both ways (a
+    lockstep client settles a batch several times per round)."""
+    cdef sigset_t full, old
+    sigfillset(&full)
+    cdef int rc = pthread_sigmask(SIG_BLOCK, &full, &old)
+    if rc != 0:
+        raise OSError(rc, "pthread_sigmask failed")
+    return PyBytes_FromStringAndSize(<char *>&old, sizeof(sigset_t))
+
+
+def restore_signals(bytes old not None):
+    """Set the calling thread's mask back to ``old`` (from :func:`block_signals`)."""
+    if PyBytes_GET_SIZE(old) != sizeof(sigset_t):
+        raise ValueError("not a mask from block_signals")
+    cdef int rc = pthread_sigmask(SIG_SETMASK, <sigset_t *>PyBytes_AS_STRING(old), NULL)
+    if rc != 0:
+        raise OSError(rc, "pthread_sigmask failed")

@@ -5,6 +5,10 @@ types (a tuple stays a tuple, an int an int, an array a writable ndarray of the 
 and shape); whatever it cannot write as pickle would (a subclass, an object met twice, an
 int past 64 bits, a lone surrogate, a big or non-contiguous array, too deep, too large) it
 must refuse with None, and ``serialize.dumps`` then pickles it the usual way.
+
+Its reader, ``loads``, must read everything the writer writes itself (never handing it to
+pickle.loads), give what pickle.loads gives, and hand whatever else it is given (a
+Pickler's output, a truncated or altered pickle) to pickle.loads.
 """
 
 from __future__ import annotations
@@ -24,11 +28,12 @@ fp.set_ndarray(np.ndarray)
 
 
 def same(a: object, b: object) -> bool:
-    """Equal values of the same types, all the way down (NaN equal to NaN)."""
+    """Equal values of the same types, all the way down (NaN equal to NaN); ``a`` is the one
+    read back, whose arrays must be writable."""
     if type(a) is not type(b):
         return False
     if isinstance(a, np.ndarray):
-        return (a.dtype == b.dtype and a.shape == b.shape and b.flags.writeable
+        return (a.dtype == b.dtype and a.shape == b.shape and a.flags.writeable
                 and a.tobytes() == b.tobytes())
     if isinstance(a, (tuple, list)):
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
@@ -69,6 +74,78 @@ def test_what_it_writes_loads_back_as_pickle_would(v):
     assert same(pickle.loads(data), pickle.loads(pickle.dumps(v, 5)))
 
 
+class Spy:
+    """The reader's fallback, counting what it was handed."""
+
+    def __init__(self) -> None:
+        self.handed: list[bytes] = []
+
+    def __call__(self, data: bytes) -> object:
+        self.handed.append(data)
+        return pickle.loads(data)
+
+
+@pytest.fixture
+def spy():
+    s = Spy()
+    fp.set_loads(s)
+    try:
+        yield s
+    finally:
+        fp.set_loads(pickle.loads)  # (serialize's setting)
+
+
+@settings(max_examples=300, deadline=None)
+@given(values)
+def test_the_reader_reads_what_the_writer_writes_as_pickle_would(v):
+    s = Spy()
+    fp.set_loads(s)
+    try:
+        data = fp.dumps(v)
+        if data is None:
+            return
+        assert same(fp.loads(data), v)
+        assert not s.handed  # read natively, not by pickle.loads
+        # and a Pickler's pickle of the same value reads the same (handed on, or read)
+        assert same(fp.loads(pickle.dumps(v, 5)), pickle.loads(pickle.dumps(v, 5)))
+    finally:
+        fp.set_loads(pickle.loads)
+
+
+@pytest.mark.parametrize("proto", range(6))
+def test_the_reader_gives_what_pickle_gives_for_any_protocol(spy, proto):
+    for v in [None, 1, -5, 2**40, "é", b"x", (1, 2), [1, [2]], {"a": (1,)}, 1.5, True,
+              np.arange(3.0), {1, 2}, Spy]:
+        data = pickle.dumps(v, proto)
+        got = fp.loads(data)
+        assert same(got, pickle.loads(data)) if not isinstance(v, type) else got is v
+
+
+def test_a_truncated_or_altered_pickle_is_read_as_pickle_would(spy):
+    """Every prefix and every one-byte change of a lockstep reply's pickle: the reader either
+    hands it to pickle.loads, or reads it exactly as pickle.loads does (then it is made of
+    the writer's opcodes only, so pickle.loads is safe to run on it here)."""
+    data = fp.dumps((np.arange(4, dtype=np.float32), 0.5, "ok", [1, {"k": None}], (1, 2, 3, 4)))
+    variants = [data[:k] for k in range(len(data))]
+    for i in range(2, len(data)):
+        for b in (0x00, 0x01, 0x28, 0x29, 0x2E, 0x52, 0x65, 0x74, 0x75, 0x82, 0x85, 0xF5,
+                  0xFF, data[i] ^ 0x01):
+            variants.append(data[:i] + bytes([b]) + data[i + 1:])
+    read = 0
+    for x in variants:
+        spy.handed.clear()
+        try:
+            got = fp.loads(x)
+        except Exception:
+            assert spy.handed == [x]  # only pickle.loads raises
+            continue
+        if spy.handed:
+            continue  # pickle.loads's own result
+        read += 1
+        assert same(got, pickle.loads(x))
+    assert read >= 20  # some altered ones are still the writer's opcodes (a changed number)
+
+
 def test_the_model_test_writes_most_of_its_examples():
     """The model above is not a test of refusals: most of what it draws is written."""
     written.clear()
@@ -82,6 +159,11 @@ def test_the_model_test_writes_most_of_its_examples():
     b"", b"x" * 300, (), (1,), (1, 2), (1, 2, 3), (1, 2, 3, 4), [], [1, [2]], {}, {"a": 1},
     np.zeros(0), np.array(True), np.arange(6, dtype=np.int64).reshape(2, 3),
     np.array([1 + 2j]), np.arange(8, dtype=np.float32),
+    # written from the buffer: more than 3 dimensions, float16, a byte-swapped or
+    # read-only array, a Fortran-ordered one that is C-contiguous too
+    np.arange(16, dtype=np.int16).reshape(2, 2, 2, 2), np.zeros((1, 1, 1, 1, 2)),
+    np.arange(4, dtype=np.float16), np.arange(4, dtype=">f4"), np.arange(3, dtype=">i8"),
+    np.frombuffer(b"\x01\x02\x03\x04", dtype=np.uint8), np.asfortranarray(np.arange(3.0)),
     # a lockstep call's message and its reply
     (5, "act", (np.array([0.1, 0.2], dtype=np.float32),), None, 7, None, None, 0, 0),
     (np.arange(8, dtype=np.float32), 0.5),
@@ -108,6 +190,9 @@ cyclic.append(cyclic)
     np.zeros(1000),                          # an array past INBAND_MAX
     np.zeros((4, 4))[:, 1],                  # not C-contiguous
     np.array(["a"]), np.array([object()]),   # not a plain kind
+    np.zeros(2, dtype=[("a", "<f4")]),       # structured
+    np.zeros(2, dtype="M8[s]"), np.zeros(2, dtype="m8[s]"),  # dates, durations
+    np.asfortranarray(np.zeros((2, 3))),     # Fortran order only
     np.zeros(4).view(np.matrix),             # an ndarray subclass
     (shared, shared), cyclic,                # met twice: pickle keeps one object
     [[[[[1]]]]],                             # too deep

@@ -9,6 +9,7 @@ loop, by ``WorkerDeaths.drain`` and by ``_Future.result``/``exception``.
 from __future__ import annotations
 
 import _signal
+import os
 import signal
 import threading
 import time
@@ -25,6 +26,24 @@ NO_TARGET = (1 << 64) - 1  # a handle no record has: the waiter is woken for no 
 # _signal's call: signal.pthread_sigmask makes an enum of every signal in the old mask
 _ALL_SIGNALS = frozenset(int(s) for s in signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP}
 _sigmask = _signal.pthread_sigmask
+
+
+def _block_py() -> Any:
+    return _sigmask(signal.SIG_BLOCK, _ALL_SIGNALS)
+
+
+def _restore_py(old: Any) -> None:
+    _sigmask(signal.SIG_SETMASK, old)
+
+
+# native: two system calls, no conversion of a 62-signal set each way (about 3 µs a pair)
+_block, _restore = _block_py, _restore_py
+if os.environ.get("STEALER_NO_EXTENSIONS", "") in ("", "0"):
+    try:
+        from stealer._cqueues import block_signals as _block  # type: ignore[no-redef]
+        from stealer._cqueues import restore_signals as _restore  # type: ignore[no-redef]
+    except ImportError:  # not built: the reference queues warn about it (queues.py)
+        pass
 
 
 def _signals_due() -> None:
@@ -110,6 +129,32 @@ class Settling:
                 self.wake()  # the result thread runs them (_loop)
         return len(hs)
 
+    def settle_rings(self, main: bool) -> int:
+        """:meth:`wait_for`'s look at the rings: settle what they hold (up to 1024 per
+        ring); how many, or -1 after an internal error (reported; the caller returns)."""
+        got = 0
+        for ring in self.completions:
+            if not len(ring):
+                continue
+            if main:
+                old = _block()
+                try:
+                    _signals_due()
+                except BaseException:
+                    _restore(old)
+                    raise  # before the batch: nothing popped
+            try:
+                got += self.consume(ring, 1024)
+            except BaseException as exc:  # as in the result thread: a bug, reported
+                self.internal_error(exc)
+                return -1
+            finally:
+                if main:
+                    _restore(old)
+        if got and (self.backlog or self.requeue or self.ping_backlog):
+            self.wake()  # records freed here: the result thread moves backlogs in
+        return got
+
     def run_callbacks(self) -> None:
         """The done callbacks deferred while their futures were settled (:meth:`consume`)."""
         q = self.cb_later
@@ -139,7 +184,6 @@ class Settling:
         if (self.closed or threading.current_thread() is self.thread
                 or not self.waiter_role.acquire(blocking=False)):
             return timeout
-        rings = self.completions
         idle = self.idle
         pending = _fbase.PENDING
         poll = BATCH_POLL
@@ -152,28 +196,16 @@ class Settling:
         idle.waiter_take()
         try:
             while f._state == pending and not self.closed:
-                got = 0
-                for ring in rings:
-                    if not len(ring):
-                        continue
-                    if main:
-                        old = _sigmask(signal.SIG_BLOCK, _ALL_SIGNALS)
-                        try:
-                            _signals_due()
-                        except BaseException:
-                            _sigmask(signal.SIG_SETMASK, old)
-                            raise  # before the batch: nothing popped
-                    try:
-                        got += self.consume(ring, 1024)
-                    except BaseException as exc:  # as in the result thread: a bug, reported
-                        self.internal_error(exc)
-                        return timeout
-                    finally:
-                        if main:
-                            _sigmask(signal.SIG_SETMASK, old)
-                if got and (self.backlog or self.requeue or self.ping_backlog):
-                    self.wake()  # records freed here: the result thread moves backlogs in
+                got = self.settle_rings(main)
+                if got < 0:
+                    return timeout
                 if f._state != pending:
+                    # One more pass before leaving: completions pushed meanwhile (the other
+                    # worker's replies of a lockstep round) are settled here, not by a
+                    # wake of the result thread that takes the GIL from this thread.
+                    # One pass only: a steady stream never keeps the caller here.
+                    if self.has_completions() and self.settle_rings(main) < 0:
+                        return timeout
                     break
                 if got:
                     poll = BATCH_POLL

@@ -248,7 +248,14 @@ class Idle:
         """Worker side, about to idle after completions it did not announce (``owed``
         here or in its HotPath): wake the result thread from either park."""
         self.owed = False
-        self.r.fence()  # seq_cst: the completion pushes before reading the park words
+        r = self.r
+        r.fence()  # seq_cst: the completion pushes before reading the park words
+        # seq_cst load: pairs with the waiter's stores of its state (waiter_take/_park)
+        if r.load32(H_WAITER_PARK) in (WAITER_AWAKE, NOTIFIED):
+            # it looks at the rings before it parks or leaves (as wake_client): waking the
+            # result thread here made it take the GIL from a client gathering a lockstep
+            # round, 3-4 times a round, each a GIL hand-off both ways
+            return
         if not self._wake_parked(H_WAITER_PARK):
             self._wake_parked(H_CLIENT_PARK)
 

@@ -120,6 +120,7 @@ except ValueError:
 # It writes arrays under the extension code above, so only where that code is ours; not
 # with STEALER_NO_EXTENSIONS (the reference build), nor where it was not built.
 _fast: Callable[[Any], bytes | None] | None = None
+fast_loads: Callable[[Any], Any] = pickle.loads  # pickle.loads, or its native twin below
 if (os.environ.get("STEALER_NO_EXTENSIONS", "") in ("", "0")
         and copyreg._extension_registry.get((__name__, "_small_array")) == _SMALL_ARRAY_CODE):
     try:
@@ -129,6 +130,16 @@ if (os.environ.get("STEALER_NO_EXTENSIONS", "") in ("", "0")
     else:
         if _fastpickle.EXT == _SMALL_ARRAY_CODE and _fastpickle.ARRAY_MAX == INBAND_MAX:
             _fast = _fastpickle.dumps
+            # and its reader: what it writes, read back without an Unpickler (anything
+            # else by pickle.loads); the native inline reads use it too
+            _fastpickle.set_loads(pickle.loads)
+            fast_loads = _fastpickle.loads
+            try:
+                from stealer import _cqueues
+            except ImportError:
+                pass
+            else:
+                _cqueues.set_loads(fast_loads)
 
 
 class _ArrayPickler(pickle.Pickler):

@@ -353,3 +353,24 @@ def test_kills_while_searching_leave_the_accounting_sound():
         # A burst that only notify_one's wake-ups get going completes.
         fs = [ex.submit(tasks.square, i) for i in range(200)]
         assert [f.result(timeout=30) for f in fs] == [i * i for i in range(200)]
+
+
+def test_the_spin_before_a_park_adapts_to_how_long_parks_last():
+    """Worker.search's spin (loop.next_spin): long parks after a spin halve it down to
+    SPIN_MIN (a lockstep client's gaps: spinning there only burned the client's CPU),
+    parks that end sooner than the spin double it back up to SPIN_ROUNDS, and parks of
+    about the spin's length leave it."""
+    from stealer.worker.loop import SPIN_MIN, SPIN_ROUNDS, next_spin
+
+    limit = SPIN_ROUNDS
+    seen = []
+    for _ in range(10):  # spun 300 µs, parked 2 ms each time
+        limit = next_spin(limit, 300_000, 2_000_000)
+        seen.append(limit)
+    assert seen[0] == SPIN_ROUNDS // 2 and limit == SPIN_MIN
+    assert seen == sorted(seen, reverse=True)
+    for _ in range(10):  # work came back sooner than the spin lasted
+        limit = next_spin(limit, 20_000, 5_000)
+    assert limit == SPIN_ROUNDS
+    assert next_spin(16, 100_000, 200_000) == 16  # neither: kept
+    assert next_spin(SPIN_MIN, 1, 10**9) == SPIN_MIN and next_spin(SPIN_ROUNDS, 10, 1) == SPIN_ROUNDS

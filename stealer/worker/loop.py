@@ -107,7 +107,8 @@ EXIT_INIT_FAILED = 3
 
 _NO_BUFS: list = []  # (read only)
 
-SPIN_ROUNDS = 64  # search rounds before parking
+SPIN_ROUNDS = 64  # search rounds before parking, at most (Worker.spin_limit adapts)
+SPIN_MIN = 4  # ... and at least
 PARK_TIMEOUT = 0.5  # seconds; on timeout the worker checks that its client is alive
 INJECTOR_BATCH = LEASE_SLOTS  # one lease slot per handle of a batch
 STEAL_CAP = 32
@@ -167,6 +168,19 @@ def _on_sigint(signum: int, frame: Any) -> None:
             w.interrupted = True  # raised at the end of spawn(), once the child is queued
             return
         raise KeyboardInterrupt
+
+
+def next_spin(limit: int, spun_ns: int, slept_ns: int) -> int:
+    """The search rounds before the next park, after spinning ``limit`` rounds for
+    ``spun_ns`` and then parking for ``slept_ns`` (Worker.spin_limit): twice as many when
+    the park ended sooner than the spin had lasted (a longer spin would have caught that
+    work), half as many when it lasted over four times longer (spinning does not pay
+    between such gaps), within [SPIN_MIN, SPIN_ROUNDS]."""
+    if slept_ns < spun_ns:
+        return min(SPIN_ROUNDS, limit * 2)
+    if slept_ns > 4 * spun_ns:
+        return max(SPIN_MIN, limit >> 1)
+    return limit
 
 
 class Worker(ForkJoinHandling, PingHandling):
@@ -264,6 +278,13 @@ class Worker(ForkJoinHandling, PingHandling):
         self.joining: set[int] = set()  # tasks waiting in a blocking join on our stack
         self.interrupted = False  # a Ctrl-C held back by spawn()
         self.tick = 0
+        # Search rounds before parking (search): halved after a park that lasted much
+        # longer than the spin before it (spinning would not have caught that work),
+        # doubled after one that ended sooner (a longer spin would have).  A lockstep
+        # client's round (0.5-1 ms between a worker's last reply and its next message)
+        # had each worker spin 64 rounds, ~340 µs of CPU, before every park: 15 µs per
+        # call, and CPU the client needed on a machine with as many workers as cores.
+        self.spin_limit = SPIN_ROUNDS
         self.flushed_ns = 0  # monotonic ns of the last flush() of the counters
         self.journal: Any = None  # the agents' journal (Executor(journal=PATH)): our shard
         jcfg = a.journal
@@ -379,6 +400,7 @@ class Worker(ForkJoinHandling, PingHandling):
         self.host.went_idle()  # idle from now on: our busy share (agents/placement.py)
         searching = idle.try_search(self.k)
         rounds = 0
+        spun_from = time.monotonic_ns()
         while True:
             host = self.host
             if len(self.inbox) or host.has_work() or self.held or self.orphans:
@@ -400,7 +422,7 @@ class Worker(ForkJoinHandling, PingHandling):
                     idle.stop_search(self.k, False)
                 return None
             rounds += 1
-            if rounds < SPIN_ROUNDS:
+            if rounds < self.spin_limit:
                 # Yield every round: on a machine with few cores the client (or another
                 # worker) may be waiting for this CPU; a pure spin would take half of it.
                 os.sched_yield()
@@ -418,7 +440,11 @@ class Worker(ForkJoinHandling, PingHandling):
                 # sends waiting for room in a peer's mailbox, notifications for room in a
                 # peer's inbox (mailbox.py deliver_held)
                 timeout = min(timeout, 0.001)
+            parked = time.monotonic_ns()
             woke = idle.park(self.k, self.has_work, timeout)
+            t = time.monotonic_ns()
+            self.spin_limit = next_spin(self.spin_limit, parked - spun_from, t - parked)
+            spun_from = t
             if woke:
                 self.c[C_WAKEUPS] += 1
             if host.dir.held:

@@ -1140,6 +1140,38 @@ cdef class HotPath:
         st_store_release_u64(e + D_DONE, m + 1)
         self._give_back(e)
 
+    def take_mail(self, Py_ssize_t ent, uint64_t seen):
+        """Worker, the owner of the agent whose directory entry is at ``ent``, notified:
+        clear AF_NOTIFIED, take the messages pushed since head value ``seen`` (oldest
+        first), then read the flags.  Returns ``(flags, head, messages)``; the Python twin
+        is Directory.take_mail (clear_notified, take, flags)."""
+        if ent < 0 or ent + DIR_BYTES > self.region.size:
+            raise ValueError(f"directory entry at {ent} lies outside the segment")
+        cdef char *e = self.region.base + ent
+        # seq_cst RMW: pairs with post_msg's fetch_or of AF_NOTIFIED (Directory.notify):
+        # a message pushed after the walk below sets it again and notifies again
+        wset_fetch_and_seqcst(e + D_FLAGS, ~(<uint64_t>AF_NOTIFIED))
+        # acquire: pairs with the senders' seq_cst CAS on D_HEAD (and the closing CAS)
+        cdef uint64_t head = st_load_acquire_u64(e + D_HEAD) & (D_CLOSED - 1)
+        cdef list out = []
+        cdef uint64_t v = head
+        cdef uint64_t m
+        cdef Py_ssize_t steps = 0
+        while v and v != seen:
+            m = v - 1
+            self._check_handle(m)
+            out.append(m)
+            # plain load: written by the sender before its push CAS, which the acquire
+            # load of D_HEAD above (or of a later head) synchronises with
+            v = (<uint64_t *>(self.rec(m) + R_NEXT))[0]
+            steps += 1
+            if <uint64_t>steps > self.nrecords:
+                raise ValueError("corrupt mailbox chain: longer than the record count")
+        out.reverse()
+        # seq_cst load after clearing NOTIFIED: pairs with stop's or64 (a stop is never missed)
+        cdef uint64_t flags = st_load_seqcst_u64(e + D_FLAGS)
+        return flags, head, out
+
     def start(self, uint64_t h, Py_ssize_t current_off, uint64_t t_start,
               Py_ssize_t wait_hist_off=-1, uint64_t who=0):
         """Worker ``who - 1``: the ``start`` transition QUEUED -> RUNNING|who.

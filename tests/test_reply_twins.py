@@ -168,3 +168,43 @@ def test_msg_done_marks_the_message_and_gives_its_slot_back_as_the_reference_doe
     finally:
         for rg in rigs:
             rg.seg.unlink()
+
+
+def test_take_mail_takes_what_was_pushed_oldest_first_as_the_reference_does():
+    """HotPath.take_mail (native) against Directory.clear_notified + take + flags (Python):
+    the same flags (NOTIFIED cleared, STOP kept), head and messages oldest first, from an
+    empty mailbox, after one push, after three more, and after a stop."""
+    from stealer.agents.mailbox import Directory
+    from stealer.shared._layout import AF_NOTIFIED, AF_STOP, D_FLAGS
+    from stealer.shared.idle import Idle
+
+    rigs = _rigs()
+    try:
+        seen_all = []
+        for rg in rigs:
+            a, r = rg.arena, rg.seg.region
+            d = Directory(r, a, rg.layout.offsets["agents"], rg.inboxes, Idle(r, rg.layout))
+            assert (d.hot is not None) == (rg.cfg == "native")
+            h = a.alloc()
+            a.setup(h, K_ROOT, 0, 0)
+            d.init(h, 8)
+            e = d.entry(h)
+            out, seen = [], 0
+            for batch, extra in ((0, 0), (1, 0), (3, 0), (0, AF_STOP), (1, 0)):
+                pushed = []
+                for _ in range(batch):
+                    m = a.alloc()
+                    a.setup(m, K_MSG, 0, 0)
+                    assert d.push(h, m)
+                    pushed.append(m)
+                r.or64(e + D_FLAGS, AF_NOTIFIED | extra)
+                flags, seen, got = d.take_mail(h, seen)
+                assert got == pushed  # oldest first, only the new ones
+                assert not r.load64(e + D_FLAGS) & AF_NOTIFIED
+                out.append((flags, len(got)))
+            seen_all.append(out)
+        assert seen_all[0] == seen_all[1] == seen_all[2], seen_all
+        assert [f & AF_STOP for f, _ in seen_all[0]] == [0, 0, 0, AF_STOP, AF_STOP]
+    finally:
+        for rg in rigs:
+            rg.seg.unlink()

@@ -296,6 +296,18 @@ class Directory:
     def flags(self, h: int) -> int:
         return self.r.load64(self.entry(h) + D_FLAGS)  # pairs with the or64 of stop/notify
 
+    def take_mail(self, h: int, seen: int) -> tuple[int, int, list[int]]:
+        """Owner, notified: :meth:`clear_notified`, :meth:`take`, then :meth:`flags`, in
+        that order (a message pushed after the walk notifies again; a stop set before the
+        clear is seen); ``(flags, head, messages oldest first)``.  One native call with
+        the extension (HotPath.take_mail)."""
+        hot = self.hot
+        if hot is not None:
+            return hot.take_mail(self.entry(h), seen)
+        self.clear_notified(h)
+        got, head = self.take(h, seen)
+        return self.flags(h), head, got
+
     def take(self, h: int, seen: int) -> tuple[list[int], int]:
         """Messages pushed since ``seen`` (a head value), oldest first, and the new head
         (a closed mailbox's chain too: a successor of an owner killed while finishing)."""

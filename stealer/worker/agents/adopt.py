@@ -206,9 +206,14 @@ class Adoption:
             e = dormant.thaw(self, h, _Entry) if self.dormant else None
             if e is None:
                 return False
-        self.dir.clear_notified(h)
-        self.take(e)
-        if self.dir.flags(h) & AF_STOP:  # read after clearing NOTIFIED: a stop is never missed
+        # NOTIFIED cleared, the new messages, then the flags: a stop is never missed
+        flags, e.seen, got = self.dir.take_mail(h, e.seen)
+        if got:
+            if e.pending is None:
+                e.pending = collections.deque(got)
+            else:
+                e.pending.extend(got)
+        if flags & AF_STOP:
             e.stop = True
             self.schedule(e)
         elif e.state == SUSPENDED:

@@ -98,6 +98,7 @@ cdef class HotPath:
     cdef void c_free(self, uint64_t h) noexcept nogil
     cdef void _give_back(self, char *e) noexcept nogil
     cdef int _check_handle(self, uint64_t h) except -1
+    cdef object c_read_inline(self, uint64_t h)
     cdef int64_t c_fresh(self, uint32_t kind, uint64_t link, const char *data,
                          Py_ssize_t n, uint32_t retries) noexcept nogil
     cdef int64_t c_submit_inline(self, uint32_t kind, uint64_t link, const char *data,

@@ -744,6 +744,8 @@ cdef int64_t CORRUPT_FREE_RING = INT64_MIN
 
 # post_msg's results (HotPath.post_msg; stealer/client/agents.py reads them by these names)
 DEF D_CLOSED = 0x8000000000000000ULL   # mailbox.CLOSED: the top bit of D_HEAD
+DEF _WAITING = 1     # stealer/worker/agents/entry.py: RUNNABLE, WAITING, SLEEPING, SUSPENDED, ...
+DEF _SUSPENDED = 3
 cdef enum:
     C_POST_QUIET = -1
     C_POST_FULL = -2
@@ -1316,13 +1318,8 @@ cdef class HotPath:
             return -3
         return self.c_finish(rh, status, <const char *>data, len(data), completions, who)
 
-    def read_inline(self, uint64_t h):
-        """Worker: the call payload of record ``h`` read back (``serialize.load_call``'s
-        result) when it is a pickle stored inline, else None (the caller reads it the long
-        way, Arena.read_call): an agent's message, an agent's spawn.  The record is the
-        caller's to read: a message's push (seq_cst CAS on the mailbox's D_HEAD) happened
-        before the notification that brought its owner here; a spawn's start CAS (QUEUED ->
-        RUNNING) acquired what its submitter wrote."""
+    cdef object c_read_inline(self, uint64_t h):
+        # read_inline's body: the inline pickle of record h, loaded, or None
         self._check_handle(h)
         cdef char *r = self.rec(h)
         cdef uint64_t n
@@ -1332,6 +1329,126 @@ cdef class HotPath:
         if n < 1 or n > INLINE or (<unsigned char *>(r + R_INLINE))[0] == SMALL:
             return None
         return _pickle_loads(PyBytes_FromStringAndSize(r + R_INLINE, <Py_ssize_t>n))
+
+    def serve(self, e, Py_ssize_t ent, SPSCRing completions, uint64_t who, list counters,
+              Py_ssize_t c_msgs, w, rq, inbox, int64_t start_ns, int64_t slice_ns, int batch,
+              dumps):
+        """Worker ``who - 1``: the turn's messages of agent ``e`` (a worker/agents _Entry
+        whose directory entry is at ``ent``), handled here one after another while each is
+        a plain call: Host.deliver_batch's loop with Messages.deliver, handled and reply
+        in one native call (its Python twin is that loop itself, which runs where this
+        does not: STEALER_NO_FAST_TURN=1, failpoints, no extension; tests/test_fast_turn.py
+        runs one script both ways).
+
+        The caller made sure the fast path applies to the agent (no journal, nothing to
+        replay, no failpoints).  Each message is checked before it is taken: an inline
+        pickle, for ``e`` itself, no sender (journal), no deadline, a public method that
+        is not ``step``/``on_stop``; else this returns ``(SERVE_SLOW, ...)`` with the
+        message left first in ``e.pending`` for Messages.deliver.  Returns ``(code, a, b,
+        c)``:
+
+        * SERVE_EMPTY: nothing pending, or the agent suspended or blocked meanwhile;
+        * SERVE_BREAK: the batch ends here (the batch's size, the slice of ``slice_ns``
+          from ``start_ns`` while others wait or a higher tier is runnable, a stop);
+        * SERVE_SLOW: the next message needs Messages.deliver;
+        * SERVE_EXC ``(m, reply, exc)``: the handler raised (message not marked done);
+        * SERVE_GEN ``(m, reply, generator)``: the handler is a generator (not done);
+        * SERVE_REPLY ``(reply, -, value)``: handled and done; the value is not one
+          ``dumps`` (stealer._fastpickle.dumps) writes: the caller replies the long way;
+        * SERVE_AFTER ``(reply, done, data)``: handled, done, reply_inline returned
+          ``done`` (-3, 0 or 2) for ``data``: the caller finishes as Messages.reply does.
+        """
+        cdef uint64_t m, rh
+        cdef int64_t reply
+        cdef char *ep = self.region.base + ent
+        cdef int done
+        cdef Py_ssize_t handled
+        if ent < 0 or ent + DIR_BYTES > self.region.size:
+            raise ValueError(f"directory entry at {ent} lies outside the segment")
+        pending = e.pending
+        h = e.h
+        obj = e.obj
+        while True:
+            if pending is None or not pending:
+                return SERVE_EMPTY, None, None, None
+            if e.state >= _SUSPENDED or e.blocked:
+                return SERVE_EMPTY, None, None, None
+            handled = e.handled
+            if handled >= batch:
+                return SERVE_BREAK, None, None, None
+            if handled:
+                # another agent waits (runnable, or notified since the turn began) and our
+                # slice is over, or it has a higher tier (Host.deliver_batch)
+                if (rq.n or len(inbox)) and (_now_ns() - <uint64_t>start_ns > <uint64_t>slice_ns
+                                             or (rq.n and rq.top_tier() < e.tier)):
+                    return SERVE_BREAK, None, None, None
+                # seq_cst load: pairs with ref.stop()'s or64 of AF_STOP
+                if st_load_seqcst_u64(ep + D_FLAGS) & AF_STOP:
+                    e.stop = True
+                    return SERVE_BREAK, None, None, None
+            m = <uint64_t>pending[0]
+            msg = self.c_read_inline(m)
+            if type(msg) is not tuple or len(<tuple>msg) != 9:
+                return SERVE_SLOW, None, None, None
+            target, method, args, kwargs, rep, deadline, sender, _seq, _ack = <tuple>msg
+            if (sender is not None or deadline is not None or target != h
+                    or type(method) is not str or type(args) is not tuple
+                    or method == "step" or method == "on_stop"):
+                return SERVE_SLOW, None, None, None
+            fn = getattr(obj, method, None)
+            if fn is None or not callable(fn):
+                return SERVE_SLOW, None, None, None
+            reply = rep
+            # taken: from here on as Messages.deliver
+            pending.popleft()
+            e.handled = handled + 1
+            # plain store, the owner's record (as deliver's pack_into): how many steps came
+            # before this message, for an exact replay after a restore
+            (<uint64_t *>(self.rec(m) + R_TSTART))[0] = <uint64_t>e.steps
+            e.msgs += 1
+            e.events += 1
+            counters[c_msgs] += 1
+            w.in_body = True
+            try:
+                res = fn(*args, **kwargs) if kwargs else fn(*args)
+            except BaseException as exc:
+                w.in_body = False
+                return SERVE_EXC, m, reply, exc
+            w.in_body = False
+            if type(res) is _GeneratorType:
+                return SERVE_GEN, m, reply, res
+            e.applied = m + 1  # its effect is in the state now (a checkpoint may cover it)
+            # release store then seq_cst RMW, as msg_done: D_DONE for a recoverer, the slot back
+            st_store_release_u64(ep + D_DONE, m + 1)
+            self._give_back(ep)
+            if reply >= 0:
+                data = dumps(res)
+                if data is None:
+                    return SERVE_REPLY, reply, 0, res
+                rh = <uint64_t>reply
+                self._check_handle(rh)
+                # seq_cst CAS, the claim (as reply_inline): pairs with the caller's cancel CAS
+                # and with a recoverer's CAS after our death
+                if not st_cas_seqcst_u64(self.rec(rh), (rh >> 32) | (<uint64_t>S_QUEUED << STATE_SHIFT),
+                                         (rh >> 32) | (<uint64_t>S_RUNNING << STATE_SHIFT)
+                                         | (who << WHO_SHIFT)):
+                    done = -3
+                else:
+                    done = self.c_finish(rh, ST_OK, <const char *>PyBytes_AS_STRING(data),
+                                         PyBytes_GET_SIZE(data), completions, who)
+                if done != 1 and done != -1:
+                    return SERVE_AFTER, reply, done, data
+            if e.state == _WAITING and e.want_step is False and hasattr(obj, "step"):
+                e.want_step = True  # ctx.wait(): step again once a message was handled
+
+    def read_inline(self, uint64_t h):
+        """Worker: the call payload of record ``h`` read back (``serialize.load_call``'s
+        result) when it is a pickle stored inline, else None (the caller reads it the long
+        way, Arena.read_call): an agent's message, an agent's spawn.  The record is the
+        caller's to read: a message's push (seq_cst CAS on the mailbox's D_HEAD) happened
+        before the notification that brought its owner here; a spawn's start CAS (QUEUED ->
+        RUNNING) acquired what its submitter wrote."""
+        return self.c_read_inline(h)
 
     def finish_value(self, uint64_t h, value, SPSCRing completions, uint64_t who=0):
         """Worker: :meth:`finish_inline` of a plain result (``ST_OK``), encoded here: the
@@ -1701,6 +1818,12 @@ cdef tuple _dec_call(const unsigned char *p, Py_ssize_t n):
 
 
 from pickle import dumps as _pickle_dumps, loads as _pickle_loads
+
+
+from types import GeneratorType as _GeneratorType
+
+# HotPath.serve's results (stealer/worker/agents/host.py reads them)
+SERVE_EMPTY, SERVE_BREAK, SERVE_SLOW, SERVE_EXC, SERVE_GEN, SERVE_REPLY, SERVE_AFTER = range(7)
 
 
 def set_loads(f):

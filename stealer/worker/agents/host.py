@@ -62,6 +62,7 @@ from stealer.agents.mailbox import Directory
 from stealer.agents.options import AgentOptions
 from stealer.errors import DeadlineExceeded, StepTimeout
 from stealer.shared import failpoints as FP
+from stealer.shared import serialize
 from stealer.shared._layout import AF_STOP, D_CPU_NS, D_MSGS, D_STEPS, ST_ERROR, ST_OK
 from stealer.shared.shm import (
     H_PARKED,
@@ -81,6 +82,7 @@ from stealer.worker.agents.calls import Calls
 from stealer.worker.agents.entry import (
     C_BUSY_NS,
     C_INLINE,
+    C_MSGS,
     C_PREEMPT,
     C_STEPS,
     FINISHED,
@@ -92,7 +94,7 @@ from stealer.worker.agents.entry import (
 )
 from stealer.worker.agents.generators import Generators
 from stealer.worker.agents.leaving import Leaving
-from stealer.worker.agents.messages import Messages
+from stealer.worker.agents.messages import SERVE_BREAK, SERVE_SLOW, Messages
 from stealer.worker.agents.runqueue import RunQueue
 
 __all__ = ["Host"]
@@ -160,6 +162,15 @@ class Host(Adoption, Messages, Generators, Calls, Leaving):
         self.preempt = w.native
         self.bal = Balancer(self)  # our busy share and the moves to peers (balance.py)
         self.journal: Any = getattr(w, "journal", None)  # journal.WorkerJournal or None
+        # A turn's plain calls in one native call each (HotPath.serve, messages.py), with
+        # the extension and its small-pickle writer, no journal and no failpoints;
+        # STEALER_NO_FAST_TURN=1 keeps the Python loop (its reference) for comparisons.
+        hot = getattr(w.arena, "hot", None)
+        self.serve: Any = None
+        if (hot is not None and serialize._fast is not None and self.journal is None
+                and not FP.ON and os.environ.get("STEALER_NO_FAST_TURN", "") in ("", "0")):
+            self.serve = hot.serve
+            self.fast_dumps = serialize._fast
         if self.journal is not None:
             api._remap.append(self._remap)
         if self.preempt:
@@ -283,8 +294,21 @@ class Host(Adoption, Messages, Generators, Calls, Leaving):
         other agents wait (a turn's, or a nested control turn's: inline.py)."""
         start = time.monotonic_ns()
         rq = self.rq
-        inbox = self.w.inbox
+        w = self.w
+        inbox = w.inbox
+        serve = self.serve if not e.replay else None
         while e.pending and e.state < SUSPENDED and not e.blocked:
+            if serve is not None:
+                # this loop and deliver's common case natively, up to the next message
+                # that needs them here (the checks below then agree: nothing ended it)
+                code, x, y, z = serve(e, self.dir.entry(e.h), w.completions, self.who, w.c,
+                                      C_MSGS, w, rq, inbox, start, MSG_SLICE_NS, MSG_BATCH,
+                                      self.fast_dumps)
+                if code <= SERVE_BREAK:
+                    return
+                if code != SERVE_SLOW:
+                    self.served(e, code, x, y, z)
+                    continue
             if e.handled >= MSG_BATCH:
                 break
             # another agent waits (runnable here, or notified since the turn began: its inbox

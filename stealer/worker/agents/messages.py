@@ -31,6 +31,9 @@ from stealer.shared.records import Outcome
 from stealer.worker.agents.entry import _U64, C_MSGS, WAITING, _Entry
 from stealer.worker.outcome import encode_result
 
+# HotPath.serve's results (native/_cqueues.pyx; the same numbers without the extension)
+SERVE_EMPTY, SERVE_BREAK, SERVE_SLOW, SERVE_EXC, SERVE_GEN, SERVE_REPLY, SERVE_AFTER = range(7)
+
 
 class Messages:
     """A message handled (``deliver``, ``handled``), and its reply (``reply``), with the
@@ -130,6 +133,26 @@ class Messages:
         if e.state == WAITING and e.want_step is False and hasattr(e.obj, "step"):
             e.want_step = True  # ctx.wait(): step again once a message was handled
 
+    def served(self, e: _Entry, code: int, x: Any, y: Any, z: Any) -> None:
+        """What HotPath.serve (Host.deliver_batch) left to finish here, as deliver would:
+        a handler that raised or is a generator, a reply that is not a small pickle or not
+        stored inline (its codes: native/_cqueues.pyx)."""
+        if code == SERVE_EXC:  # (m, reply, exception): the caller gets it; the agent goes on
+            self.handled(e, x, False)
+            self.reply(y, ST_ERROR, z)
+            return
+        if code == SERVE_GEN:  # (m, reply, generator)
+            e.it = z
+            e.it_msg = (x, y, False, None, 0, y >= 0)
+            self.drive(e, None, None)
+            return
+        if code == SERVE_REPLY:  # (reply, -, value): handled and done
+            self.reply(x, ST_OK, z)
+        else:  # SERVE_AFTER (reply, reply_inline's result, data): handled and done
+            self.after_inline(x, y, (ST_OK, z, []))
+        if e.state == WAITING and e.want_step is False and hasattr(e.obj, "step"):
+            e.want_step = True  # ctx.wait(): step again once a message was handled
+
     def handled(self, e: _Entry, m: int, replay: bool) -> None:
         if FP.ON:
             FP.hit("agent.after_handler")
@@ -197,16 +220,8 @@ class Messages:
             if not enc[2]:
                 # claim + store + finish + publish in one call (HotPath.reply_inline)
                 done = a.reply_inline(rh, enc[0], enc[1], w.completions, self.who)
-                if done == 1 or done == -1:
-                    return
-                if done == -3:
-                    self.unclaimed(rh)
-                    return
-                kind, _status, link = a.kind_link(a.off(rh))
-                if done == 2:
-                    w.publish_child(kind, link)
-                else:  # 0: too large to sit inline; the slot is ours (RUNNING|who)
-                    w.report_encoded(rh, kind, link, *enc)
+                if done != 1 and done != -1:
+                    self.after_inline(rh, done, enc)
                 return
         tr = a.tr
         if tr.cas(rh, S_QUEUED, 0, S_RUNNING, self.who) is not Outcome.OK:
@@ -219,6 +234,19 @@ class Messages:
             w.report(rh, kind, link, status, value)
         else:
             w.report_encoded(rh, kind, link, *enc)
+
+    def after_inline(self, rh: int, done: int, enc: tuple) -> None:
+        """reply_inline (or HotPath.serve) returned ``done`` (-3, 0 or 2) for reply ``enc``
+        to slot ``rh``: finish as it says."""
+        if done == -3:
+            self.unclaimed(rh)
+            return
+        a = self.a
+        kind, _status, link = a.kind_link(a.off(rh))
+        if done == 2:
+            self.w.publish_child(kind, link)
+        else:  # 0: too large to sit inline; the slot is ours (RUNNING|who)
+            self.w.report_encoded(rh, kind, link, *enc)
 
     def unclaimed(self, rh: int) -> None:
         """Reply slot ``rh`` was not QUEUED|0 when we came to answer it."""

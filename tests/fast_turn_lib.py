@@ -1,0 +1,69 @@
+"""Agents for tests/test_fast_turn.py (importable by spawn-started workers)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+import stealer
+
+
+class Mixed(stealer.Agent):
+    """Message-only; its handlers return and raise what HotPath.serve hands back to Python."""
+
+    def __init__(self) -> None:
+        self.log: list[Any] = []
+
+    def plain(self, x: Any) -> Any:
+        self.log.append(("plain", x))
+        return x
+
+    def kw(self, x: int, *, y: int = 0) -> int:
+        self.log.append(("kw", x, y))
+        return x + y
+
+    def array(self, n: int) -> np.ndarray:
+        self.log.append(("array", n))
+        return np.arange(n, dtype=np.float64)  # past the inline area: reported the long way
+
+    def aset(self, n: int) -> set:
+        self.log.append(("aset", n))
+        return set(range(n))  # not a small pickle: the reply the long way
+
+    def fail(self, why: str) -> None:
+        self.log.append(("fail", why))
+        raise ValueError(why)
+
+    def gen(self, x: int) -> Any:
+        self.log.append(("gen", x))
+        if x < 0:  # (a generator that returns at once: driven the generator way all the same)
+            yield None
+        return x * 2
+
+    def slow(self, s: float) -> str:
+        self.log.append(("slow", s))
+        time.sleep(s)
+        return "slow"
+
+    def echo(self, x: Any) -> Any:
+        self.log.append(("echo", x))
+        return x
+
+    def ask(self, other: Any, x: Any) -> Any:  # an agent's call: its reply is K_REPLY
+        self.log.append(("ask", x))
+        v = yield other.call("echo", x)
+        return v
+
+    def history(self) -> list:
+        return list(self.log)
+
+
+def probe() -> list[bool]:
+    """In a worker: whether its Host serves messages natively (HotPath.serve)."""
+    import gc
+
+    from stealer.worker.agents.host import Host
+
+    return [h.serve is not None for h in gc.get_objects() if type(h) is Host]

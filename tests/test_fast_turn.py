@@ -1,0 +1,112 @@
+"""A turn's messages handled natively (HotPath.serve) against the Python loop it replaces
+(Host.deliver_batch with Messages.deliver), the same script run both ways.
+
+The script sends one agent every kind of message the native loop takes or hands back:
+plain calls, keyword arguments, one-way sends, a reply too large to sit inline, one that
+is not a small pickle, a handler that raises, a generator handler, an unknown method, the
+built-in ``state``, a call with a deadline, a payload too large to sit inline, a call
+cancelled while it waits, an agent's call (its reply goes to an agent), and a stop behind
+queued messages.  Every reply, the agent's own log of what it ran and in what order, and
+the stop's outcome must be the same; the native run must have used the native loop.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("STEALER_NO_EXTENSIONS", "") not in ("", "0"),
+    reason="the native loop needs the extension")
+
+SCRIPT = textwrap.dedent("""
+    import json, sys, time
+    import numpy as np
+    sys.path.insert(0, sys.argv[1])
+    import stealer
+    import fast_turn_lib as L
+
+    def show(f):
+        try:
+            v = f.result(30)
+        except BaseException as exc:
+            return ["err", type(exc).__name__, str(exc)[:60]]
+        if isinstance(v, np.ndarray):
+            return ["array", v.dtype.str, list(v.shape), float(v.sum())]
+        if isinstance(v, set):
+            return ["set", sorted(v)]
+        return ["ok", repr(v)]
+
+    out = {}
+    with stealer.Executor(1) as ex:
+        out["probe"] = ex.submit(L.probe).result(30)
+        a = ex.spawn_agent(L.Mixed)
+        b = ex.spawn_agent(L.Mixed)
+        futs = []
+        futs.append(a.call("slow", 0.3))   # the rest queue behind it: one batch
+        futs.append(a.call("plain", 1))
+        cancelled = a.call("plain", "cancelled")
+        futs.append(a.call("plain", (1, 2.5, "x", None, [3])))
+        futs.append(a.call("kw", 2, y=3))
+        a.send("plain", "one-way")
+        futs.append(a.call("array", 1000))
+        futs.append(a.call("aset", 3))
+        futs.append(a.call("fail", "boom"))
+        futs.append(a.call("gen", 21))
+        futs.append(a.call("nope", 1))
+        futs.append(a.call("state"))
+        futs.append(a.options(deadline=30).call("plain", "deadline"))
+        futs.append(a.call("plain", b"x" * 500))
+        futs.append(b.call("ask", a, "via b"))
+        futs.extend(ex.call_all([a, b], "plain", [("all-a",), ("all-b",)]))
+        out["cancel"] = cancelled.cancel()
+        out["replies"] = [show(f) for f in futs]
+        out["log_a"] = [repr(x) for x in a.call("history").result(30)]
+        out["log_b"] = [repr(x) for x in b.call("history").result(30)]
+        # a stop behind queued messages: the ones before it run, its outcome is the same
+        c = ex.spawn_agent(L.Mixed)
+        c.call("plain", -1).result(30)  # adopted and idle
+        cf = [c.call("slow", 0.3)] + [c.call("plain", i) for i in range(20)]
+        time.sleep(0.1)  # the slow one runs; the others wait in its turn's batch
+        c.stop()
+        out["stopped"] = [show(f)[0] for f in cf]
+        try:
+            out["stop_result"] = ["ok", repr(c.result(30))]
+        except BaseException as exc:
+            out["stop_result"] = ["err", type(exc).__name__]
+    print(json.dumps(out))
+""")
+
+
+def _run(fast: bool) -> dict:
+    import json
+
+    env = dict(os.environ)
+    env.pop("STEALER_NO_FAST_TURN", None)
+    if not fast:
+        env["STEALER_NO_FAST_TURN"] = "1"
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = subprocess.run([sys.executable, "-c", SCRIPT, here], env=env, capture_output=True,
+                       text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_the_native_loop_does_what_the_python_loop_does():
+    fast, slow = _run(True), _run(False)
+    assert fast["probe"] == [True] and slow["probe"] == [False]
+    for key in ("cancel", "replies", "log_a", "log_b", "stopped", "stop_result"):
+        assert fast[key] == slow[key], (key, fast[key], slow[key])
+    r = fast["replies"]
+    # the script's own oracle: what each reply must be, whichever loop ran it
+    assert r[0] == ["ok", "'slow'"] and r[1] == ["ok", "1"]
+    assert r[3] == ["ok", "5"] and r[4][0] == "array" and r[5] == ["set", [0, 1, 2]]
+    assert r[6][:2] == ["err", "ValueError"] and r[7] == ["ok", "42"]
+    assert r[8][:2] == ["err", "AttributeError"] and r[12] == ["ok", "'via b'"]
+    assert fast["cancel"] is True and "('plain', 'cancelled')" in fast["log_a"]
+    assert "('plain', 'one-way')" in fast["log_a"]
+    assert fast["stopped"] == ["ok"] + ["err"] * 20  # the batch ends at the stop

@@ -10,7 +10,9 @@ health checks (the settings are printed), node k's executor pinned to CPU k.  On
 2. skew: 2,000 tasks of Pareto durations (shape 1.5, mean 2 ms, cap 200 ms, busy-waits):
    makespan and efficiency (sum of work / 2 CPUs / makespan) for the three;
 3. fork-join roots: 8 fib(30) trees (cutoff 18, children by stealer.spawn) on both nodes
-   against the same on one node (``steal=None``, every tree submitted to one node);
+   against the same on one node (``steal=None``, every tree submitted to one node); and
+   one fib(32) tree submitted to one node of the two (its children may be stolen across
+   nodes) against the same on one node alone;
 4. node death: ``--death-tasks`` tasks of 20 ms, the second node removed mid-run; the time
    from the removal to the client's re-placing of that node's tasks, and a check that every
    result came back exactly once;
@@ -20,7 +22,7 @@ health checks (the settings are printed), node k's executor pinned to CPU k.  On
    with ``rebalance=None`` (they all stay), and the moves made.
 
     python benchmarks/cluster.py [--tasks 20000] [--ray-tasks 2000] [--agent-rounds 300]
-                                 [--json]
+                                 [--json] [--forkjoin-only]
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import stealer
 from stealer.bench.ideal import pareto_durations
-from stealer.bench.workloads import busy, fib, noop
+from stealer.bench.workloads import busy, fib, fib_seq, noop
 
 HEALTH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 200,
           "health_check_failure_threshold": 3, "health_check_timeout_ms": 200}
@@ -112,6 +114,39 @@ def ray_actors() -> list:
     return actors
 
 
+def one_tree(ex, node: str, n: int = 32, cutoff: int = 18) -> float:
+    """Seconds of one fib(n) tree submitted to ``node`` (its result checked)."""
+    t = time.perf_counter()
+    assert ex.submit_to(node, fib, n, cutoff).result() == fib_seq(n)
+    return time.perf_counter() - t
+
+
+def forkjoin_only(out: dict, children: bool = True) -> None:
+    """Section 3 alone: the fork-join rows, on a fresh cluster (already up).  ``children``
+    False: no fork-join child moves between nodes (a tree stays on its node)."""
+    from stealer.cluster.policy import StealConfig
+
+    ex = stealer.Executor(cluster=True, seed=1, rebalance=None,
+                          steal=StealConfig(children=1 if children else 0))
+    ex.submit(fib, 20, 16).result()
+    two = timed(lambda: [f.result() for f in [ex.submit(fib, 30, 18) for _ in range(8)]])
+    tree_two = one_tree(ex, ex.nodes[0])
+    st = ex.stats()
+    ex.shutdown()
+    ex1 = stealer.Executor(cluster=True, steal=None, rebalance=None)
+    one_node = ex1.nodes[0]
+    ex1.submit_to(one_node, fib, 20, 16).result()
+    one = timed(lambda: [f.result() for f in
+                         [ex1.submit_to(one_node, fib, 30, 18) for _ in range(8)]])
+    tree_one = one_tree(ex1, one_node)
+    ex1.shutdown()
+    out["forkjoin_roots"] = {"one_node_s": one, "two_nodes_s": two, "speedup": one / two}
+    out["forkjoin_one_tree"] = {"one_node_s": tree_one, "two_nodes_s": tree_two,
+                                "speedup": tree_one / tree_two,
+                                "children": {n[:12]: v.get("children")
+                                             for n, v in st.nodes.items()}}
+
+
 def timed(fn) -> float:
     t = time.perf_counter()
     fn()
@@ -125,6 +160,11 @@ def main() -> None:
     ap.add_argument("--death-tasks", type=int, default=200)
     ap.add_argument("--agent-rounds", type=int, default=300)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--no-children", action="store_true",
+                    help="with --forkjoin-only: no fork-join child moves between nodes")
+    ap.add_argument("--forkjoin-only", action="store_true",
+                    help="only the fork-join rows (8 trees over two nodes, one tree "
+                         "started on one node), each beside one node alone")
     a = ap.parse_args()
     env = lambda k: {"STEALER_NODE_CPUS": str(k)}  # noqa: E731
     c = Cluster(initialize_head=True, connect=True, head_node_args={
@@ -134,6 +174,11 @@ def main() -> None:
     try:
         second = c.add_node(num_cpus=1, env_vars=env(1))
         c.wait_for_nodes()
+        if a.forkjoin_only:
+            forkjoin_only(out, not a.no_children)
+            for k, v in out.items():
+                print(f"{k}: {v}")
+            return
         work = pareto_durations(2000, 1.5, 0.002, 0.2, seed=1)
         ideal = sum(work) / 2
 

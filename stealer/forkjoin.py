@@ -75,6 +75,10 @@ class Child:
 # to _INLINE while run_inline() drives a task in this process.
 _current: Any = None
 _INLINE = object()
+# Set in a worker by an integration's worker initializer (stealer/cluster/children.py's
+# install, on a cluster node): ``spawn`` then goes through its ``spawn(worker, fn, args,
+# kwargs)``, which may make a child another node can run.  None (the default): never.
+_export: Any = None
 
 
 def spawn(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Child:
@@ -93,6 +97,9 @@ def spawn(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Child:
         )
     if cur is _INLINE:
         return inline_child(fn, args, kwargs)
+    ex = _export
+    if ex is not None:
+        return ex.spawn(cur, fn, args, kwargs)
     return cur.spawn(fn, args, kwargs)
 
 

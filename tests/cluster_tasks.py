@@ -44,6 +44,14 @@ def fib_seq(n: int) -> int:
     return n if n < 2 else fib_seq(n - 1) + fib_seq(n - 2)
 
 
+def fib_where(n: int):
+    """fib(n) by fork-join, and the test nodes (STEALER_NODE_CPUS) its leaves ran on."""
+    if n < 14:
+        return fib_seq(n), (os.environ.get("STEALER_NODE_CPUS", "?"),)
+    (x, wx), (y, wy) = yield [stealer.spawn(fib_where, n - 1), stealer.spawn(fib_where, n - 2)]
+    return x + y, tuple(sorted(set(wx) | set(wy)))
+
+
 def threads_env() -> dict[str, str | None]:
     return {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                                            "MKL_NUM_THREADS")}

@@ -173,6 +173,17 @@ def test_fork_join_runs_inside_the_nodes(ex):
     assert [f.result(timeout=60) for f in fs] == [ct.fib_seq(18)] * 4
 
 
+def test_a_fork_join_tree_started_on_one_node_is_shared_with_the_other(ex):
+    # the idle node leaves a lifeline; the busy one's shallow spawns are exported, one is
+    # shipped, runs there (forking there) and its result resumes its parent here
+    first = ex.nodes[0]
+    value, ran = ex.submit_to(first, ct.fib_where, 28).result(timeout=60)
+    assert value == ct.fib_seq(28)
+    assert ran == ("0", "1"), "the other node ran none of the tree's leaves"
+    kids = {n: s["children"] for n, s in ex.stats().nodes.items()}
+    assert kids[first]["returned"] > 0 and kids[first]["waiting"] == 0
+
+
 def test_a_skew_submitted_to_one_node_is_stolen_by_the_other(ex):
     first = ex.nodes[0]
     fs = [ex.submit_to(first, ct.spin, 0.01, i) for i in range(120)]  # 1.2 s on one core

@@ -725,7 +725,7 @@ class ClusterExecutor(AgentMoves, AgentsOnCluster, _fbase.Executor):
                 "done": s.get("done", ld.done), "msgs": ld.msgs, "steals": s.get("steals"),
                 "got": ld.got, "given": ld.given,
                 "latency_ms": {"n": len(lat), "p50": _pct(lat, 50), "p99": _pct(lat, 99)},
-                "pid": s.get("pid")}
+                "pid": s.get("pid"), "children": s.get("children")}
         return stats
 
     def _snapshot(self) -> dict[str, Any]:

@@ -36,6 +36,11 @@ What lives here:
   and pushing surplus to lifelines.  The peers' load reports come from the client (it
   forwards the table it has with each ``results`` call).  Steals and pings run in their own
   concurrency groups (their own threads and event loops), so they never wait behind work.
+* **Fork-join children across nodes** (``stealer/cluster/children.py``): a
+  :class:`~stealer.cluster.children.ChildServer` serves this node's workers (exports,
+  claims, waits); pending children ship to a hungry peer's lifeline (or in a steal reply
+  with no surplus), children of other nodes run here as tasks (``take_children``) and their
+  results go back to their parent's node (``child_results``).
 * **Fencing**: a node agent that hears nothing from the client (no ``results``, no ping) for
   ``fence_s`` shuts its local executor down, drops its queue and refuses further work with
   :class:`~stealer.errors.NodeFencedError`; the client has by then re-run its tasks
@@ -51,7 +56,9 @@ import math
 import os
 import pickle
 import random
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from collections import deque
@@ -60,6 +67,7 @@ from typing import Any
 import ray
 
 from stealer.agents.message import SET_STATE, STATE
+from stealer.cluster import children
 from stealer.cluster.policy import Load, StealConfig, Thief, Victim
 from stealer.errors import NodeFencedError, RemoteError, RemoteTraceback
 
@@ -152,6 +160,20 @@ class NodeAgent:
         self.workers = workers
         local = dict(local)
         local["cpus"] = node_cpus(local.get("cpus", "auto"))
+        # fork-join children other nodes may run (stealer/cluster/children.py): the
+        # workers' spawn hook comes with their initializer (the user's runs after it)
+        self.kids: children.ChildServer | None = None
+        self.kids_dir = ""
+        self.me = ray.get_runtime_context().current_actor  # sent with the children we ship
+        self.origins: dict[str, Any] = {}  # node -> its handle, for its children's results
+        if steal is not None and steal.children > 0:
+            self.kids_dir = tempfile.mkdtemp(prefix="stealer-children-")
+            self.kids = children.ChildServer(self.kids_dir, self._child_back,
+                                             self._kids_changed, self._kids_hungry)
+            local["initargs"] = (self.kids.path, self.kids.want_path, self.kids.authkey,
+                                 steal.child_depth, local.pop("initializer", None),
+                                 tuple(local.pop("initargs", ()) or ()))
+            local["initializer"] = children.install
         self.ex = executor_cls(workers, **local)
         self.ex.wait_ready(60)
         self.lock = threading.Lock()
@@ -233,9 +255,18 @@ class NodeAgent:
         self.polls += 1
         self.loop = asyncio.get_running_loop()
         if peers is not None:
-            self.peers = {n: h for n, h in peers.items() if n != self.node}
+            new = {n: h for n, h in peers.items() if n != self.node}
+            gone = set(self.peers) - set(new)
+            self.peers = new
+            if gone and self.kids is not None:
+                with self.kids.cv:
+                    for n in gone:  # its children not back run again here (at-least-once)
+                        self.kids.table.lost(n)
+                        self.origins.pop(n, None)
+                    self.kids.cv.notify_all()
         if loads is not None:
             self.peer_loads = loads
+            self._kids_changed()
         if self.cfg is not None and self._stealer is None:
             self._stealer = asyncio.get_running_loop().create_task(self._steal_loop())
         if not self.out and not self.moved and wait_s > 0:
@@ -288,6 +319,8 @@ class NodeAgent:
                 "inflight": self.inflight, "done": self.done_n, "steals": dict(self.steals),
                 "agents": len(self.agents), "evicted": self.evicted, "polls": self.polls,
                 "reordered": self.reordered,
+                "children": (dict(self.kids.table.n, waiting=self.kids.waiting)
+                             if self.kids is not None else None),
                 "worker_pids": [p for p in self.ex.worker_pids() if p] if not self.fenced else [],
                 "segment": self.ex.segment_name, "pid": os.getpid()}
 
@@ -299,11 +332,39 @@ class NodeAgent:
     # -- other nodes' calls ---------------------------------------------------------------
 
     @ray.method(concurrency_group="steal")
-    def steal(self, thief: str) -> tuple[list[tuple], Load]:
-        """A thief's request: up to half the surplus from the back of the queue, one batch."""
+    def steal(self, thief: str) -> tuple[list[tuple], Load, list[tuple], Any]:
+        """A thief's request: up to half the surplus from the back of the queue, one batch;
+        with no surplus, half the exported fork-join children (oldest first)."""
         batch = self._give(thief, lambda q, sizes: self.victim.grant(q, sizes))
         self.steals["given"] += len(batch)
-        return batch, self.load()
+        kids: list[tuple] = []
+        if not batch and self.kids is not None:
+            with self.kids.lock:
+                t = self.kids.table
+                kids = t.ship(thief, max(1, t.pending() // 2))
+        return batch, self.load(), kids, self.me
+
+    @ray.method(concurrency_group="steal")
+    def take_children(self, items: list[tuple], source: str, handle: Any) -> None:
+        """Fork-join children of ``source``'s tasks, (key, payload) each: each runs here as
+        a task (stealer/cluster/children.py's ``imported``), unless a proxy of ours that
+        waits takes it first; the results go back to ``source``."""
+        if self.fenced or self.kids is None:
+            raise NodeFencedError(f"node {self.node[:12]} takes no children")
+        self._take_children(items, source, handle)
+
+    @ray.method(concurrency_group="steal")
+    def child_results(self, items: list[tuple]) -> None:
+        """Results of our exported children, (key, ok, value) each, from the node that
+        ran them; one for a child claimed again here (its node was thought lost), or
+        settled already, is dropped."""
+        if self.kids is None:
+            return
+        with self.kids.cv:
+            for key, ok, value in items:
+                self.kids.table.result(key, ok, value)
+            self.kids.cv.notify_all()
+        self._kids_changed()
 
     @ray.method(concurrency_group="steal")
     def lifeline(self, thief: str, epoch: int) -> None:
@@ -316,6 +377,7 @@ class NodeAgent:
             self.ll_epochs[thief] = epoch
             self.victim.register(thief)
         self._push()
+        self._kids_changed()
 
     @ray.method(concurrency_group="steal")
     def unlifeline(self, thief: str, epoch: int) -> None:
@@ -348,6 +410,7 @@ class NodeAgent:
             if not batch:
                 return
         self.queue.extend(batch)
+        self._kids_changed()
         self.thief.on_work()
         self._fill()
         if self.victim.lifelines:
@@ -497,7 +560,8 @@ class NodeAgent:
                         busy=self.busy_frac, agents=len(self.agents),
                         active=len(self.agent_out), done=self.done_n, msgs=self.msgs_n,
                         got=st["got"] + st["took"],
-                        given=st["given"] + st["pushed"])
+                        given=st["given"] + st["pushed"],
+                        waiting=self.kids.waiting if self.kids is not None else 0)
 
     # -- stealing between nodes -------------------------------------------------------------
 
@@ -547,6 +611,7 @@ class NodeAgent:
         cfg = self.thief.cfg
         registered: list[str] = []
         registered_at = 0.0
+        registered_fed = 0
         self.idle_ev = ev = asyncio.Event()
         while not self.fenced:
             if self.queue or self.inflight:
@@ -570,33 +635,170 @@ class NodeAgent:
                 lines = self.thief.registrations()
                 # (again every LIFELINE_RENEW_S: a buddy that lost it, or had no surplus
                 # when it came and gets none by a new batch, looks again when it comes)
-                if lines and (lines != registered or now - registered_at > LIFELINE_RENEW_S):
+                # (and at once after work came: a buddy that pushed to us dropped ours, and
+                # the busy spell between may have been too short for this loop to see)
+                if lines and (lines != registered or registered_fed != self.thief.fed
+                              or now - registered_at > LIFELINE_RENEW_S):
                     self.epoch += 1
                     for b in lines:
                         if b in self.peers:
                             self.peers[b].lifeline.remote(self.node, self.epoch)
                     registered, registered_at = lines, now
+                    registered_fed = self.thief.fed
                 await asyncio.sleep(LIFELINE_POLL_S if lines else cfg.idle_s)
                 continue
             self.steals["asked"] += 1
             got: list[tuple] = []
             fut = asyncio.wrap_future(self.peers[victim].steal.remote(self.node).future())
             done, _ = await asyncio.wait({fut}, timeout=max(1.0, 20 * self.thief.rtt.s))
+            kids: list[tuple] = []
             if fut in done and fut.exception() is None:
-                got, vload = fut.result()
+                got, vload, kids, vhandle = fut.result()
                 self.peer_loads[victim] = vload
             elif fut not in done:  # slow: its tasks are ours when they come (the victim
-                fut.add_done_callback(self._late_steal)  # reported them moved to us)
-            self.thief.on_reply(time.monotonic(), victim, len(got), loads)
+                fut.add_done_callback(functools.partial(self._late_steal, victim))
+            self.thief.on_reply(time.monotonic(), victim, len(got) + len(kids), loads)
             if got:
                 self.steals["got"] += len(got)
                 self._accept(got)
+            if kids:
+                self._take_children(kids, victim, vhandle)
 
-    def _late_steal(self, fut: Any) -> None:
+    def _late_steal(self, victim: str, fut: Any) -> None:
         if not self.fenced and not fut.cancelled() and fut.exception() is None:
-            got = fut.result()[0]
+            got, _load, kids, vhandle = fut.result()
             self.steals["got"] += len(got)
             self._accept(got)
+            if kids:
+                self._take_children(kids, victim, vhandle)
+
+    # -- fork-join children across nodes (stealer/cluster/children.py) -------------------------
+
+    def _kids_changed(self) -> None:
+        """Raise or lower the workers' export flag (the hungry peers' room against the
+        children pending here), and ship pending children to the hungriest peer (lifeline
+        thieves first).  Any thread; after anything that changes either side."""
+        kids = self.kids
+        if kids is None or self.fenced:
+            return
+        peers = [ld for n, ld in self.peer_loads.items() if n in self.peers]
+        with self.lock:
+            lines = list(self.victim.lifelines)
+        cap = self.thief.cfg.children
+        with kids.lock:
+            t = kids.table
+            pending = t.pending()
+            want = children.hungry(peers, lines, t.shipped(), cap)
+            kids.set_want(not self.queue and pending < sum(want.values()))
+            # shipped only to a thief that says it is hungry now (a lifeline): the load
+            # reports reach us through the client, late, and children pushed on them went
+            # to nodes busy by then (and came back: measured, a fib tree bounced between two)
+            node = next((n for n in lines if n in want), None)
+            if not pending or node is None:
+                return
+            items = t.ship(node, min(pending, want[node]))
+        if node in lines:
+            with self.lock:
+                self.victim.forget(node)  # (it registers again if it runs dry again)
+        handle = self.peers.get(node)
+        if handle is None:
+            with kids.cv:
+                kids.table.unship(k for k, _ in items)
+            return
+        self.steals["pushed_children"] = self.steals.get("pushed_children", 0) + len(items)
+        ref = handle.take_children.remote(items, self.node, self.me)
+        ref.future().add_done_callback(functools.partial(self._children_pushed, items))
+
+    def _kids_hungry(self, node: str) -> None:
+        """A proxy of ours waits on ``node`` with nothing to do: a lifeline there, so it
+        sends us children at once (its view of our load comes late, through the client)."""
+        handle = self.peers.get(node) or self.origins.get(node)
+        if handle is None or self.fenced:
+            return
+        self.epoch += 1
+        with contextlib.suppress(Exception):
+            handle.lifeline.remote(self.node, self.epoch)
+
+    def _children_pushed(self, items: list[tuple], f: Any) -> None:
+        """A push of children that failed (the thief unreachable, or gone): they are
+        PENDING here again, so a waiting proxy runs them itself (at-least-once)."""
+        if f.exception() is None or self.kids is None:
+            return
+        with self.kids.cv:
+            self.kids.table.unship(k for k, _ in items)
+            self.kids.cv.notify_all()
+        self._kids_changed()
+
+    def _take_children(self, items: list[tuple], source: str, handle: Any) -> None:
+        kids = self.kids
+        if kids is None or self.fenced:
+            return
+        # (its handle comes with them: our peers, from the client, may not list it yet)
+        self.origins[source] = handle
+        with kids.cv:
+            ikeys = kids.table.add_imports(source, items)
+            kids.cv.notify_all()  # a waiting proxy may run one inline
+        self.thief.on_work()
+        for ik in ikeys:
+            self._run_import(ik)
+
+    def _run_import(self, ikey: tuple) -> None:
+        """An imported child as a task of the local executor (not in the queue: thieves
+        never take it on, and it is not the client's)."""
+        with self.lock:
+            self._occupy()
+            self.inflight += 1
+        try:
+            f = self.ex.submit(children.imported, ikey)
+        except BaseException as exc:
+            with self.lock:
+                self._occupy()
+                self.inflight -= 1
+            self._child_back(ikey, False, (RemoteError(f"{type(exc).__name__}: {exc}"), ""))
+            return
+        f.add_done_callback(functools.partial(self._import_done, ikey))
+
+    def _import_done(self, ikey: tuple, f: Any) -> None:
+        ok, value = _outcome(f)
+        with self.lock:
+            self._occupy()
+            self.inflight -= 1
+        if not (ok and value == children.TAKEN):
+            self._child_back(ikey, ok, value)
+        self._fill()
+        if not self.inflight and not self.queue:
+            self._notify()
+            ev, loop = self.idle_ev, self.loop
+            if ev is not None and loop is not None:
+                loop.call_soon_threadsafe(ev.set)
+
+    def _child_back(self, ikey: tuple, ok: bool, value: Any) -> None:
+        """An imported child's result, to the node of its parent (if it is still there)."""
+        origin, key = ikey
+        handle = self.origins.get(origin)
+        if handle is None or self.fenced:
+            return  # its parent's node is gone: its root runs again elsewhere
+        ref = handle.child_results.remote([(key, ok, value)])
+        ref.future().add_done_callback(functools.partial(self._back_done, ikey, ok, value, 0))
+
+    def _back_done(self, ikey: tuple, ok: bool, value: Any, tries: int, f: Any) -> None:
+        """A result that did not reach its parent's node: again (up to 5 times, 0.1 s
+        apart) unless that node is gone (its proxy would wait for it until then)."""
+        exc = f.exception()
+        if exc is None or isinstance(exc, ray.exceptions.ActorDiedError) or tries >= 5:
+            return
+        if ikey[0] in self.origins and not self.fenced:
+            t = threading.Timer(0.1, self._resend, (ikey, ok, value, tries + 1))
+            t.daemon = True
+            t.start()
+
+    def _resend(self, ikey: tuple, ok: bool, value: Any, tries: int) -> None:
+        handle = self.origins.get(ikey[0])
+        if handle is None or self.fenced:
+            return
+        ref = handle.child_results.remote([(ikey[1], ok, value)])
+        ref.future().add_done_callback(functools.partial(self._back_done, ikey, ok, value,
+                                                         tries))
 
     # -- fencing -----------------------------------------------------------------------------
 
@@ -618,8 +820,12 @@ class NodeAgent:
                 return
             self.fenced = True
             self.queue.clear()
+        if self.kids is not None:
+            self.kids.close()  # (its waiting proxies end with the workers)
         if reason is None:
             self.ex.shutdown(wait=True, cancel_futures=True)
+            if self.kids is not None:
+                shutil.rmtree(self.kids_dir, ignore_errors=True)
             return
         stopper = threading.Thread(target=self.ex.shutdown, kwargs={"cancel_futures": True},
                                    name="stealer-node-fence-stop", daemon=True)
@@ -631,3 +837,5 @@ class NodeAgent:
                     with contextlib.suppress(OSError):
                         os.kill(pid, signal.SIGKILL)
             stopper.join(0.05)
+        if self.kids is not None and not stopper.is_alive():
+            shutil.rmtree(self.kids_dir, ignore_errors=True)

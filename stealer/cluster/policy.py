@@ -65,6 +65,9 @@ class Load:
     msgs: int = 0
     got: int = 0
     given: int = 0
+    # fork-join proxies waiting on a child out on another node (stealer/cluster/children.py):
+    # each holds a worker but runs other nodes' children inline, so it counts as free there
+    waiting: int = 0
 
     def per_worker(self, extra: int = 0) -> float:
         """Tasks per worker, counting ``extra`` more sent since the report."""
@@ -83,6 +86,8 @@ class StealConfig:
     buddies: int = 2  # lifelines per thief
     rtt_factor: float = 2.0  # steal only when the saving exceeds this times the round trip
     default_task_s: float = 0.001  # task duration assumed before any was measured
+    children: int = 1  # fork-join children out per free worker of a hungry peer (0: none)
+    child_depth: int = 3  # spawns this near their tree's root are always exportable
 
 
 class RoundTrip:
@@ -162,6 +167,7 @@ class Thief:
     idle_since: float | None = None
     failed: int = 0  # failed attempts in a row
     lifelines: list[str] = field(default_factory=list)  # buddies holding our lifeline
+    fed: int = 0  # work arrivals so far: lifelines registered before one are used up
 
     def idle(self, now: float) -> None:
         """The node has nothing queued and nothing running (from ``now`` if not before)."""
@@ -173,6 +179,7 @@ class Thief:
         self.idle_since = None
         self.failed = 0
         self.lifelines = []
+        self.fed += 1
 
     def worth(self, load: Load) -> bool:
         """The round-trip rule: what the thief would take (half the victim's surplus,

@@ -1,0 +1,470 @@
+"""Fork-join children stolen across nodes: exported at spawn, run elsewhere, joined at home.
+
+A task's children (``stealer.spawn`` inside a task, joined by ``yield`` or ``stealer.join``)
+live in its node executor's shared memory, where only that node's workers can take them.
+To let an idle node share a tree started on another, a node that has hungry peers turns
+some spawns into *exported* children:
+
+* **Export at spawn** (worker side, :class:`WorkerLink`, installed in every worker of a
+  node executor by its initializer): a spawn within ``child_depth`` (3) of its tree's root
+  on this node, or any spawn while the node agent's *want* flag is up, sends the call to the
+  node agent (one message on a Unix socket, keyed by the worker's pid and a counter) and
+  spawns instead a local child :func:`proxy` carrying the same call.  The parent joins the
+  proxy as any child.  A tree's shallow spawns are its largest pieces: exporting them
+  always (14 messages for a binary tree) lets a thief get the oldest of them, as Satin's
+  steals from the top of a deque do, which a flag raised later could not.
+* **Claimed once** (node agent side, :class:`ChildTable`, pure Python): an exported child
+  is PENDING until either a worker of its own node starts its proxy (the proxy *claims*
+  it and runs the call itself, delegating a generator by ``yield from``: its children fork
+  locally as usual) or a hungry peer gets it (SHIPPED: a steal reply or a push, oldest
+  first, since the oldest spawns of a tree are its largest).  The node agent serialises
+  the two.
+* **Run on the thief** as a task of its node executor (:func:`imported`, which forks there
+  on every worker of that node), and **reported back to the parent's node** (the node
+  agent's ``child_results``), which settles the entry; a proxy that started meanwhile waits
+  for it, and while it waits runs children other nodes sent here, as part of its own task
+  (their children fork on this node as usual), so two nodes waiting on each other's
+  children always make progress (no deadlock: a helping join across nodes).
+* **Node loss**: a thief lost (dropped from the peers the client sends, or a push that
+  failed) sends its SHIPPED children back to PENDING: a waiting proxy then runs the call
+  itself (at-least-once); a late result of a child already claimed again, or settled, is
+  dropped, so the parent sees one value per child.  The parent's node lost: the thieves
+  drop its children not started, and the results of the others go nowhere (its root task
+  runs again elsewhere, as every task of a lost node does).
+
+When to ship: only to a node that says it is hungry now (a lifeline: a thief that failed
+its attempts, or a node whose proxy waits on a child it sent there with nothing to help
+with), the oldest pending children first, one per free worker of it (:func:`hungry`, less
+what is already out there).  The want flag (deeper spawns exported too) is up while some
+peer has room by its load report or a lifeline, and this node has nothing queued.  A busy
+cluster exports only the shallow spawns, claimed back by their own proxies (one round
+trip on the socket each), and the spawn path costs one flag read and a walk of at most
+``child_depth`` record links.
+
+Limits: a proxy whose child is out holds its worker while it has nothing to help with
+(a worker cannot leave a task for other work of its deque without the core's join
+machinery knowing of remote children): with one worker per node, the parent's node idles
+until the result comes or the other node sends it children.  A child runs on the thief as
+a root task of that node (its stats count it as a task there, not the client's).
+
+Called by the node agent (``stealer/cluster/node.py``); the worker side runs inside the
+node executor's workers (its initializer :func:`install`, and ``stealer.forkjoin.spawn``,
+which calls the installed link).  No Ray here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import pickle
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from multiprocessing.connection import Client, Connection, Listener
+from types import GeneratorType
+from typing import Any
+
+from stealer.cluster.policy import Load
+from stealer.shared._layout import K_CHILD, K_MASK
+
+__all__ = ["ChildServer", "ChildTable", "WorkerLink", "hungry", "imported", "install", "proxy",
+           "room", "TAKEN"]
+
+TAKEN = ("stealer-child-taken",)  # an imported child that a waiting proxy ran instead
+WANT_CAP = 1  # exported children out (pending or shipped) per free worker of a hungry peer
+
+
+def hungry(peers: Iterable[Load], lifelines: Iterable[str], shipped: dict[str, int],
+           cap: int = WANT_CAP) -> dict[str, int]:
+    """The children each hungry peer may take now: ``cap`` per free worker (nothing
+    queued; free workers = workers - running + waiting, its proxies waiting on other nodes
+    counted free), less the children already shipped to it and not back (its load report
+    may be older than them); a lifeline thief (fresher evidence than a load report)
+    counts one free worker at least.
+    Only peers with room > 0, the most room first."""
+    out: dict[str, int] = {}
+    for p in peers:
+        free = p.workers - p.running + p.waiting if p.queued == 0 else 0
+        if free > 0:
+            out[p.node] = cap * free - shipped.get(p.node, 0)
+    for t in lifelines:
+        out[t] = max(out.get(t, 0), cap - shipped.get(t, 0))
+    return dict(sorted(((n, r) for n, r in out.items() if r > 0), key=lambda x: -x[1]))
+
+
+def room(peers: Iterable[Load], lifelines: Iterable[str], shipped: dict[str, int],
+         cap: int = WANT_CAP) -> int:
+    """How many exported children may be pending now: what the hungry peers may take."""
+    return sum(hungry(peers, lifelines, shipped, cap).values())
+
+
+@dataclass
+class _Export:
+    payload: bytes  # the pickled (fn, args, kwargs)
+    node: str | None = None  # SHIPPED to this node; None: PENDING
+    done: tuple[bool, Any] | None = None  # (ok, value) once a result came
+
+
+class ChildTable:
+    """A node agent's exported children (by key) and imported ones (by (origin, key)).
+
+    Pure state, no threads or locks (the caller holds one).  Export states: PENDING
+    (``node`` None), SHIPPED (``node`` set), DONE (``done`` set, until its proxy takes it);
+    an entry leaves when its proxy claimed it (runs it locally) or took its result."""
+
+    def __init__(self) -> None:
+        self.exports: OrderedDict[Any, _Export] = OrderedDict()  # oldest first
+        self.early: set[Any] = set()  # claimed before their export arrived (ignored then)
+        self.imports: OrderedDict[tuple[str, Any], bytes] = OrderedDict()  # not started
+        self.n = {"exported": 0, "local": 0, "shipped": 0, "returned": 0, "dropped": 0,
+                  "rerun": 0, "imported": 0, "helped": 0}
+
+    # -- exported children (this node is the parent's) --------------------------------------
+    def add(self, key: Any, payload: bytes) -> None:
+        if key in self.early:  # its proxy already ran it here
+            self.early.discard(key)
+            return
+        self.exports[key] = _Export(payload)
+        self.n["exported"] += 1
+
+    def pending(self) -> int:
+        return sum(1 for e in self.exports.values() if e.node is None and e.done is None)
+
+    def shipped(self) -> dict[str, int]:
+        """Children out on each node, not back yet."""
+        out: dict[str, int] = {}
+        for e in self.exports.values():
+            if e.node is not None and e.done is None:
+                out[e.node] = out.get(e.node, 0) + 1
+        return out
+
+    def claim(self, key: Any) -> tuple:
+        """A proxy started: ("run",) it runs the call itself; ("done", ok, value) the
+        result is here; ("wait",) it is out on another node."""
+        e = self.exports.get(key)
+        if e is None:  # its export message is still on its way (another connection)
+            self.early.add(key)
+            self.n["local"] += 1
+            return ("run",)
+        if e.done is not None:
+            del self.exports[key]
+            return ("done", *e.done)
+        if e.node is None:
+            del self.exports[key]
+            self.n["local"] += 1
+            return ("run",)
+        return ("wait",)
+
+    def ship(self, node: str, count: int) -> list[tuple[Any, bytes]]:
+        """Up to ``count`` PENDING children, oldest first, now SHIPPED to ``node``."""
+        out = []
+        for key, e in self.exports.items():
+            if len(out) >= count:
+                break
+            if e.node is None and e.done is None:
+                e.node = node
+                out.append((key, e.payload))
+        self.n["shipped"] += len(out)
+        return out
+
+    def result(self, key: Any, ok: bool, value: Any) -> bool:
+        """A thief's result; False when dropped (claimed again here, or settled before)."""
+        e = self.exports.get(key)
+        if e is None or e.done is not None:
+            self.n["dropped"] += 1
+            return False
+        e.done = (ok, value)
+        self.n["returned"] += 1
+        return True
+
+    def unship(self, keys: Iterable[Any]) -> int:
+        """A push that failed: those children are PENDING again (if still out)."""
+        n = 0
+        for key in keys:
+            e = self.exports.get(key)
+            if e is not None and e.node is not None and e.done is None:
+                e.node = None
+                n += 1
+        self.n["rerun"] += n
+        return n
+
+    def lost(self, node: str) -> int:
+        """``node`` is gone: its children not back are PENDING again (at-least-once: a
+        waiting proxy runs the call itself), and the children it sent here and that did
+        not start are dropped (their parent is gone with it)."""
+        back = self.unship([k for k, e in self.exports.items() if e.node == node])
+        for ik in [ik for ik in self.imports if ik[0] == node]:
+            del self.imports[ik]
+        return back
+
+    # -- imported children (another node's) ---------------------------------------------------
+    def add_imports(self, origin: str, items: Iterable[tuple[Any, bytes]]) -> list[tuple]:
+        keys = []
+        for key, payload in items:
+            self.imports[(origin, key)] = payload
+            keys.append((origin, key))
+        self.n["imported"] += len(keys)
+        return keys
+
+    def take_import(self, ikey: tuple | None = None) -> tuple[tuple, bytes] | None:
+        """The import ``ikey`` (None: the oldest) if nobody started it yet, now started."""
+        if ikey is None:
+            if not self.imports:
+                return None
+            ikey = next(iter(self.imports))
+        payload = self.imports.pop(ikey, None)
+        return None if payload is None else (ikey, payload)
+
+
+# -- the node agent's end of the workers' links -------------------------------------------------
+
+class ChildServer:
+    """Serves the node executor's workers: exports, claims, waits, imports.  Threads: one
+    accepting, one per worker connection.  ``want`` is a one-byte flag file the workers
+    map; ``hook`` is called (without the lock) after each export and claim, ``back`` with
+    each result of an imported child run inline by a waiting proxy, ``hungry(node)`` when
+    a proxy starts waiting on ``node`` with nothing to help with (a lifeline to it: that
+    node's load reports reach us late)."""
+
+    def __init__(self, directory: str, back: Callable[[tuple, bool, Any], None],
+                 hook: Callable[[], None], hungry: Callable[[str], None]) -> None:
+        self.table = ChildTable()
+        self.hungry = hungry
+        self.lock = threading.Lock()
+        self.cv = threading.Condition(self.lock)
+        self.back = back
+        self.hook = hook
+        self.waiting = 0  # proxies waiting on another node's result (under lock)
+        self.closed = False
+        self.authkey = os.urandom(16)
+        self.path = os.path.join(directory, "children.sock")
+        self.want_path = os.path.join(directory, "want")
+        with open(self.want_path, "wb") as f:
+            f.write(b"\0" * 8)
+        fd = os.open(self.want_path, os.O_RDWR)
+        try:
+            # byte 0: the want flag. Written by this node agent only (plain store, in
+            # set_want); read by its workers at each spawn (plain load, WorkerLink.wanted).
+            # A stale read exports one child more or fewer: no ordering is needed.
+            self.want_mm = mmap.mmap(fd, 8)
+        finally:
+            os.close(fd)
+        self.listener = Listener(self.path, family="AF_UNIX", authkey=self.authkey)
+        threading.Thread(target=self._accept, name="stealer-children-accept",
+                         daemon=True).start()
+
+    def set_want(self, on: bool) -> None:
+        if not self.closed:
+            self.want_mm[0] = 1 if on else 0
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            self.cv.notify_all()
+        try:
+            self.want_mm[0] = 0
+            self.listener.close()
+        except Exception:
+            pass
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                conn = self.listener.accept()
+            except Exception:
+                if self.closed:
+                    return
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="stealer-children",
+                             daemon=True).start()
+
+    def _serve(self, conn: Connection) -> None:
+        try:
+            while not self.closed:
+                msg = conn.recv()
+                op = msg[0]
+                if op == "x":
+                    with self.lock:
+                        self.table.add(msg[1], msg[2])
+                    self.hook()
+                elif op == "c":
+                    with self.lock:
+                        ans = self.table.claim(msg[1])
+                    conn.send(ans)
+                    self.hook()
+                elif op == "w":
+                    conn.send(self._wait(msg[1]))
+                elif op == "h":
+                    self.back(msg[1], msg[2], msg[3])
+                elif op == "i":
+                    with self.lock:
+                        got = self.table.take_import(msg[1])
+                    conn.send(None if got is None else got[1])
+        except (EOFError, OSError):
+            pass
+        finally:
+            conn.close()
+
+    def _wait(self, key: Any) -> tuple:
+        """A proxy whose child is out: its result, ("run",) if that node was lost, or
+        ("help", ikey, payload) an imported child to run inline meanwhile."""
+        asked = False
+        with self.cv:
+            self.waiting += 1
+        try:
+            while True:
+                with self.cv:
+                    if self.closed:
+                        return ("done", False, (RuntimeError("the node executor shut down"),
+                                                ""))
+                    ans = self.table.claim(key)
+                    if ans[0] != "wait":
+                        return ans
+                    got = self.table.take_import()
+                    if got is not None:
+                        self.table.n["helped"] += 1
+                        return ("help", *got)
+                    if asked:
+                        self.cv.wait(0.5)
+                        continue
+                    e = self.table.exports.get(key)
+                    node = e.node if e is not None else None
+                if node is not None:
+                    self.hungry(node)
+                asked = True
+        finally:
+            with self.cv:
+                self.waiting -= 1
+
+
+# -- the workers' end ------------------------------------------------------------------------------
+
+class WorkerLink:
+    """In a worker of a node executor: the spawn hook of ``stealer.forkjoin``."""
+
+    def __init__(self, path: str, want_path: str, authkey: bytes, depth: int) -> None:
+        self.path = path
+        self.authkey = authkey
+        self.depth = depth
+        fd = os.open(want_path, os.O_RDONLY)
+        try:
+            self.want = mmap.mmap(fd, 8, prot=mmap.PROT_READ)  # byte 0: see ChildServer
+        finally:
+            os.close(fd)
+        self.conn: Connection | None = None
+        self.keys = itertools.count()
+        self.pid = os.getpid()
+
+    def _c(self) -> Connection:
+        if self.conn is None:
+            self.conn = Client(self.path, family="AF_UNIX", authkey=self.authkey)
+        return self.conn
+
+    def shallow(self, cur: Any) -> bool:
+        """Whether a child spawned now is within ``depth`` of its tree's root on this node
+        (its ancestors walked up by their records' links: at most ``depth`` reads)."""
+        frame = cur.frame
+        h = frame.h if frame is not None else (cur.cur[0] if cur.cur is not None else -1)
+        if h < 0:
+            return False
+        a = cur.arena
+        for _ in range(self.depth):
+            kind, _status, link = a.kind_link(a.off(h))
+            if kind & K_MASK != K_CHILD:
+                return True  # the root is at most depth - 1 above the child
+            h = link
+        return False
+
+    def spawn(self, cur: Any, fn: Any, args: tuple, kwargs: dict) -> Any:
+        """Spawn ``fn(*args, **kwargs)``: exported (a proxy spawned here, the call sent to
+        the node agent) when it is a shallow spawn or the node agent wants children; as
+        usual otherwise, or when the call does not pickle, or the node agent is gone."""
+        if not self.want[0] and not self.shallow(cur):  # want: see ChildServer.want_mm
+            return cur.spawn(fn, args, kwargs)
+        try:
+            payload = pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+            key = (self.pid, next(self.keys))
+            self._c().send(("x", key, payload))
+        except Exception:
+            return cur.spawn(fn, args, kwargs)
+        return cur.spawn(proxy, (key, fn, args, kwargs), {})
+
+    def ask(self, msg: tuple) -> Any:
+        c = self._c()
+        c.send(msg)
+        return c.recv()
+
+
+def _run(fn: Any, args: tuple, kwargs: dict) -> Any:
+    """Generator-delegating call: ``r = yield from _run(...)`` forks as the call would."""
+    r = fn(*args, **kwargs)
+    if type(r) is GeneratorType:
+        r = yield from r
+    return r
+
+
+def proxy(key: Any, fn: Any, args: tuple, kwargs: dict) -> Any:
+    """The local stand-in of an exported child: runs it here if nobody took it, else waits
+    for its result (running other nodes' children inline meanwhile)."""
+    from stealer import forkjoin
+
+    link = forkjoin._export
+    try:
+        ans = link.ask(("c", key))
+    except Exception:  # the node agent is gone: this node is going down anyway
+        ans = ("run",)
+    while ans[0] in ("wait", "help"):
+        if ans[0] == "help":  # another node's child, run here as part of this task: its
+            ikey, ipayload = ans[1], ans[2]  # own children fork on this node's workers
+            try:
+                ifn, iargs, ikwargs = pickle.loads(ipayload)
+                out = (True, (yield from _run(ifn, iargs, ikwargs)))
+            except Exception as exc:
+                out = (False, (_picklable(exc), ""))
+            link._c().send(("h", ikey, *out))
+        ans = link.ask(("w", key))
+    if ans[0] == "run":
+        return (yield from _run(fn, args, kwargs))
+    _, ok, value = ans
+    if ok:
+        return value
+    exc, _tb = value
+    raise exc
+
+
+def imported(ikey: tuple) -> Any:
+    """A child another node sent, run as a task here (it forks on this node's workers);
+    TAKEN if a waiting proxy ran it first."""
+    from stealer import forkjoin
+
+    payload = forkjoin._export.ask(("i", ikey))
+    if payload is None:
+        return TAKEN
+    fn, args, kwargs = pickle.loads(payload)
+    return (yield from _run(fn, args, kwargs))
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    try:
+        pickle.dumps(exc)
+        return exc
+    except Exception:
+        from stealer.errors import RemoteError
+
+        return RemoteError(f"{type(exc).__name__}: {exc}")
+
+
+def install(path: str, want_path: str, authkey: bytes, depth: int, init: Any = None,
+            initargs: tuple = ()) -> None:
+    """The node executor's worker initializer: installs the spawn hook, then runs the
+    user's initializer (if any)."""
+    from stealer import forkjoin
+
+    try:
+        forkjoin._export = WorkerLink(path, want_path, authkey, depth)
+    except OSError:  # its node agent is stopping (a worker replaced meanwhile): no export
+        forkjoin._export = None
+    if init is not None:
+        init(*initargs)

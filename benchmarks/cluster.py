@@ -147,6 +147,38 @@ def forkjoin_only(out: dict, children: bool = True) -> None:
                                              for n, v in st.nodes.items()}}
 
 
+def first_move(out: dict, trials: int = 3) -> None:
+    """The time from the first call of 8 busy agents all started on one node (each call
+    busy 2 ms, 8 calls out per agent) to the client's first move of one of them; each trial
+    with new agents, after 1 s of quiet (the rule's streaks start again)."""
+    ex = stealer.Executor(cluster=True, seed=1)
+    node = ex.nodes[0]
+    got = []
+    try:
+        for _ in range(trials):
+            time.sleep(1.0)
+            refs = [ex.spawn_agent(BusyCounter, node=node) for _ in range(8)]
+            [r.call("work", 0.0).result() for r in refs]
+            moves0 = ex._stats.agent_moves
+            outstanding: list = []
+            t0 = time.perf_counter()
+            seen = None
+            while time.perf_counter() - t0 < 5.0:
+                outstanding += [r.call("work", 0.002) for r in refs]
+                while len(outstanding) > 64:
+                    outstanding.pop(0).result()
+                if seen is None and ex._stats.agent_moves > moves0:
+                    seen = time.perf_counter() - t0
+                    break
+            [f.result() for f in outstanding]
+            got.append(seen)
+            for r in refs:
+                r.stop()
+    finally:
+        ex.shutdown()
+    out["first_move_s"] = got
+
+
 def timed(fn) -> float:
     t = time.perf_counter()
     fn()
@@ -160,6 +192,9 @@ def main() -> None:
     ap.add_argument("--death-tasks", type=int, default=200)
     ap.add_argument("--agent-rounds", type=int, default=300)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--first-move", action="store_true",
+                    help="only the time from 8 busy agents' first calls on one node to "
+                         "the first move of one to the idle node (3 trials)")
     ap.add_argument("--no-children", action="store_true",
                     help="with --forkjoin-only: no fork-join child moves between nodes")
     ap.add_argument("--forkjoin-only", action="store_true",
@@ -174,6 +209,11 @@ def main() -> None:
     try:
         second = c.add_node(num_cpus=1, env_vars=env(1))
         c.wait_for_nodes()
+        if a.first_move:
+            first_move(out)
+            for k, v in out.items():
+                print(f"{k}: {v}")
+            return
         if a.forkjoin_only:
             forkjoin_only(out, not a.no_children)
             for k, v in out.items():

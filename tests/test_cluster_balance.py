@@ -14,6 +14,8 @@ from stealer.cluster.balance import BalanceConfig, Balancer, Candidate
 from stealer.cluster.policy import Load
 
 CFG = BalanceConfig(reports=3, hold_s=0.5, max_per_s=100)
+# the rule without its clear-evidence path (the tests of the streaks themselves)
+SLOW = BalanceConfig(reports=3, hold_s=0.5, max_per_s=100, clear_idle=-1.0, clear_busy=2.0)
 
 
 def busy(node: str = "b", active: int = 8, workers: int = 1) -> Load:
@@ -42,17 +44,17 @@ def plan(bal: Balancer, now: float, *loads: Load, cands=None):
 
 
 def test_a_momentary_imbalance_moves_nothing():
-    bal = Balancer(CFG)
+    bal = Balancer(SLOW)
     b, i = busy(), idle()
     # two reports: not enough, however long apart
     assert not feed(bal, [0.0, 2.0], b, i)
     assert plan(bal, 2.0, b, i) == []
     # three reports, but within 0.3 s: not lasting either
-    bal = Balancer(CFG)
+    bal = Balancer(SLOW)
     assert not feed(bal, [0.0, 0.1, 0.3], b, i)
     assert plan(bal, 0.3, b, i) == []
     # a report in between that shows no imbalance starts the streak again
-    bal = Balancer(CFG)
+    bal = Balancer(SLOW)
     feed(bal, [0.0, 0.3], b, i)
     feed(bal, [0.4], Load("b", 1, busy=0.5, active=1), i)
     assert not feed(bal, [0.6, 0.8], b, i)
@@ -201,3 +203,63 @@ def test_agents_on_nodes_settle_instead_of_shuffling():
     assert counts[0] >= 2, nodes  # nobody idles: every node got agents
     assert max(hops.values()) <= 2, hops  # no agent shuffled around
     assert sum(hops.values()) <= 12
+
+
+# -- the clear-evidence path: a first move sooner, never on a momentary difference ---------
+
+
+def test_a_clear_imbalance_moves_after_two_busy_reports_and_one_idle_one():
+    bal = Balancer(CFG)
+    b, i = busy(active=8), idle()
+    assert not feed(bal, [0.0], b, i)  # one busy report: never enough
+    assert plan(bal, 0.0, b, i) == []
+    assert not feed(bal, [0.05], b)  # two, 0.05 s apart: not yet
+    assert feed(bal, [0.1], b)  # two spanning 0.1 s, and the idle node's one report
+    moves = plan(bal, 0.1, b, i)
+    assert len(moves) == 4  # half the gap, as on the slow path (the gain counts 0.35 s more)
+    assert [aid for aid, _, _ in moves] == [7, 6, 5, 4]
+
+
+def test_unclear_reports_take_the_slow_path():
+    # a busy node at 0.95 (not clear), or with active agents under twice its workers
+    for b in (Load("b", 1, busy=0.95, active=8), Load("b", 2, busy=1.0, active=3)):
+        bal = Balancer(CFG)
+        assert not feed(bal, [0.0, 0.2, 0.4], b, idle())
+        assert feed(bal, [0.5], b, idle())  # three over 0.5 s: the slow path still works
+    # an idle node at 0.1 busy, or one that still runs a task, needs its three reports
+    for i in (Load("i", 1, busy=0.1), Load("i", 1, busy=0.0, running=1)):
+        bal = Balancer(CFG)
+        assert not feed(bal, [0.0, 0.2, 0.4], busy(), i)
+        assert feed(bal, [0.5], busy(), i)
+    # an unclear busy report starts the count of clear ones again
+    bal = Balancer(CFG)
+    feed(bal, [0.0], busy(), idle())
+    feed(bal, [0.1], Load("b", 1, busy=0.93, active=8))
+    assert not feed(bal, [0.15, 0.2], busy())
+    assert plan(bal, 0.2, busy(), idle()) == []
+    assert feed(bal, [0.25], busy())  # 0.15 to 0.25: two clear ones spanning 0.1 s
+    # a busy streak that began unclear (its fraction still rising) turns clear later
+    bal = Balancer(CFG)
+    feed(bal, [0.0, 0.05], Load("b", 1, busy=0.9, active=8), idle())
+    assert not feed(bal, [0.1, 0.15], busy())
+    assert feed(bal, [0.2], busy())
+
+
+def test_a_stale_idle_report_is_no_clear_evidence():
+    bal = Balancer(CFG)
+    bal.report(0.0, idle())
+    assert not feed(bal, [1.2, 1.3, 1.5], busy())  # its only report is 1.5 s old
+    assert plan(bal, 1.5, busy(), idle()) == []
+    bal.report(1.6, idle())
+    assert bal.report(1.6, busy()) is True
+
+
+def test_after_a_clear_move_the_next_waits_for_new_reports():
+    bal = Balancer(CFG)
+    b, i = busy(active=8), idle()
+    feed(bal, [0.0, 0.1], b, i)
+    assert len(plan(bal, 0.1, b, i)) == 4
+    # the next reports: the busy node still full, the other now half busy (not idle)
+    half = Load("i", 1, busy=0.5, active=4)
+    assert not feed(bal, [0.3, 0.5, 0.8, 1.2], b, half)
+    assert plan(bal, 1.2, b, half) == []

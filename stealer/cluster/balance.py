@@ -20,6 +20,16 @@ The rule:
   ``reports`` reports in a row spanning ``hold_s`` at least: a momentary difference never
   moves anything.  After a move both nodes start again from no streak, so the next move
   waits for fresh reports of the new situation.
+* **Sooner when the evidence is clear**: the busy fraction a report carries is a mean over
+  time (time constant 0.1 s), so one report already sums up the recent past.  An idle node
+  whose last report (at most ``clear_idle_age_s`` old) shows at most ``clear_idle`` busy,
+  no agent with messages and nothing queued or running has idled for about 0.4 s at least:
+  that report alone lasts (an idle node reports only every 0.5 s, so three of them took
+  1-1.5 s).  A busy node lasts once its last ``clear_reports`` reports in a row, spanning
+  ``clear_hold_s``, each showed ``clear_busy`` or more with at least twice as many active
+  agents as workers (``clear_busy`` 0.97 means its workers were full for about 0.35 s
+  before: ``clear_age_s``, which the gain then counts in the imbalance's age).  A report
+  that is not clear starts that count again; the rule above still applies.
 * **Half the gap**: enough agents to even out the active agents per worker of the two
   (for nodes of equal workers, half the difference of their counts; the busy node's count
   is the fewest it showed over its streak), busiest first (the most messages since the
@@ -61,6 +71,13 @@ class BalanceConfig:
     gain_factor: float = 2.0  # move only when the gain exceeds this times the cost
     default_move_s: float = 0.02  # the time of a move before one was measured
     bandwidth: float = 200e6  # bytes/s a state travels at (fetched, then sent on)
+    # clear evidence (see the module's doc): one idle report, or a short busy streak
+    clear_idle: float = 0.02  # an idle report at most this busy lasts alone
+    clear_idle_age_s: float = 1.0  # if it is at most this old (an idle node reports each 0.5 s)
+    clear_busy: float = 0.97  # busy reports at least this busy (and active >= 2 x workers)
+    clear_reports: int = 2  # this many of them in a row
+    clear_hold_s: float = 0.1  # spanning this long at least
+    clear_age_s: float = 0.35  # how long such a busy fraction says the node was full already
 
 
 @dataclass(frozen=True)
@@ -80,6 +97,10 @@ class _Streak:
     since: float
     reports: int
     active: int  # busy: the fewest active agents shown; idle: the most
+    clear: bool = False  # the last report was clear evidence (Balancer.clear)
+    last: float = 0.0  # when its last report came
+    clear_n: int = 0  # busy: clear reports in a row up to the last one
+    clear_since: float = 0.0  # busy: when the first of them came
 
 
 class Balancer:
@@ -100,10 +121,21 @@ class Balancer:
             return "idle"
         return ""
 
+    def clear(self, load: Load, kind: str) -> bool:
+        """Whether the report alone is clear evidence of its kind (see the module's doc)."""
+        cfg = self.cfg
+        if kind == "idle":
+            return (load.busy <= cfg.clear_idle and load.active == 0 and load.queued == 0
+                    and load.running == 0)
+        if kind == "busy":
+            return load.busy >= cfg.clear_busy and load.active >= 2 * load.workers
+        return False
+
     def report(self, now: float, load: Load) -> bool:
         """A node's load report; True when some (busy, idle) pair now lasts (a plan may
         move something)."""
         k = self.kind(load)
+        c = self.clear(load, k)
         s = self.streaks.get(load.node)
         if s is None or s.kind != k:
             self.streaks[load.node] = s = _Streak(k, now, 1, load.active)
@@ -111,6 +143,14 @@ class Balancer:
             s.reports += 1
             s.active = min(s.active, load.active) if k == "busy" else max(s.active,
                                                                           load.active)
+        s.last = now
+        s.clear = c
+        if not c:
+            s.clear_n = 0
+        elif s.clear_n == 0:
+            s.clear_n, s.clear_since = 1, now
+        else:
+            s.clear_n += 1
         return bool(k) and self.lasting(load.node, k, now) and any(
             self.lasting(n, "idle" if k == "busy" else "busy", now) for n in self.streaks)
 
@@ -120,8 +160,16 @@ class Balancer:
 
     def lasting(self, node: str, kind: str, now: float) -> bool:
         s = self.streaks.get(node)
-        return (s is not None and s.kind == kind and s.reports >= self.cfg.reports
-                and now - s.since >= self.cfg.hold_s)
+        cfg = self.cfg
+        if s is None or s.kind != kind:
+            return False
+        if s.reports >= cfg.reports and now - s.since >= cfg.hold_s:
+            return True
+        if not s.clear:
+            return False
+        if kind == "idle":
+            return now - s.last <= cfg.clear_idle_age_s
+        return s.clear_n >= cfg.clear_reports and now - s.clear_since >= cfg.clear_hold_s
 
     def allowance(self, now: float) -> int:
         """Moves the rate cap allows to start now."""
@@ -174,7 +222,10 @@ class Balancer:
         chosen = movable[:max(0, min(half_gap, left))]
         share = ws / max(1, s.active)  # of a worker, each moved agent's on the busy node
         free = wd * max(0.0, 1.0 - dst.busy)
-        age = min(now - max(s.since, d.since), cfg.horizon_s)
+        age = now - max(s.since, d.since)
+        if s.clear and d.clear:  # what the busy fraction says of the time before the streak
+            age += cfg.clear_age_s
+        age = min(age, cfg.horizon_s)
         while chosen:
             gain = age * min(free, len(chosen) * share)
             if gain > cfg.gain_factor * sum(self.cost(c) for c in chosen):

@@ -463,12 +463,14 @@ def test_node_loss_resubmits_its_tasks_and_new_nodes_join(cluster, own):
         assert on_other, "no agent on the node to be removed"
         fs = [e.submit(ct.spin, 0.02, i) for i in range(150)]  # 3 s of work on 2 cores
         fs += [e.submit_to(other, ct.spin, 0.02, i) for i in range(150, 200)]
+        tree = e.submit_to(head, ct.fib_where, 26)  # its children may be out on the other
         cf.wait(fs[:20], timeout=60)
         victim = [n for n in cluster.worker_nodes if n.node_id == other]
         assert victim, "the second node is gone already"
         cluster.remove_node(victim[0])
         got = [f.result(timeout=90) for f in fs]
         assert [x for _, x in got] == list(range(200))  # every future, each result once
+        assert tree.result(timeout=90)[0] == ct.fib_seq(26)  # children lost there re-ran
         st = e.stats()
         (loss,) = st.losses
         assert loss["node"] == other and loss["tasks"] > 0 and loss["replaced"] == loss["tasks"]

@@ -195,3 +195,37 @@ def agents_by_id(cur: Stats) -> dict[int, AgentStats]:
     for a in [*cur.busiest_agents, *cur.fullest_agents]:
         out.setdefault(a.id, a)
     return out
+
+
+def cluster_block(cur: dict[str, Any], prev: dict[str, Any] | None) -> dict[str, Any]:
+    """An update for a cluster executor, from the snapshot its client publishes
+    (stealer/cluster/snapshot.py: ``ClusterExecutor.stats()`` as a dict, with id, time,
+    uptime_s) and the one before (rates); the rows ``stealer top`` draws, one per node."""
+    dt = cur.get("time", 0.0) - prev.get("time", 0.0) if prev else 0.0
+    before = (prev or {}).get("nodes", {})
+
+    def rate(n: str, key: str) -> float | None:
+        if dt <= 0 or n not in before:
+            return None
+        return _r(max(0, (cur["nodes"][n].get(key) or 0) - (before[n].get(key) or 0)) / dt)
+
+    nodes = []
+    for n, v in sorted(cur.get("nodes", {}).items()):
+        lat = v.get("latency_ms") or {}
+        kids = v.get("children") or {}
+        nodes.append({
+            "id": n, "alive": bool(v.get("alive")), "workers": v.get("workers"),
+            "busy": _r(100 * (v.get("busy") or 0.0)), "queued": v.get("queued"),
+            "running": v.get("running"), "done": v.get("done"), "tasks_s": rate(n, "done"),
+            "msgs_s": rate(n, "msgs"), "agents": v.get("agents"), "active": v.get("active"),
+            "got": v.get("got"), "given": v.get("given"),
+            "children_out": kids.get("shipped"), "children_in": kids.get("imported"),
+            "p50_ms": _r(lat.get("p50"), 2), "p99_ms": _r(lat.get("p99"), 2)})
+    return {"v": 1, "cluster": {
+        "id": cur.get("id"), "pid": cur.get("pid"), "uptime_s": _r(cur.get("uptime_s")),
+        "submitted": cur.get("submitted"), "done": cur.get("done"),
+        "outstanding": cur.get("outstanding"), "moved": cur.get("moved"),
+        "resubmitted": cur.get("resubmitted"), "duplicates": cur.get("duplicates"),
+        "agent_moves": cur.get("agent_moves"), "move_ms": _r(1e3 * (cur.get("move_s") or 0)),
+        "replayed": cur.get("replayed"), "losses": len(cur.get("losses") or []),
+        "nodes": nodes}}

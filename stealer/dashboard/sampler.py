@@ -235,3 +235,22 @@ class Sampler:
             self._agents, self._agents_t = payload.agents_by_id(cur), cur.time
         return payload.build(cur, prev, base if window > 0 else None,
                              window if window > 0 else cur.uptime_s, procs, self._ag)
+
+
+class ClusterSampler(Sampler):
+    """The sampler of a cluster executor: its snapshot is the dict its client publishes
+    (stealer/cluster/snapshot.py), read from /dev/shm; no worker processes of its own to
+    read here (they run on the nodes)."""
+
+    def __init__(self, snapshot: Callable[..., dict[str, Any] | None],
+                 gone_reason: Callable[[], str | None], interval: float = 0.25,
+                 window_s: float = 10.0) -> None:
+        self._snaps: collections.deque[dict[str, Any]] = collections.deque()  # last ~second
+        super().__init__(snapshot, gone_reason, interval, window_s, procs=False)
+
+    def _update(self, cur: Any, scanned: bool) -> dict[str, Any]:
+        snaps = self._snaps
+        snaps.append(cur)
+        while len(snaps) > 2 and cur.get("time", 0.0) - snaps[1].get("time", 0.0) >= _RATE_SPAN_S:
+            snaps.popleft()  # snaps[0]: the newest snapshot at least a span old
+        return payload.cluster_block(cur, snaps[0] if len(snaps) > 1 else None)

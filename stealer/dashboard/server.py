@@ -28,12 +28,13 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
+import os
 import re
 import secrets
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.cookies import CookieError, SimpleCookie
@@ -44,7 +45,7 @@ from urllib.parse import parse_qs, quote, urlsplit
 
 from stealer.client.stats import executor_gone
 from stealer.dashboard import payload
-from stealer.dashboard.sampler import Sampler
+from stealer.dashboard.sampler import ClusterSampler, Sampler
 from stealer.shared import metrics
 
 if TYPE_CHECKING:
@@ -387,6 +388,34 @@ def _meta(exec_id: str, nworkers: int, has_client: bool, sampler: Sampler) -> by
     }, separators=(",", ":")).encode()
 
 
+def _cluster_source(ex: Any) -> tuple[str, Callable[..., dict[str, Any] | None]] | None:
+    """(id, snapshot reader) when ``ex`` is a cluster executor or its id: its figures are
+    the snapshot its client publishes (stealer/cluster/snapshot.py, read as ``stealer top``
+    reads it: no Ray here); None for a local executor."""
+    from stealer.cluster import snapshot as cluster_snapshot  # (no Ray: plain files)
+
+    exec_id = ex if isinstance(ex, str) else getattr(ex, "id", None)
+    if not isinstance(exec_id, str) or not cluster_snapshot.is_cluster_id(exec_id):
+        return None
+    exec_id = os.path.basename(exec_id)
+    try:
+        cluster_snapshot.read(exec_id)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"serve_dashboard: no executor with id {exec_id!r} (it may have exited); "
+            "`stealer top` without an id lists the running ones") from None
+
+    def snap(agents: bool = True) -> dict[str, Any] | None:
+        if executor_gone(exec_id):
+            return None
+        try:
+            return cluster_snapshot.read(exec_id)
+        except FileNotFoundError:  # shut down while we read
+            return None
+
+    return exec_id, snap
+
+
 def _check_token(token: str | None, host: str) -> str:
     if token is None:
         if not _is_loopback(host):
@@ -435,7 +464,11 @@ def serve_dashboard(ex: Executor | str, port: int = 0, host: str = "127.0.0.1",
 
     token = _check_token(token, host)
     prefix = _check_prefix(prefix)
-    if isinstance(ex, str):
+    cluster = _cluster_source(ex)
+    if cluster is not None:
+        exec_id, snapshot = cluster
+        has_client = not isinstance(ex, str)
+    elif isinstance(ex, str):
         exec_id = ex.rsplit("/", 1)[-1]
         try:
             snapshot = _snapshotter(exec_id)
@@ -456,10 +489,18 @@ def serve_dashboard(ex: Executor | str, port: int = 0, host: str = "127.0.0.1",
     if host in ("0.0.0.0", "::", ""):
         allowed |= _local_names(host)
     allowed |= {_host_name(h) if h != "*" else "*" for h in allowed_hosts}
-    sampler = Sampler(snapshot, lambda: executor_gone(exec_id), interval, window_s)
+    if cluster is not None:
+        sampler: Sampler = ClusterSampler(snapshot, lambda: executor_gone(exec_id), interval,
+                                          window_s)
+    else:
+        sampler = Sampler(snapshot, lambda: executor_gone(exec_id), interval, window_s)
     try:
         first = snapshot()
-        nworkers = len(first.workers) if first is not None else 0
+        if cluster is not None:
+            nworkers = sum(n.get("workers") or 0 for n in (first or {}).get("nodes", {}).values()
+                           if n.get("alive"))
+        else:
+            nworkers = len(first.workers) if first is not None else 0
         cfg = _Config(token=token, prefix=prefix, allowed=allowed, sampler=sampler,
                       meta=_meta(exec_id, nworkers, has_client, sampler),
                       static=_static_files(), cookie="stealer-dashboard", quiet=quiet)

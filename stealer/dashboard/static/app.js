@@ -612,8 +612,43 @@ function draw(u) {
 }
 
 function render(u) {
+  if (u.cluster) { renderCluster(u); return; }
   updateHistory(u);
   draw(u);
+}
+
+// A cluster executor: one row per node, the figures `stealer top` draws (no per-worker
+// panels: the workers run on the nodes).
+const NODE_COLS = [
+  ["node", (n) => n.id.slice(0, 12), "mono"], ["alive", (n) => (n.alive ? "yes" : "lost")],
+  ["wrk", (n) => fmtNum(n.workers), "num"], ["busy %", (n) => fmtNum(n.busy), "num"],
+  ["queued", (n) => fmtNum(n.queued), "num"], ["run", (n) => fmtNum(n.running), "num"],
+  ["done", (n) => fmtNum(n.done), "num"], ["tasks/s", (n) => fmtNum(n.tasks_s), "num"],
+  ["msgs/s", (n) => fmtNum(n.msgs_s), "num"], ["agents", (n) => fmtNum(n.agents), "num"],
+  ["active", (n) => fmtNum(n.active), "num"], ["got", (n) => fmtNum(n.got), "num"],
+  ["given", (n) => fmtNum(n.given), "num"], ["children out", (n) => fmtNum(n.children_out), "num"],
+  ["children in", (n) => fmtNum(n.children_in), "num"],
+  ["p50 ms", (n) => fmtNum(n.p50_ms, 2), "num"], ["p99 ms", (n) => fmtNum(n.p99_ms, 2), "num"]];
+
+function renderCluster(u) {
+  const c = u.cluster;
+  for (const s of document.querySelectorAll("main > section")) s.hidden = s.id !== "p-nodes";
+  $("exec-id").textContent = c.id;
+  const alive = c.nodes.filter((n) => n.alive).length;
+  facts($("summary"), [["up", fmtUptime(c.uptime_s)], ["nodes", `${alive} of ${c.nodes.length}`],
+    ["submitted", fmtNum(c.submitted)], ["outstanding", fmtNum(c.outstanding)],
+    ["stolen", fmtNum(c.moved)], ["re-placed", fmtNum(c.resubmitted)],
+    ["agent moves", fmtNum(c.agent_moves)]]);
+  const t = $("t-nodes");
+  if (!t.tHead.rows.length) {
+    t.tHead.append(el("tr", {}, ...NODE_COLS.map(([h, , cls]) => el("th", cls ? { class: cls } : {}, h))));
+  }
+  t.tBodies[0].replaceChildren(...c.nodes.map((n) => el("tr", n.alive ? {} : { class: "frozen" },
+    ...NODE_COLS.map(([, f, cls]) => el("td", cls ? { class: cls } : {}, f(n))))));
+  $("nodes-note").textContent = `${fmtNum(c.duplicates)} duplicate results dropped · ` +
+    `${fmtNum(c.replayed)} agent messages replayed · ${c.losses} node(s) lost · ` +
+    `moves ${fmtNum(c.move_ms)} ms each`;
+  updateFooter(u);
 }
 
 function setStatus(text, cls) {

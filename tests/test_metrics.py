@@ -78,6 +78,9 @@ def test_empty_histogram_and_merge():
 
 def test_stats_counts_tasks_and_latency():
     with stealer.Executor(2) as ex:
+        # every worker started: under load one may still be importing while the other
+        # runs all the tasks below, and its CPU is published only once it starts
+        assert ex.wait_ready(60)
         assert [f.result(timeout=30) for f in [ex.submit(tasks.busy, 0.002) for _ in range(100)]]
         assert ex.submit(tasks.fib, 18, 12).result(timeout=30) == tasks.fib_seq(18)
         deadline = time.monotonic() + 10

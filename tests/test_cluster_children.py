@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 import random
-import tempfile
+import shutil
+import subprocess
+import sys
 import threading
 from collections import deque
 
@@ -199,7 +201,7 @@ class FakePeer:
 
 
 def _node(peer: FakePeer):
-    d = tempfile.mkdtemp(prefix="stealer-test-children-")
+    d = children.make_dir()
     srv = ChildServer(d, lambda *a: None, peer.hook, lambda node: None)
     peer.srv = srv
     ex = stealer.Executor(1, initializer=children.install,
@@ -226,6 +228,7 @@ def test_proxies_wait_for_children_run_elsewhere_and_rerun_those_lost(die_after)
     finally:
         ex.shutdown()
         srv.close()
+        shutil.rmtree(os.path.dirname(srv.path), ignore_errors=True)
 
 
 def test_the_workers_export_nothing_deeper_than_the_depth_unless_wanted():
@@ -243,4 +246,21 @@ def test_the_workers_export_nothing_deeper_than_the_depth_unless_wanted():
     finally:
         ex.shutdown()
         srv.close()
+        shutil.rmtree(os.path.dirname(srv.path), ignore_errors=True)
     assert not os.path.exists(srv.path)
+
+
+def test_the_directories_of_dead_node_agents_are_removed_by_the_next():
+    # a process that made one and died without cleaning up (SIGKILL: a node removed)
+    code = "from stealer.cluster import children; print(children.make_dir())"
+    left = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert os.path.isdir(left)
+    mine = children.make_dir()
+    try:
+        assert not os.path.exists(left) and os.path.isdir(mine)
+        other = children.make_dir()
+        assert os.path.isdir(mine) and os.path.isdir(other)
+        shutil.rmtree(other)
+    finally:
+        shutil.rmtree(mine, ignore_errors=True)

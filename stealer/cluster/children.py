@@ -220,6 +220,36 @@ class ChildTable:
 
 # -- the node agent's end of the workers' links -------------------------------------------------
 
+DIR_PREFIX = "stealer-children-"
+
+
+def make_dir() -> str:
+    """A private directory for a node agent's socket and flag, named with its pid; first
+    removes those of node agents that died without cleaning up (a node removed under
+    them: SIGKILL), as the snapshots of dead clients are (stealer/cluster/snapshot.py)."""
+    import shutil
+    import tempfile
+
+    base = tempfile.gettempdir()
+    for name in os.listdir(base):
+        if not name.startswith(DIR_PREFIX):
+            continue
+        pid = name[len(DIR_PREFIX):].partition("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's: not ours to remove (and the name says so anyway)
+    return True
+
+
 class ChildServer:
     """Serves the node executor's workers: exports, claims, waits, imports.  Threads: one
     accepting, one per worker connection.  ``want`` is a one-byte flag file the workers

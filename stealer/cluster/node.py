@@ -58,7 +58,6 @@ import pickle
 import random
 import shutil
 import signal
-import tempfile
 import threading
 import time
 from collections import deque
@@ -167,7 +166,7 @@ class NodeAgent:
         self.me = ray.get_runtime_context().current_actor  # sent with the children we ship
         self.origins: dict[str, Any] = {}  # node -> its handle, for its children's results
         if steal is not None and steal.children > 0:
-            self.kids_dir = tempfile.mkdtemp(prefix="stealer-children-")
+            self.kids_dir = children.make_dir()
             self.kids = children.ChildServer(self.kids_dir, self._child_back,
                                              self._kids_changed, self._kids_hungry)
             local["initargs"] = (self.kids.path, self.kids.want_path, self.kids.authkey,

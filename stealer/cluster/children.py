@@ -68,6 +68,7 @@ from typing import Any
 
 from stealer.cluster.policy import Load
 from stealer.shared._layout import K_CHILD, K_MASK
+from stealer.shared.shm import _alive  # (another user's pid counts as alive: not ours)
 
 __all__ = ["ChildServer", "ChildTable", "WorkerLink", "hungry", "imported", "install", "proxy",
            "room", "TAKEN"]
@@ -238,16 +239,6 @@ def make_dir() -> str:
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(os.path.join(base, name), ignore_errors=True)
     return tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's: not ours to remove (and the name says so anyway)
-    return True
 
 
 class ChildServer:

@@ -183,10 +183,11 @@ def _found_numpy(np: Any) -> Any:
     return _ndarray
 
 
-def dumps(obj: Any, what: str = "object") -> tuple[bytes, list[pickle.PickleBuffer]]:
+def dumps(obj: Any, what: str = "object",
+          fast: bool = True) -> tuple[bytes, list[pickle.PickleBuffer]]:
     """Pickle ``obj``; returns the pickle and its out-of-band buffers (those larger than
-    :data:`INBAND_MAX` bytes)."""
-    if _fast is not None:
+    :data:`INBAND_MAX` bytes).  ``fast`` False: the native writer already refused it."""
+    if fast and _fast is not None:
         if _ndarray is None and "numpy" in sys.modules:
             _found_numpy(sys.modules["numpy"])
         data = _fast(obj)

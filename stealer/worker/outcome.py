@@ -46,7 +46,7 @@ def stand_in(payload: tuple) -> tuple:
     return RemoteError(f"{_describe(exc)} (the original exception could not be pickled)"), tb
 
 
-def encode_result(status: int, value: Any) -> tuple[int, bytes, list]:
+def encode_result(status: int, value: Any, fast: bool = True) -> tuple[int, bytes, list]:
     """(status, pickle, buffers) of a task's outcome; never raises.
 
     A result that does not pickle becomes a SerializationError; an exception
@@ -56,7 +56,7 @@ def encode_result(status: int, value: Any) -> tuple[int, bytes, list]:
     try:
         if status != ST_OK:
             value = error_payload(value)
-        data, bufs = serialize.dumps(value, "task result")
+        data, bufs = serialize.dumps(value, "task result", fast)
         return status, data, bufs
     except BaseException as exc:
         try:

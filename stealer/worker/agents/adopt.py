@@ -208,11 +208,7 @@ class Adoption:
                 return False
         # NOTIFIED cleared, the new messages, then the flags: a stop is never missed
         flags, e.seen, got = self.dir.take_mail(h, e.seen)
-        if got:
-            if e.pending is None:
-                e.pending = collections.deque(got)
-            else:
-                e.pending.extend(got)
+        self.add_pending(e, got)
         if flags & AF_STOP:
             e.stop = True
             self.schedule(e)
@@ -225,6 +221,11 @@ class Adoption:
 
     def take(self, e: _Entry) -> None:
         got, e.seen = self.dir.take(e.h, e.seen)
+        self.add_pending(e, got)
+
+    @staticmethod
+    def add_pending(e: _Entry, got: list[int]) -> None:
+        """Messages taken from the mailbox (oldest first) join the agent's pending ones."""
         if got:
             if e.pending is None:
                 e.pending = collections.deque(got)

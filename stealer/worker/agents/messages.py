@@ -146,8 +146,9 @@ class Messages:
             e.it_msg = (x, y, False, None, 0, y >= 0)
             self.drive(e, None, None)
             return
-        if code == SERVE_REPLY:  # (reply, -, value): handled and done
-            self.reply(x, ST_OK, z)
+        if code == SERVE_REPLY:  # (reply, -, value): handled and done; the native writer
+            # refused the value already: straight to the Pickler
+            self.reply(x, ST_OK, z, encode_result(ST_OK, z, fast=False))
         else:  # SERVE_AFTER (reply, reply_inline's result, data): handled and done
             self.after_inline(x, y, (ST_OK, z, []))
         if e.state == WAITING and e.want_step is False and hasattr(e.obj, "step"):

@@ -140,11 +140,7 @@ def forkjoin_only(out: dict, children: bool = True) -> None:
     tree_two = one_tree(ex, ex.nodes[0])
     st = ex.stats()
     ex.shutdown()
-    ex1 = stealer.Executor(cluster=True, steal=None, rebalance=None)
-    one_node = ex1.nodes[0]
-    ex1.submit_to(one_node, fib, 20, 16).result()
-    one = timed(lambda: [f.result() for f in
-                         [ex1.submit_to(one_node, fib, 30, 18) for _ in range(8)]])
+    ex1, one_node, one = roots_on_one_node()
     tree_one = one_tree(ex1, one_node)
     ex1.shutdown()
     out["forkjoin_roots"] = {"one_node_s": one, "two_nodes_s": two, "speedup": one / two}
@@ -184,6 +180,18 @@ def first_move(out: dict, trials: int = 3) -> None:
     finally:
         ex.shutdown()
     out["first_move_s"] = got
+
+
+def roots_on_one_node():
+    """A cluster executor that neither steals nor moves agents, and the seconds 8 fib(30)
+    roots take on its first node alone (after one warm-up tree): ``(ex, node, seconds)``;
+    the caller shuts it down."""
+    ex = stealer.Executor(cluster=True, steal=None, rebalance=None)
+    node = ex.nodes[0]
+    ex.submit_to(node, fib, 20, 16).result()
+    one = timed(lambda: [f.result() for f in
+                         [ex.submit_to(node, fib, 30, 18) for _ in range(8)]])
+    return ex, node, one
 
 
 def timed(fn) -> float:
@@ -276,11 +284,7 @@ def main() -> None:
         moving, moved = busy_agents(ex, ex.nodes[0], a.agent_rounds)
         st = ex.stats()
         ex.shutdown()
-        ex1 = stealer.Executor(cluster=True, steal=None, rebalance=None)
-        one_node = ex1.nodes[0]
-        ex1.submit_to(one_node, fib, 20, 16).result()
-        one = timed(lambda: [f.result() for f in
-                             [ex1.submit_to(one_node, fib, 30, 18) for _ in range(8)]])
+        ex1, one_node, one = roots_on_one_node()
         staying, stayed_moved = busy_agents(ex1, one_node, a.agent_rounds)
         ex1.shutdown()
         out["forkjoin_roots"] = {"one_node_s": one, "two_nodes_s": two, "speedup": one / two}

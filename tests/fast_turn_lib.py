@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -42,9 +43,13 @@ class Mixed(stealer.Agent):
             yield None
         return x * 2
 
-    def slow(self, s: float) -> str:
-        self.log.append(("slow", s))
-        time.sleep(s)
+    def slow(self, started: str, release: str) -> str:
+        """Runs until the client says so: the messages sent meanwhile queue behind it."""
+        self.log.append(("slow",))
+        open(started, "w").close()
+        end = time.monotonic() + 60
+        while not os.path.exists(release) and time.monotonic() < end:
+            time.sleep(0.001)
         return "slow"
 
     def echo(self, x: Any) -> Any:

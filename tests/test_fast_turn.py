@@ -24,9 +24,19 @@ pytestmark = pytest.mark.skipif(
     reason="the native loop needs the extension")
 
 SCRIPT = textwrap.dedent("""
-    import json, sys, time
+    import json, os, sys, tempfile, time
     import numpy as np
     sys.path.insert(0, sys.argv[1])
+    tmp = tempfile.mkdtemp()
+
+    def mark(name):
+        return os.path.join(tmp, name)
+
+    def wait_for(name):
+        end = time.monotonic() + 60
+        while not os.path.exists(mark(name)):
+            assert time.monotonic() < end, name
+            time.sleep(0.001)
     import stealer
     import fast_turn_lib as L
 
@@ -47,7 +57,7 @@ SCRIPT = textwrap.dedent("""
         a = ex.spawn_agent(L.Mixed)
         b = ex.spawn_agent(L.Mixed)
         futs = []
-        futs.append(a.call("slow", 0.3))   # the rest queue behind it: one batch
+        futs.append(a.call("slow", mark("a0"), mark("a1")))  # the rest queue behind it
         futs.append(a.call("plain", 1))
         cancelled = a.call("plain", "cancelled")
         futs.append(a.call("plain", (1, 2.5, "x", None, [3])))
@@ -63,16 +73,19 @@ SCRIPT = textwrap.dedent("""
         futs.append(a.call("plain", b"x" * 500))
         futs.append(b.call("ask", a, "via b"))
         futs.extend(ex.call_all([a, b], "plain", [("all-a",), ("all-b",)]))
-        out["cancel"] = cancelled.cancel()
+        wait_for("a0")
+        out["cancel"] = cancelled.cancel()  # still queued: a runs "slow" until a1
+        open(mark("a1"), "w").close()
         out["replies"] = [show(f) for f in futs]
         out["log_a"] = [repr(x) for x in a.call("history").result(30)]
         out["log_b"] = [repr(x) for x in b.call("history").result(30)]
         # a stop behind queued messages: the ones before it run, its outcome is the same
         c = ex.spawn_agent(L.Mixed)
         c.call("plain", -1).result(30)  # adopted and idle
-        cf = [c.call("slow", 0.3)] + [c.call("plain", i) for i in range(20)]
-        time.sleep(0.1)  # the slow one runs; the others wait in its turn's batch
+        cf = [c.call("slow", mark("c0"), mark("c1"))] + [c.call("plain", i) for i in range(20)]
+        wait_for("c0")  # the slow one runs; the others wait in its turn's batch
         c.stop()
+        open(mark("c1"), "w").close()
         out["stopped"] = [show(f)[0] for f in cf]
         try:
             out["stop_result"] = ["ok", repr(c.result(30))]

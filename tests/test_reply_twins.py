@@ -48,6 +48,21 @@ def _rigs() -> list:
     return made
 
 
+def _agent_entry(rg, capacity: int) -> tuple:
+    """A Directory on rig ``rg`` (native where the rig is) and an agent record with a fresh
+    entry of mailbox ``capacity``: ``(directory, handle)``."""
+    from stealer.agents.mailbox import Directory
+    from stealer.shared.idle import Idle
+
+    a, r = rg.arena, rg.seg.region
+    d = Directory(r, a, rg.layout.offsets["agents"], rg.inboxes, Idle(r, rg.layout))
+    assert (d.hot is not None) == (rg.cfg == "native")
+    h = a.alloc()
+    a.setup(h, K_ROOT, 0, 0)
+    d.init(h, capacity)
+    return d, h
+
+
 def reply_case(rg, kind: int, fate: str, size: int) -> tuple:
     a = rg.arena
     rh = a.alloc()
@@ -141,20 +156,14 @@ def test_read_inline_reads_an_inline_pickle_and_leaves_the_rest_to_read_call():
 def test_msg_done_marks_the_message_and_gives_its_slot_back_as_the_reference_does():
     """HotPath.msg_done (native) against Directory.mark_done + give_back (Python): the same
     D_DONE and D_COUNT after each handled message, a full mailbox included."""
-    from stealer.agents.mailbox import Directory
     from stealer.shared._layout import D_COUNT, D_DONE
-    from stealer.shared.idle import Idle
 
     rigs = _rigs()
     try:
         seen = []
         for rg in rigs:
-            a, r = rg.arena, rg.seg.region
-            d = Directory(r, a, rg.layout.offsets["agents"], rg.inboxes, Idle(r, rg.layout))
-            assert (d.hot is not None) == (rg.cfg == "native")
-            h = a.alloc()
-            a.setup(h, K_ROOT, 0, 0)
-            d.init(h, 3)
+            r = rg.seg.region
+            d, h = _agent_entry(rg, 3)
             out = []
             for _ in range(3):
                 assert d.reserve(h)
@@ -174,20 +183,14 @@ def test_take_mail_takes_what_was_pushed_oldest_first_as_the_reference_does():
     """HotPath.take_mail (native) against Directory.clear_notified + take + flags (Python):
     the same flags (NOTIFIED cleared, STOP kept), head and messages oldest first, from an
     empty mailbox, after one push, after three more, and after a stop."""
-    from stealer.agents.mailbox import Directory
     from stealer.shared._layout import AF_NOTIFIED, AF_STOP, D_FLAGS
-    from stealer.shared.idle import Idle
 
     rigs = _rigs()
     try:
         seen_all = []
         for rg in rigs:
             a, r = rg.arena, rg.seg.region
-            d = Directory(r, a, rg.layout.offsets["agents"], rg.inboxes, Idle(r, rg.layout))
-            assert (d.hot is not None) == (rg.cfg == "native")
-            h = a.alloc()
-            a.setup(h, K_ROOT, 0, 0)
-            d.init(h, 8)
+            d, h = _agent_entry(rg, 8)
             e = d.entry(h)
             out, seen = [], 0
             for batch, extra in ((0, 0), (1, 0), (3, 0), (0, AF_STOP), (1, 0)):

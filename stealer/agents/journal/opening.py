@@ -106,9 +106,11 @@ class ClientJournal:
             os.close(self.lock_fd)
 
 
-def open_for_client(path: str, mode: str, workers: int,
-                    recover: bool) -> tuple[ClientJournal, Plan]:
-    """Lock the journal for a new executor, read what it holds, and start its epoch."""
+def open_for_client(path: str, mode: str, workers: int, recover: bool,
+                    kind: str = "local") -> tuple[ClientJournal, Plan]:
+    """Lock the journal for a new executor, read what it holds, and start its epoch.
+    ``kind``: ``"local"`` (an Executor) or ``"cluster"`` (stealer/cluster/journal.py);
+    a journal of the other kind is refused."""
     if mode not in MODES:
         raise ValueError(f"durability must be one of {', '.join(map(repr, MODES))}, not "
                          f"{mode!r}")
@@ -128,7 +130,7 @@ def open_for_client(path: str, mode: str, workers: int,
         fresh = not os.path.exists(os.path.join(path, CONTROL))
         ctl = ControlDB(os.path.join(path, CONTROL))
         os.chmod(ctl.path, 0o600)
-        check_meta(ctl, path, True)
+        check_meta(ctl, path, True, kind)
         p = Plan(path, {}, [], 0, 0) if fresh else plan(path, quiet=not recover)
         live = sum(1 for a in p.agents.values() if a.live)
         if live and not recover:

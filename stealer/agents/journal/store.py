@@ -325,7 +325,11 @@ def _version() -> str:
     # tests/test_layers.py)
     return getattr(sys.modules.get("stealer"), "__version__", "?")
 
-def check_meta(ctl: ControlDB, path: str, create: bool) -> None:
+def check_meta(ctl: ControlDB, path: str, create: bool, kind: str | None = None) -> None:
+    """Check ``journal.db``'s metadata (with ``create``: write it into a new journal).
+    ``kind``: who may open it, ``"local"`` (an Executor's) or ``"cluster"`` (a cluster
+    executor's, stealer/cluster/journal.py: the same tables, other blobs); None: any (a
+    reader).  A journal without the key is a local one (written before it existed)."""
     try:
         meta = ctl.meta()
     except sqlite3.Error as exc:
@@ -336,12 +340,20 @@ def check_meta(ctl: ControlDB, path: str, create: bool) -> None:
             raise JournalError(f"{path} is not a stealer journal (no metadata)")
         ctl.c.executemany("INSERT INTO meta VALUES (?,?)",
                           [("format", str(FORMAT)), ("stealer", _version()),
-                           ("owner", str(os.getuid())), ("created", str(time.time()))])
+                           ("owner", str(os.getuid())), ("created", str(time.time()))]
+                          + ([("kind", kind)] if kind not in (None, "local") else []))
         return
     if meta.get("format") != str(FORMAT):
         raise JournalError(f"the journal {path} has format {meta.get('format')!r} (written by "
                            f"stealer {meta.get('stealer')}); this stealer {_version()} reads "
                            f"format {FORMAT}: recover it with that version")
+    have = meta.get("kind", "local")
+    if kind is not None and have != kind:
+        how = ("Executor(cluster=..., journal=PATH, recover=True)" if have == "cluster"
+               else "Executor(journal=PATH, recover=True) on one machine")
+        raise JournalError(f"the journal {path} was written by a {have} executor, not a "
+                           f"{kind} one (their events differ); open it with {how}, or "
+                           "give a new directory")
     if meta.get("owner") != str(os.getuid()):
         raise JournalError(f"the journal {path} was written by another user (uid "
                            f"{meta.get('owner')}); use one of your own")

@@ -63,6 +63,8 @@ class ClusterAgentRef:
         """Stop the agent at its next step boundary."""
         self._ex._agent_op(self._a, "stop", None)
         self._a.over = True
+        if self._ex._journal is not None:
+            _ = self.future  # its final value goes into the journal when it comes
 
     @property
     def future(self) -> Future:
@@ -70,8 +72,7 @@ class ClusterAgentRef:
         a = self._a
         with self._ex._lock:
             if a.result is None:
-                a.result = self._ex._agent_op(a, "result", None)
-                a.result.add_done_callback(lambda _f: setattr(a, "over", True))
+                self._ex._ask_result(a)
             return a.result
 
     def result(self, timeout: float | None = None) -> Any:
@@ -95,6 +96,7 @@ class AgentsOnCluster:
     _shutdown: bool
     _stats: Any
     _rng: Any
+    _journal: Any  # a ClusterJournal (stealer/cluster/journal.py), or None
 
     def spawn_agent(self, cls: type, /, *args: Any, init_kwargs: dict | None = None,
                     retries: int | None = None, name: str | None = None,
@@ -119,6 +121,11 @@ class AgentsOnCluster:
         if not isinstance(state_every, int) or state_every < 0:
             raise ValueError(f"state_every is a number of messages >= 0 (0: keep no "
                              f"state), not {state_every!r}")
+        if state_every == 0 and self._journal is not None:
+            # (restarted after a node loss from its spawn with only its unanswered
+            # messages, it would hold another state than the journal recovers)
+            raise ValueError("a journaled agent keeps its state: state_every=0 is refused "
+                             "with a journal (Executor(cluster=..., journal=PATH))")
         r = self._retries if retries is None else retries
         with self._lock:
             if self._shutdown:
@@ -130,6 +137,8 @@ class AgentsOnCluster:
             if not loads:
                 raise ClusterError("no alive node to spawn the agent on")
             a.every = state_every
+            if self._journal is not None:  # (before the agent exists anywhere)
+                self._journal.spawn(a)
             if node is None:
                 a.node = self._place_agent()
             else:
@@ -147,7 +156,9 @@ class AgentsOnCluster:
         """The agent spawned with ``name`` (wherever it lives now)."""
         a = self._names.get(name)
         if a is None:
-            raise AgentNotFound(f"no agent named {name!r} in this cluster executor; "
+            where = ("this cluster executor" if self._journal is None
+                     else f"the journal {self._journal.path}")
+            raise AgentNotFound(f"no agent named {name!r} in {where}; "
                                 "spawn_agent(..., name=NAME) names one")
         return ClusterAgentRef(self, a)
 
@@ -170,15 +181,20 @@ class AgentsOnCluster:
             if a.failed is not None:
                 fut.set_exception(a.failed)
                 return fut
+            # numbered: calls and sends (and, journaled, stops: replayed after a loss)
+            logged = kind in ("call", "send") or (kind == "stop" and a.uid is not None)
+            if logged:
+                if a.uid is not None:  # write-ahead: on disk before it can reach the node
+                    self._journal.msg(a, a.seq + 1, kind, arg)
+                a.seq += 1
             tid = next(self._tids)
             t = Task(fut, (AgentOp(kind, a.aid, arg), (), {}), a.node, a)
             self._ledger[tid] = t
             full = self._deliver(a, tid, t)  # (held while the agent moves)
             more = None
-            if a.every and kind in ("call", "send"):
-                a.seq += 1
+            if a.every and logged:
                 a.log.append([a.seq, tid, kind, arg])
-                if a.seq % a.every == 0:
+                if kind != "stop" and a.seq % a.every == 0:
                     more = self._ask_state(a)
         # (sent outside the lock, as every batch)
         if full is not None:
@@ -207,11 +223,15 @@ class AgentsOnCluster:
             if exc is not None:  # (a state that does not pickle): keep no state from now
                 a.every, a.log, a.state, a.has_state = 0, [], None, False
                 self._stats.state_errors += 1
+                if a.uid is not None:
+                    self._unkept(a, exc)  # (stealer/cluster/journal.py)
                 return
             if not a.every or covers <= a.state_seq:
                 return  # an older reply than the state kept (a restart asked it again)
             a.state, a.has_state, a.state_seq = fut.result(), True, covers
             a.log = [e for e in a.log if e[0] > covers]
+            if a.uid is not None:
+                self._journal_state(a, covers)
 
     def _restart(self, a: AgentRecord, tids: list[int], lost: NodeView) -> None:
         """An agent whose node was lost: spawned again elsewhere, then its unanswered
@@ -229,6 +249,14 @@ class AgentsOnCluster:
                 t = self._ledger.pop(tid)
                 t.fut.set_exception(a.failed)
             return
+        self._start_again(a, tids)
+
+    def _start_again(self, a: AgentRecord, tids: list[int]) -> None:
+        """Start ``a`` on a node (under the lock): its spawn, its state kept, then the
+        messages of ``a.log`` in their order (those among ``tids``, its unanswered
+        operations, to their callers; the others for their effect, replies dropped), then
+        the rest of ``tids``.  After a node loss, and for an agent recovered from the
+        journal (stealer/cluster/journal.py: ``tids`` empty)."""
         a.node = self._place_agent()
         full = set()
         first = [("spawn", a.spawn)]
@@ -249,7 +277,7 @@ class AgentsOnCluster:
                 t = self._ledger[tid]
                 t.hops += 1 << 16
                 full.add(self._enqueue(a.node, tid, t))
-            elif kind != "state":
+            elif kind != "state":  # (a recovered agent's: every message after its state)
                 e[1] = tid = next(self._tids)
                 t = Task(Future(), (AgentOp(kind, a.aid, arg), (), {}), a.node, a)
                 self._ledger[tid] = t

@@ -60,6 +60,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from stealer.cluster import snapshot
 from stealer.cluster.agents import AgentsOnCluster, ClusterAgentRef
 from stealer.cluster.balance import BalanceConfig, Balancer
+from stealer.cluster.journal import ClusterJournal, JournalOnCluster
 from stealer.cluster.ledger import AgentRecord, ClusterStats, NodeView, Task
 from stealer.cluster.moves import AgentMoves
 from stealer.cluster.node import NodeAgent, run_chunk
@@ -122,7 +123,7 @@ def _connect(cluster: Any) -> bool:
     return True
 
 
-class ClusterExecutor(AgentMoves, AgentsOnCluster, _fbase.Executor):
+class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, _fbase.Executor):
     """A ``concurrent.futures.Executor`` over one stealer executor per node of a Ray cluster.
 
     ``cluster``: a Ray address, or True for the Ray this process already initialised.
@@ -139,7 +140,9 @@ class ClusterExecutor(AgentMoves, AgentsOnCluster, _fbase.Executor):
     keyword arguments (``cpus``, ``thread_limit``, ``records``,
     ``metrics``, ``hang_timeout``, ``max_tasks_per_child``, ``initializer``, ``initargs``)
     go to each node's executor.  Agents: ``spawn_agent``, ``agent(name)``, ``agents()``,
-    ``call_all`` (``stealer/cluster/agents.py``).
+    ``call_all`` (``stealer/cluster/agents.py``).  ``journal``, ``durability``,
+    ``recover``: the agents' journal, as on one machine (``stealer/cluster/journal.py``:
+    the client writes it; with ``recover=True`` the agents of an earlier client resume).
     """
 
     def __init__(self, cluster: Any, *, executor_cls: type, max_workers: int | None = None,
@@ -149,12 +152,15 @@ class ClusterExecutor(AgentMoves, AgentsOnCluster, _fbase.Executor):
                  steal: StealConfig | None = DEFAULT_STEAL,
                  rebalance: BalanceConfig | None = DEFAULT_BALANCE,
                  top_s: float | None = snapshot.INTERVAL_S, seed: int | None = None,
+                 journal: Any = None, durability: str = "batch", recover: bool = False,
                  **local: Any) -> None:
         bad = sorted(set(local) - set(LOCAL_OPTIONS))
         if bad:
-            raise ClusterError(f"Executor(cluster=...) does not take {', '.join(bad)} "
-                               "(journals stay on one machine for now); drop them or use "
-                               "a local Executor")
+            raise ClusterError(f"Executor(cluster=...) does not take {', '.join(bad)}; "
+                               "drop them or use a local Executor")
+        if recover and journal is None:
+            raise ValueError("recover=True needs the journal to recover: "
+                             "Executor(cluster=..., journal=PATH, recover=True)")
         if not isinstance(retries, int) or not 0 <= retries <= 255:
             raise ValueError(f"retries must be an int from 0 to 255, not {retries!r}")
         self._owns_ray = _connect(cluster)
@@ -188,6 +194,14 @@ class ClusterExecutor(AgentMoves, AgentsOnCluster, _fbase.Executor):
         self._id = snapshot.new_id()
         self._created = time.time()
         self._top: snapshot.Publisher | None = None
+        if journal is not None:  # (locked before any node agent takes the nodes' CPUs)
+            try:
+                self._journal = ClusterJournal(journal, durability, len(ray.nodes()),
+                                               recover)
+            except BaseException:
+                if self._owns_ray:
+                    ray.shutdown()
+                raise
         self._start_nodes(wait=True)
         if not any(n.ready for n in self._nodes.values()):
             self._stop_nodes()
@@ -199,6 +213,8 @@ class ClusterExecutor(AgentMoves, AgentsOnCluster, _fbase.Executor):
                                           daemon=True)]
         for t in self._threads:
             t.start()
+        if self._journal is not None:
+            self._recover_journal()
         if top_s:
             self._top = snapshot.Publisher(self._id, self._snapshot, top_s)
 
@@ -634,6 +650,7 @@ class ClusterExecutor(AgentMoves, AgentsOnCluster, _fbase.Executor):
     # -- shutdown, stats -------------------------------------------------------------------------
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._suspend()  # journaled agents: their states, so a recovery replays nothing
         with self._lock:
             if self._shutdown and self._closing:
                 return
@@ -691,6 +708,7 @@ class ClusterExecutor(AgentMoves, AgentsOnCluster, _fbase.Executor):
                 t.join(5)
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
+        self._close_journal()
 
     def stats(self) -> ClusterStats:
         """A snapshot: per node (alive, workers, queued, running, task_s, busy, agents,
@@ -714,7 +732,7 @@ class ClusterExecutor(AgentMoves, AgentsOnCluster, _fbase.Executor):
             stats = ClusterStats({}, st.submitted, st.done, len(self._ledger),
                                  st.resubmitted, st.duplicates, st.moved, st.transient,
                                  list(st.losses), st.replayed, st.state_errors,
-                                 st.agent_moves, st.move_s, st.move_errors)
+                                 st.agent_moves, st.move_s, st.move_errors, st.recovered)
         for n, ld, lat in views:
             s = statuses.get(n.id, {})
             lat.sort()

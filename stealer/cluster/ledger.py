@@ -67,6 +67,9 @@ class AgentRecord:
         self.looked = 0  # its seq when the client last looked for agents to move
         self.sized: tuple[int, int | None] = (-1, 0)  # (state_seq, the kept state's bytes)
         self.moves = 0
+        # its durable id in the journal (Executor(cluster=..., journal=PATH),
+        # stealer/cluster/journal.py): "<epoch>.<n>"; None without a journal
+        self.uid: str | None = None
 
 
 class NodeView:
@@ -107,3 +110,4 @@ class ClusterStats:
     agent_moves: int = 0  # agents moved between live nodes (stealer/cluster/moves.py)
     move_s: float = 0.0  # the measured time of a move (from its state in to its restore)
     move_errors: int = 0  # moves given up (the state could not be taken): the agent stayed
+    recovered: int = 0  # live agents resumed from the journal (recover=True)

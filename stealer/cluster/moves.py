@@ -149,6 +149,8 @@ class AgentMoves:
                 if a.every and covers > a.state_seq:  # the freshest checkpoint there is
                     a.state, a.has_state, a.state_seq = state, True, covers
                     a.log = [e for e in a.log if e[0] > covers]
+                    if a.uid is not None:
+                        self._journal_state(a, covers)  # type: ignore[attr-defined]
                 if dst is None or not dst.alive or not dst.ready:
                     dst = self._place_agent()  # type: ignore[attr-defined]
                 a.node = dst

@@ -24,7 +24,7 @@ pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[test]
 from test_cluster_moves import Counter, FakeNode, deliver, flush
 
 import stealer.cluster.client as cc
-from stealer.agents.journal import open_for_client, plan
+from stealer.agents.journal import describe, open_for_client, plan
 from stealer.cluster.ledger import NodeView
 from stealer.errors import AgentStopped, JournalError
 
@@ -230,6 +230,17 @@ def test_a_stopped_agent_stays_finished_with_its_final_value(make, tmp_path):
     assert ex.stats().recovered == 0 and not any(n.inbox for n in nodes.values())
     with pytest.raises(ValueError, match="agent named 'done'"):
         ex.spawn_agent(Counter, 0, name="done")
+    with pytest.raises(AgentStopped, match="had finished before this recovery"):
+        ex.agent("done").call("add", 1).result(timeout=0)
+    assert "done" in describe(str(tmp_path / "j"))  # stealer journal PATH reads it too
+
+
+def test_a_spawn_that_fails_leaves_nothing_in_the_journal(make, tmp_path):
+    ex, _ = make()
+    with pytest.raises(Exception, match="no node executor"):
+        ex.spawn_agent(Counter, 0, node="nowhere", name="ghost")
+    close(ex)
+    assert not plan(str(tmp_path / "j")).agents
 
 
 def test_a_stop_logged_before_the_crash_ends_the_agent_in_the_recovery(make, tmp_path):

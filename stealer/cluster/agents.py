@@ -137,8 +137,6 @@ class AgentsOnCluster:
             if not loads:
                 raise ClusterError("no alive node to spawn the agent on")
             a.every = state_every
-            if self._journal is not None:  # (before the agent exists anywhere)
-                self._journal.spawn(a)
             if node is None:
                 a.node = self._place_agent()
             else:
@@ -146,6 +144,8 @@ class AgentsOnCluster:
                 if a.node is None or not a.node.alive or not a.node.ready:
                     raise ClusterError(f"no node executor on node {node!r}; pick one of "
                                        "ex.nodes")
+            if self._journal is not None:  # (before the agent exists anywhere)
+                self._journal.spawn(a)
             self._agents[a.aid] = a
             if name is not None:
                 self._names[name] = a

@@ -133,6 +133,9 @@ def recovered(plan: Plan, aids: Iterator[int]) -> Iterator[AgentRecord]:
         a.uid, a.every = uid, every
         if p.end is not None:
             a.over = True
+            a.failed = AgentStopped(f"agent {uid}" + (f" ({p.name!r})" if p.name else "")
+                                    + " had finished before this recovery; its result() "
+                                    "is kept")
             a.result = Future()
             status, body, oob = p.end
             try:

@@ -99,6 +99,10 @@ cdef class HotPath:
     cdef void _give_back(self, char *e) noexcept nogil
     cdef int _check_handle(self, uint64_t h) except -1
     cdef object c_read_inline(self, uint64_t h)
+    cdef list c_take_chain(self, char *e, uint64_t seen, uint64_t *head_out)
+    cdef tuple c_serve(self, e, Py_ssize_t ent, SPSCRing completions, uint64_t who,
+                       list counters, Py_ssize_t c_msgs, w, rq, inbox, int64_t start_ns,
+                       int64_t slice_ns, int batch, dumps)
     cdef int64_t c_fresh(self, uint32_t kind, uint64_t link, const char *data,
                          Py_ssize_t n, uint32_t retries) noexcept nogil
     cdef int64_t c_submit_inline(self, uint32_t kind, uint64_t link, const char *data,

@@ -1153,6 +1153,15 @@ cdef class HotPath:
         # seq_cst RMW: pairs with post_msg's fetch_or of AF_NOTIFIED (Directory.notify):
         # a message pushed after the walk below sets it again and notifies again
         wset_fetch_and_seqcst(e + D_FLAGS, ~(<uint64_t>AF_NOTIFIED))
+        cdef uint64_t head
+        out = self.c_take_chain(e, seen, &head)
+        # seq_cst load after clearing NOTIFIED: pairs with stop's or64 (a stop is never missed)
+        cdef uint64_t flags = st_load_seqcst_u64(e + D_FLAGS)
+        return flags, head, out
+
+    cdef list c_take_chain(self, char *e, uint64_t seen, uint64_t *head_out):
+        # take_mail's walk (after its clear): the messages pushed since head value ``seen``,
+        # oldest first; the head read goes to head_out
         # acquire: pairs with the senders' seq_cst CAS on D_HEAD (and the closing CAS)
         cdef uint64_t head = st_load_acquire_u64(e + D_HEAD) & (D_CLOSED - 1)
         cdef list out = []
@@ -1170,9 +1179,38 @@ cdef class HotPath:
             if <uint64_t>steps > self.nrecords:
                 raise ValueError("corrupt mailbox chain: longer than the record count")
         out.reverse()
-        # seq_cst load after clearing NOTIFIED: pairs with stop's or64 (a stop is never missed)
-        cdef uint64_t flags = st_load_seqcst_u64(e + D_FLAGS)
-        return flags, head, out
+        head_out[0] = head
+        return out
+
+    def free_chain(self, uint64_t mark, uint64_t stop):
+        """Worker, an agent's owner, once a checkpoint covers them: free its handled
+        messages from ``mark`` (a handle + 1) down to, not including, ``stop`` (the walk of
+        Directory.older).  A record whose payloads both sit inline is freed here; the
+        others come back (None: none), in walk order, for Arena.free, which drops their
+        blocks or files first.  The Python twin is Directory.free_older's loop."""
+        cdef list rest = None
+        cdef uint64_t v = mark
+        cdef uint64_t m
+        cdef char *r
+        cdef Py_ssize_t steps = 0
+        while v and v != stop:
+            m = v - 1
+            self._check_handle(m)
+            r = self.rec(m)
+            # plain load, before the free (the record may be reused at once after it):
+            # written by the sender before its push, which our take synchronised with
+            v = (<uint64_t *>(r + R_NEXT))[0]
+            # plain loads: the payload fields are the owner's now (the message is handled)
+            if (<uint32_t *>(r + R_PCLASS))[0] == 0 and (<uint32_t *>(r + R_RCLASS))[0] == 0:
+                self.c_free(m)
+            else:
+                if rest is None:
+                    rest = []
+                rest.append(m)
+            steps += 1
+            if <uint64_t>steps > self.nrecords:
+                raise ValueError("corrupt mailbox chain: longer than the record count")
+        return rest
 
     def start(self, uint64_t h, Py_ssize_t current_off, uint64_t t_start,
               Py_ssize_t wait_hist_off=-1, uint64_t who=0):
@@ -1333,6 +1371,13 @@ cdef class HotPath:
     def serve(self, e, Py_ssize_t ent, SPSCRing completions, uint64_t who, list counters,
               Py_ssize_t c_msgs, w, rq, inbox, int64_t start_ns, int64_t slice_ns, int batch,
               dumps):
+        """Worker: :meth:`c_serve` (below), from Python."""
+        return self.c_serve(e, ent, completions, who, counters, c_msgs, w, rq, inbox,
+                            start_ns, slice_ns, batch, dumps)
+
+    cdef tuple c_serve(self, e, Py_ssize_t ent, SPSCRing completions, uint64_t who,
+                       list counters, Py_ssize_t c_msgs, w, rq, inbox, int64_t start_ns,
+                       int64_t slice_ns, int batch, dumps):
         """Worker ``who - 1``: the turn's messages of agent ``e`` (a worker/agents _Entry
         whose directory entry is at ``ent``), handled here one after another while each is
         a plain call: Host.deliver_batch's loop with Messages.deliver, handled and reply
@@ -1620,6 +1665,309 @@ cdef class HotPath:
 
 
 cdef object _NO_VALUE = object()  # c_small_result: no small inline result there
+
+
+DEF _SLEEPING = 2
+DEF _FINISHED = 4
+DEF _SERVE_BREAK = 1   # SERVE_EMPTY 0 and SERVE_BREAK 1 end the batch (HotPath.c_serve)
+DEF _SERVE_SLOW = 2
+
+
+from collections import deque as _deque
+
+
+cdef class Turns:
+    """Worker: an agent's turn in one native call when it is a plain one (plain calls to
+    handle, a step to run): Host.turn and Host.after_turn for that case, around
+    HotPath.c_serve (its Python twin is those two methods, which run where this does not:
+    STEALER_NO_FAST_TURN=1, failpoints, a journal, no extension; tests/test_fast_turn.py
+    runs one script both ways).
+
+    :meth:`turn` returns False, having done nothing, for any other agent: one to stop, one
+    with a deadline, one asleep, suspended, blocked or replaying, one with neither a
+    message pending nor a step wanted.  Whatever a turn meets that is not plain (a message
+    that needs Messages.deliver, a handler that raised or is a generator, a reply that is
+    not small, the step itself, a checkpoint due, an outbox, a frame) goes to the Python
+    method that handles it, from the same point of the turn.  Made once per worker by its
+    Host."""
+    cdef HotPath hot
+    cdef Region region
+    cdef object host, w, rq, inbox, dumps, agents
+    cdef list counters, tier_wait, tier_run
+    cdef SPSCRing completions
+    cdef Py_ssize_t cur_off, dir_base, c_busy, c_msgs
+    cdef uint64_t who
+    cdef int64_t slice_ns, throttle_ns, flush_ns
+    cdef int batch
+    cdef bint metrics
+    cdef Py_ssize_t ckpt_div     # 2 x the workers: Host.after_turn's records share
+    cdef uint64_t nrecords
+    cdef public uint64_t turns   # how many ran here (tests; stats)
+    cdef object bal              # the Host's Balancer (worker/agents/balance.py)
+    cdef Py_ssize_t runnable_off, searching_off, parked_off, stop_off
+    cdef uint64_t peers_mask
+
+    def __init__(self, HotPath hot not None, host, w, Py_ssize_t dir_base, Py_ssize_t c_busy,
+                 Py_ssize_t c_msgs, int64_t slice_ns, int batch, int64_t throttle_ns,
+                 int64_t flush_ns, dumps, Py_ssize_t searching_off, Py_ssize_t parked_off,
+                 Py_ssize_t stop_off):
+        if dir_base < 0 or dir_base + <Py_ssize_t>(hot.nrecords * DIR_BYTES) > hot.region.size:
+            raise ValueError("the agent directory does not fit the region")
+        hot.region._check(searching_off, 8)
+        hot.region._check(parked_off, 8)
+        hot.region._check(stop_off, 4)
+        hot.region._check(host.runnable_off, 4)
+        self.searching_off = searching_off
+        self.parked_off = parked_off
+        self.stop_off = stop_off
+        self.runnable_off = host.runnable_off
+        self.peers_mask = host.peers_mask
+        self.bal = host.bal
+        self.hot = hot
+        self.region = hot.region
+        self.host = host
+        self.w = w
+        self.rq = host.rq
+        self.agents = host.agents
+        self.inbox = w.inbox
+        self.completions = w.completions
+        self.counters = w.c
+        self.metrics = bool(w.metrics_on)
+        self.tier_wait = list(w.mbase_tier_wait)
+        self.tier_run = list(w.mbase_tier_run)
+        self.cur_off = w.cur_off
+        self.region._check(self.cur_off, 8)
+        self.who = host.who
+        self.dir_base = dir_base
+        self.c_busy = c_busy
+        self.c_msgs = c_msgs
+        self.slice_ns = slice_ns
+        self.batch = batch
+        self.throttle_ns = throttle_ns
+        self.flush_ns = flush_ns
+        self.dumps = dumps
+        self.ckpt_div = 2 * <Py_ssize_t>w.n
+        self.nrecords = hot.nrecords
+        self.turns = 0
+
+    def run_next(self):
+        """Host.run_next (its twin): the next runnable agent's turn, with the run queue's
+        pop (RunQueue.pop: a tier's FIFO here, its deadline heap there), the runnable count
+        published, an agent offered to an idle peer, the balancer's turn and its checks."""
+        rq = self.rq
+        if not rq.n:
+            return
+        cdef int t
+        e = None
+        for t in range(3):  # NTIERS
+            if rq.edf[t]:
+                e = rq.pop()  # an agent with a deadline: its heap (runqueue.py)
+                break
+            q = rq.fifo[t]
+            if q:
+                e = q.popleft()
+                rq.n -= 1
+                if t == 0:
+                    rq.n0 -= 1
+                break
+        if e is None:
+            return
+        e.queued = False
+        if e.state == _FINISHED:
+            return
+        host = self.host
+        cdef uint64_t turns = host.turns + 1
+        host.turns = turns
+        cdef Py_ssize_t n = rq.n
+        cdef char *base = self.region.base
+        # seq_cst store (Region.store32's): read by idle peers (Host.poke_peers)
+        st_store_seqcst_u32(base + self.runnable_off, <uint32_t>n)
+        cdef uint64_t idle
+        if n:
+            # a peer searching or parked (first 64 workers; acquire loads, as Region.load64:
+            # pair with the peers' seq_cst or64 of their bits; a hint, re-checked by the
+            # thief's own steal)
+            idle = ((st_load_acquire_u64(base + self.searching_off)
+                     | st_load_acquire_u64(base + self.parked_off)) & self.peers_mask)
+            if idle:
+                host.offer(e, idle)
+        bal = self.bal
+        if bal.on and not bal.busy.cur:
+            bal.note_busy(1)  # Balancer.turn: busy from now on
+        if turns & 7 == 0 and n >= 2 and bal.on:
+            bal.balance()
+        if turns & 63 == 0:
+            host.every_64_turns()
+        if not self.c_turn(e):
+            host.turn(e)
+
+    def turn(self, e):
+        """Agent ``e``'s turn (a worker/agents _Entry just popped from the run queue), if
+        it is a plain one: True; False (nothing done) if Host.turn must run it."""
+        return self.c_turn(e)
+
+    cdef bint c_turn(self, e) except -1:
+        if e.stop or e.deadline is not None or e.state > _WAITING or e.blocked or e.replay:
+            return False
+        pending = e.pending
+        if (pending is None or not pending) and not e.want_step:
+            return False
+        cdef object host = self.host
+        cdef object w = self.w
+        cdef uint64_t h = <uint64_t>e.h
+        if (h & 0xFFFFFFFF) >= self.nrecords:
+            raise ValueError(f"agent handle {h:#x} names no record")
+        cdef Py_ssize_t ent = self.dir_base + DIR_BYTES * <Py_ssize_t>(h & 0xFFFFFFFF)
+        cdef char *ep = self.region.base + ent
+        cdef int tier = e.tier
+        cdef uint64_t t0, t1
+        cdef int64_t dt, tn, nested
+        cdef tuple res
+        cdef int code
+        # release: read by the recoverer after our death (Host.turn's store)
+        st_store_release_u64(self.region.base + self.cur_off, h + 1)
+        w.cur = e.cur
+        w.frame = e.frame
+        host.current = e
+        t0 = _now_ns()
+        if self.metrics:
+            self.region.c_hist_record(self.tier_wait[tier],
+                                      <uint64_t>max(<int64_t>(t0 - <uint64_t>e.ready_at), 0))
+        e.handled = 0
+        self.turns += 1
+        try:
+            # Host.deliver_batch's loop, its native part here
+            while e.pending and e.state < _SUSPENDED and not e.blocked:
+                res = self.hot.c_serve(e, ent, self.completions, self.who, self.counters,
+                                       self.c_msgs, w, self.rq, self.inbox, <int64_t>t0,
+                                       self.slice_ns, self.batch, self.dumps)
+                code = <int>res[0]
+                if code <= _SERVE_BREAK:
+                    break
+                if code != _SERVE_SLOW:
+                    host.served(e, res[0], res[1], res[2], res[3])
+                    continue
+                host.deliver_batch(e, <int64_t>t0)  # the rest in Python, same slice
+                break
+            if not (e.state >= _SUSPENDED or e.blocked or e.stop):
+                if e.want_step and e.state <= _WAITING:  # ctx.wait() and a message came
+                    host.step(e)
+        finally:
+            host.current = None
+            w.frame = None
+            w.cur = None
+            # release: nothing runs (read by the recoverer after our death)
+            st_store_release_u64(self.region.base + self.cur_off, 0)
+            t1 = _now_ns()
+            dt = <int64_t>(t1 - t0)
+            nested = host.nested_ns
+            if nested:  # control turns ran inside this one (inline.py): theirs
+                dt = max(0, dt - nested)
+                host.nested_ns = 0
+            if e.tier == 0:
+                w.flush_client()  # a control agent's replies go out now
+            e.cpu_ns += dt
+            e.win_cpu += dt
+            tn = e.turn_ns  # moving averages: Host.turn
+            e.turn_ns = dt if not tn else (3 * tn + min(dt, 4 * tn)) >> 2
+            tn = host.turn_avg
+            host.turn_avg = dt if not tn else (7 * tn + min(dt, 4 * tn)) >> 3
+            self.counters[self.c_busy] += dt
+            if self.metrics:
+                self.region.c_hist_record(self.tier_run[tier], <uint64_t>dt)
+                if <int64_t>t0 - <int64_t>host.flushed > self.flush_ns:
+                    host.flushed = t0
+                    w.flush()  # counters reach stats() while agents keep the worker busy
+            if e.state != _FINISHED:
+                self.after(e, ep, t1)
+        return True
+
+    def ping(self, uint64_t h):
+        """Worker loop: inbox entry ``h``, when it names an agent living here: its
+        notification handled (Pings.clear, then Host.notify with HotPath.take_mail and
+        Host.schedule): True.  False, with nothing done: ForkJoinHandling.on_ping (the
+        twin of both) handles it."""
+        e = self.agents.get(h)
+        if e is None or (h & 0xFFFFFFFF) >= self.nrecords:
+            return False
+        cdef char *ep = self.region.base + self.dir_base + DIR_BYTES * <Py_ssize_t>(h & 0xFFFFFFFF)
+        # seq_cst RMW: Pings.clear's (pairs with Pings.ping's or64 of AF_PINGED: a child
+        # done after this sends a fresh ping) and take_mail's (pairs with post_msg's
+        # fetch_or of AF_NOTIFIED: a message pushed after the walk notifies again) in one
+        wset_fetch_and_seqcst(ep + D_FLAGS, ~(<uint64_t>(AF_NOTIFIED | AF_PINGED)))
+        cdef uint64_t head
+        got = self.hot.c_take_chain(ep, <uint64_t>e.seen, &head)
+        # seq_cst load after the clear: pairs with stop's or64 (a stop is never missed)
+        cdef uint64_t flags = st_load_seqcst_u64(ep + D_FLAGS)
+        e.seen = head
+        if got:  # Adoption.add_pending
+            pending = e.pending
+            if pending is None:
+                e.pending = _deque(got)
+            else:
+                pending.extend(got)
+        if flags & AF_STOP:
+            e.stop = True
+            self.schedule(e, 0)
+        elif e.state == _SUSPENDED:
+            if self.host.ready(e):
+                self.schedule(e, 0)
+        elif e.pending or e.outbox:
+            self.schedule(e, 0)
+        return True
+
+    cdef int schedule(self, e, uint64_t now) except -1:
+        """Host.schedule (Adoption.schedule and RunQueue.push, their twin): an agent with
+        no deadline and no CPU share to the back of its tier's FIFO; the others to it."""
+        if e.queued or e.state == _FINISHED or (e.blocked and not e.stop):
+            return 0
+        if e.deadline is not None or e.opts.cpu_share is not None:
+            self.host.schedule(e, now)
+            return 0
+        e.queued = True
+        e.ready_at = now or _now_ns()
+        cdef int tier = e.tier
+        rq = self.rq
+        rq.fifo[tier].append(e)
+        rq.n += 1
+        if tier == 0:
+            rq.n0 += 1
+        return 0
+
+    cdef int after(self, e, char *ep, uint64_t now) except -1:
+        """Host.after_turn, its plain case here; the others go to it."""
+        if <int64_t>(now - <uint64_t>e.win_start) > self.throttle_ns:
+            e.win_start = now
+            e.win_cpu = 0
+            self.publish(e, ep)  # every 100 ms of an agent's life, and when it idles
+        cdef int st = e.state
+        if (e.frame is not None or e.outbox or st == _SUSPENDED or st == _SLEEPING
+                or e.deadline is not None):
+            self.host.after_turn(e, now)  # its window was looked at above: not again
+            return 0
+        cdef Py_ssize_t events = e.events
+        cdef Py_ssize_t share
+        if events:
+            opts = e.opts
+            # records share (Host.after_turn): half the records over this worker's agents
+            # times the workers
+            share = <Py_ssize_t>self.nrecords // (self.ckpt_div * len(self.agents) + 1)
+            if share <= 0:
+                share = 1
+            if (events >= min(<Py_ssize_t>opts.checkpoint_every, share)
+                    or <int64_t>(now - <uint64_t>e.ckpt_time) > <int64_t>opts.checkpoint_ns):
+                self.host.checkpoint(e)
+        if e.pending or (e.want_step and e.state <= _WAITING):
+            self.schedule(e, now)
+            return 0
+        self.publish(e, ep)
+        return 0
+
+    cdef inline void publish(self, e, char *ep):
+        # Host.publish_stats: stats only (single writer, this worker; read by collect)
+        st_store_release_u64(ep + D_CPU_NS, <uint64_t>e.cpu_ns)
+        st_store_seqcst_u32(ep + D_STEPS, <uint32_t>(<uint64_t>e.steps & 0xFFFFFFFF))
+        st_store_seqcst_u32(ep + D_MSGS, <uint32_t>(<uint64_t>e.msgs & 0xFFFFFFFF))
 
 
 cdef inline bint _silent(object f) except -1:

@@ -72,3 +72,36 @@ def probe() -> list[bool]:
     from stealer.worker.agents.host import Host
 
     return [h.serve is not None for h in gc.get_objects() if type(h) is Host]
+
+
+def native_turns() -> list[int]:
+    """In a worker: how many turns its Host ran natively (Turns.turn), -1 if it has none."""
+    import gc
+
+    from stealer.worker.agents.host import Host
+
+    return [h.quick.turns if h.quick is not None else -1
+            for h in gc.get_objects() if type(h) is Host]
+
+
+class Stepper(stealer.Agent):
+    """Steps on its own ``n`` times, then waits (ctx.wait) until a message asks for more;
+    done after ``total`` steps, its value its log."""
+
+    def __init__(self, n: int, total: int) -> None:
+        self.n = n
+        self.total = total
+        self.log: list = []
+
+    def step(self, ctx: Any) -> Any:
+        self.log.append(("step", len(self.log)))
+        steps = sum(1 for x in self.log if x[0] == "step")
+        if steps >= self.total:
+            return ctx.done(list(self.log))
+        if steps % self.n == 0:
+            return ctx.wait()
+        return None
+
+    def more(self, x: int) -> int:
+        self.log.append(("more", x))
+        return len(self.log)

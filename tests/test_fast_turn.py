@@ -1,12 +1,15 @@
-"""A turn's messages handled natively (HotPath.serve) against the Python loop it replaces
-(Host.deliver_batch with Messages.deliver), the same script run both ways.
+"""A turn's messages handled natively (Turns.turn around HotPath.serve, Turns.ping)
+against the Python it replaces (Host.turn, deliver_batch with Messages.deliver,
+after_turn; ForkJoinHandling.on_ping), the same script run both ways.
 
 The script sends one agent every kind of message the native loop takes or hands back:
 plain calls, keyword arguments, one-way sends, a reply too large to sit inline, one that
 is not a small pickle, a handler that raises, a generator handler, an unknown method, the
 built-in ``state``, a call with a deadline, a payload too large to sit inline, a call
-cancelled while it waits, an agent's call (its reply goes to an agent), and a stop behind
-queued messages.  Every reply, the agent's own log of what it ran and in what order, and
+cancelled while it waits, an agent's call (its reply goes to an agent), a stop behind
+queued messages, then rounds of ``call_all`` over an agent that checkpoints every two
+messages (Turns.turn's checkpoint, HotPath.free_chain), a control-tier one and the first,
+and an agent that steps, waits for a message, and steps again until it is done.  Every reply, the agent's own log of what it ran and in what order, and
 the stop's outcome must be the same; the native run must have used the native loop.
 """
 
@@ -91,6 +94,32 @@ SCRIPT = textwrap.dedent("""
             out["stop_result"] = ["ok", repr(c.result(30))]
         except BaseException as exc:
             out["stop_result"] = ["err", type(exc).__name__]
+        # checkpoints every 2 messages (the handled ones freed by the native walk), a
+        # control-tier agent, rounds of call_all between them; then their logs
+        d = ex.spawn_agent(L.Mixed, checkpoint_every=2)
+        e = ex.spawn_agent(L.Mixed, tier="control")
+        rounds = []
+        for i in range(40):
+            rounds.append([show(f) for f in ex.call_all([d, e, a], "plain", [(i,), (-i,), (i,)])])
+        out["rounds"] = rounds
+        out["log_d"] = [repr(x) for x in d.call("history").result(30)]
+        out["log_e"] = [repr(x) for x in e.call("history").result(30)]
+        # an agent that steps, waits for a message, steps again, then finishes
+        # (messages until it is done: how many depends on timing, so only the steps'
+        # count and each message's presence are compared)
+        st = ex.spawn_agent(L.Stepper, 5, 30)
+        sent = 0
+        while True:
+            st.call("more", sent).result(30)
+            sent += 1
+            try:
+                log = st.result(0.05)
+                break
+            except TimeoutError:
+                assert sent < 2000
+        out["stepper"] = [sum(1 for x in log if x[0] == "step"),
+                          sorted(x[1] for x in log if x[0] == "more") == list(range(sent))]
+        out["native_turns"] = ex.submit(L.native_turns).result(30)
     print(json.dumps(out))
 """)
 
@@ -112,7 +141,8 @@ def _run(fast: bool) -> dict:
 def test_the_native_loop_does_what_the_python_loop_does():
     fast, slow = _run(True), _run(False)
     assert fast["probe"] == [True] and slow["probe"] == [False]
-    for key in ("cancel", "replies", "log_a", "log_b", "stopped", "stop_result"):
+    for key in ("cancel", "replies", "log_a", "log_b", "stopped", "stop_result", "rounds",
+                "log_d", "log_e", "stepper"):
         assert fast[key] == slow[key], (key, fast[key], slow[key])
     r = fast["replies"]
     # the script's own oracle: what each reply must be, whichever loop ran it
@@ -123,3 +153,8 @@ def test_the_native_loop_does_what_the_python_loop_does():
     assert fast["cancel"] is True and "('plain', 'cancelled')" in fast["log_a"]
     assert "('plain', 'one-way')" in fast["log_a"]
     assert fast["stopped"] == ["ok"] + ["err"] * 20  # the batch ends at the stop
+    assert fast["rounds"][39] == [["ok", "39"], ["ok", "-39"], ["ok", "39"]]
+    assert fast["log_d"] == [repr(("plain", i)) for i in range(40)]
+    assert fast["stepper"] == [30, True]
+    # the native turn ran (most of the rounds' turns), the Python run had none
+    assert fast["native_turns"][0] > 60 and slow["native_turns"] == [-1]

@@ -211,3 +211,43 @@ def test_take_mail_takes_what_was_pushed_oldest_first_as_the_reference_does():
     finally:
         for rg in rigs:
             rg.seg.unlink()
+
+
+def test_free_older_frees_what_a_checkpoint_covers_as_the_reference_does():
+    """Directory.free_older, native (HotPath.free_chain: inline payloads freed in the walk,
+    the others handed to Arena.free) against its Python loop (older + Arena.free): the
+    same messages freed, from the mark down to the old mark only, their blocks given back
+    (a payload too large to sit inline took one), the newer and older ones untouched."""
+    from stealer.shared._layout import S_FREE
+
+    rigs = _rigs()
+    try:
+        seen_all = []
+        for rg in rigs:
+            a = rg.arena
+            d, h = _agent_entry(rg, 8)
+            chain = []
+            for i in range(6):
+                m = a.alloc()
+                off = a.setup(m, K_MSG, 0, 0)
+                data = pickle.dumps(("m", i, b"x" * (200 if i in (2, 3) else 1)), 5)
+                a.put(off, data, [])
+                assert d.push(h, m)
+                chain.append(m)
+            # a checkpoint covers messages 1..4 (mark: 4's handle + 1; old mark: 0's)
+            d.free_older(chain[4] + 1, chain[0] + 1)
+            states = [a.tr.state(m) for m in chain]
+            assert [s is None or s[0] == S_FREE for s in states] == [
+                False, True, True, True, True, False], states
+            blocks = len(a.classes[0][1])  # 2 and 3 gave their blocks back: all 4 free
+            assert blocks == 4, blocks
+            got = []
+            while (x := a.alloc()) >= 0:
+                got.append(x & 0xFFFFFFFF)
+            # the four come back, beside the one record never used
+            assert {m & 0xFFFFFFFF for m in chain[1:5]} <= set(got) and len(got) == 5, got
+            seen_all.append((blocks, len(got)))
+        assert seen_all[0] == seen_all[1] == seen_all[2], seen_all
+    finally:
+        for rg in rigs:
+            rg.seg.unlink()

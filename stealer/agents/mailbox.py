@@ -331,6 +331,19 @@ class Directory:
             v = _U64.unpack_from(mm, off(m) + R_NEXT)[0]
         return out
 
+    def free_older(self, mark: int, stop: int) -> None:
+        """Owner, once a checkpoint covers them: free the messages from ``mark`` down to,
+        not including, ``stop`` (:meth:`older`).  With the extension, one native call frees
+        those whose payloads are inline (HotPath.free_chain); Arena.free the others."""
+        hot = self.hot
+        free = self.a.free
+        if hot is not None:
+            for m in hot.free_chain(mark, stop) or ():
+                free(m)
+            return
+        for m in self.older(mark, stop):
+            free(m)
+
     def mark_done(self, h: int, m: int) -> None:
         """Owner: message ``m`` is handled (release: read by a recoverer after our death)."""
         self.r.store64(self.entry(h) + D_DONE, m + 1)

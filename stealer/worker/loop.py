@@ -309,10 +309,13 @@ class Worker(ForkJoinHandling, PingHandling):
         host = self.host
         rq = host.rq
         notes = host.dir  # its ``held``: notifications that found a peer's inbox full
+        ping = host.quick_ping  # an agent's notification natively (None: on_ping does all)
+        on_ping = self.on_ping
         while True:
             h = inbox_pop()
             if h >= 0:
-                self.on_ping(h)
+                if ping is None or not ping(h):
+                    on_ping(h)
                 continue
             if notes.held:
                 notes.deliver_held(self.k)  # where there is room now; the rest next time

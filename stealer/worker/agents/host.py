@@ -52,6 +52,7 @@ from __future__ import annotations
 import heapq
 import os
 import signal
+import sys
 import time
 from types import GeneratorType
 from typing import Any
@@ -171,6 +172,18 @@ class Host(Adoption, Messages, Generators, Calls, Leaving):
                 and not FP.ON and os.environ.get("STEALER_NO_FAST_TURN", "") in ("", "0")):
             self.serve = hot.serve
             self.fast_dumps = serialize._fast
+        # ... and a turn of plain calls with turn and after_turn around it (Turns.turn, the
+        # same conditions; these two methods are its twin), and an agent's notification
+        # (Turns.ping; twin: ForkJoinHandling.on_ping)
+        self.quick: Any = None  # Turns (None: the Python methods run everything)
+        self.quick_ping: Any = None
+        turns = getattr(sys.modules.get(type(hot).__module__), "Turns", None)
+        if self.serve is not None and turns is not None:
+            self.quick = turns(hot, self, w, self.dir.base, C_BUSY_NS, C_MSGS, MSG_SLICE_NS,
+                               MSG_BATCH, THROTTLE_WINDOW_NS, TURN_FLUSH_NS, self.fast_dumps,
+                               H_SEARCHING, H_PARKED, H_STOP_AGENTS)
+            self.quick_ping = self.quick.ping
+            self.run_next = self.quick.run_next  # type: ignore[method-assign]
         if self.journal is not None:
             api._remap.append(self._remap)
         if self.preempt:
@@ -210,25 +223,34 @@ class Host(Adoption, Messages, Generators, Calls, Leaving):
             return
         self.turns += 1
         r = self.r
-        r.store32(self.runnable_off, self.rq.n)  # release: read by idle peers (poke_peers)
-        # a peer searching or parked (first 64 workers; relaxed loads: a hint, re-checked
-        # by the thief's own steal): publish one more runnable agent for it, if that pays
+        r.store32(self.runnable_off, self.rq.n)  # seq_cst: read by idle peers (poke_peers)
+        # a peer searching or parked (first 64 workers; acquire loads: a hint, re-checked
+        # by the thief's own steal)
         if self.rq.n:
             idle = (r.load64(H_SEARCHING) | r.load64(H_PARKED)) & self.peers_mask
-            j = self.bal.pays_to_idle(e, idle) if idle else -1
-            if j >= 0 and self.publish_one():
-                # the thief may be another idle peer than j: a hint all the same
-                self.bal.gave(j, 1, time.monotonic_ns())
+            if idle:
+                self.offer(e, idle)
         bal = self.bal
         bal.turn()
         if self.turns & 7 == 0 and self.rq.n >= 2 and bal.on:
             bal.balance()
         if self.turns & 63 == 0:
-            if not self.stopping and self.r.load32(H_STOP_AGENTS):
-                self.stop_all()
-            if self.turns & 1023 == 0 and self.w.client.gone():
-                self.w.orphaned()  # our client died while agents kept us busy: exit
+            self.every_64_turns()
         self.turn(e)
+
+    def offer(self, e: _Entry, idle: int) -> None:
+        """Peers ``idle`` (a bit set) search or park while agents wait here: publish one
+        more runnable agent for them, if that pays (``e`` runs now)."""
+        j = self.bal.pays_to_idle(e, idle)
+        if j >= 0 and self.publish_one():
+            # the thief may be another idle peer than j: a hint all the same
+            self.bal.gave(j, 1, time.monotonic_ns())
+
+    def every_64_turns(self) -> None:
+        if not self.stopping and self.r.load32(H_STOP_AGENTS):
+            self.stop_all()
+        if self.turns & 1023 == 0 and self.w.client.gone():
+            self.w.orphaned()  # our client died while agents kept us busy: exit
 
     def turn(self, e: _Entry) -> None:
         w = self.w
@@ -289,10 +311,11 @@ class Host(Adoption, Messages, Generators, Calls, Leaving):
             if e.state != FINISHED:
                 self.after_turn(e, t1)
 
-    def deliver_batch(self, e: _Entry) -> None:
+    def deliver_batch(self, e: _Entry, start: int = 0) -> None:
         """Handle the agent's pending messages, up to MSG_BATCH or MSG_SLICE_NS while
-        other agents wait (a turn's, or a nested control turn's: inline.py)."""
-        start = time.monotonic_ns()
+        other agents wait (a turn's, or a nested control turn's: inline.py); ``start``: the
+        slice's (monotonic ns; 0: now)."""
+        start = start or time.monotonic_ns()
         rq = self.rq
         w = self.w
         inbox = w.inbox

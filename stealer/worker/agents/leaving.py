@@ -273,8 +273,7 @@ class Leaving:
         if old:
             a.free(old - 1)
         if mark and mark != old_mark:
-            for m in d.older(mark, old_mark):
-                a.free(m)
+            d.free_older(mark, old_mark)
         if j is not None and state is not None:
             if FP.ON:
                 FP.hit("journal.before_snap_logged")

@@ -55,10 +55,15 @@ def encode_message(target: int, method: str, args: tuple, kwargs: dict | None, r
     """A message record's payload.  ``sender``/``seq`` (journaled executors only) name it
     for the receiver's deduplication (see the journal package, stealer/agents/journal/); ``ack``: the sender's messages up to
     this seq are covered by its latest checkpoint (the receiver forgets their replies)."""
-    if not isinstance(method, str) or not method or method.startswith("_"):
+    if not method_ok(method):
         raise ValueError(f"a message names a public method of the agent, not {method!r}")
     return serialize.dumps((target, method, args, kwargs or None, reply, deadline, sender, seq,
                             ack), f"message {method!r}")
+
+
+def method_ok(method: Any) -> bool:
+    """Whether a message may name ``method``: a public method's name."""
+    return isinstance(method, str) and bool(method) and not method.startswith("_")
 
 
 def decode_message(msg: Any) -> tuple:

@@ -1,7 +1,7 @@
 """Journals on a real Ray cluster (``ray.cluster_utils.Cluster`` on this machine, two nodes
 of 1 CPU): journaled agents survive the loss of their node and then of their client.
 
-A client in a child process spawns agents on both nodes with a journal; the test removes
+A client in a child process (its driver on the head node) spawns agents on both nodes with a journal; the test removes
 the second node under it (its agents start again on the head from the states the client
 kept); the child goes on, then sends more and is SIGKILLed.  A client in this process
 recovers the journal on the head alone: every agent answers with the state of every
@@ -35,9 +35,12 @@ AGENTS = 6
 
 CHILD = """
 import json, os, signal, sys
-import stealer, cluster_tasks as ct
+import ray, stealer, cluster_tasks as ct
 address, path = sys.argv[1], sys.argv[2]
-ex = stealer.Executor(cluster=address, journal=path, seed=5, top_s=None)
+ray.init(address=address, include_dashboard=False, log_to_driver=False)
+print("connected", flush=True)
+assert sys.stdin.readline().strip() == "added"   # the second node joined
+ex = stealer.Executor(cluster=True, journal=path, seed=5, top_s=None)
 nodes = sorted(ex.nodes)
 refs = [ex.spawn_agent(ct.Counter, 1000 * i, name=f"a{i}", state_every=4,
                        node=nodes[i % 2]) for i in range(N_AGENTS)]
@@ -57,12 +60,12 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 @pytest.fixture(scope="module")
 def cluster():
+    """The head node alone: the second joins once the child client is connected (a driver
+    is connected to one node's raylet, and dies with it: the child must be on the head)."""
     c = Cluster(initialize_head=True, connect=True, head_node_args={
         "num_cpus": 1, "include_dashboard": False, "_system_config": HEALTH,
         "env_vars": node_env("0")})
     try:
-        c.add_node(num_cpus=1, env_vars=node_env("1"))
-        c.wait_for_nodes()
         yield c
     finally:
         ray.shutdown()
@@ -77,6 +80,11 @@ def test_agents_survive_their_node_and_their_client(cluster, tmp_path):
                               path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True, env=env)
     try:
+        assert child.stdout.readline().strip() == "connected"
+        cluster.add_node(num_cpus=1, env_vars=node_env("1"))
+        cluster.wait_for_nodes()
+        child.stdin.write("added\n")
+        child.stdin.flush()
         first = json.loads(child.stdout.readline() or "{}")
         assert "nodes" in first, "the child client did not start"
         head = ray.get_runtime_context().get_node_id()

@@ -196,6 +196,30 @@ r.send("add", 1000)
     assert f.result(timeout=5) == 7 + 20 + 200 + 1000
 
 
+def test_the_state_a_move_takes_is_the_snapshot_a_recovery_starts_from(make, tmp_path):
+    crashed_client(tmp_path / "j", """
+r = ex.spawn_agent(Counter, 0, node="a", state_every=50, name="m")
+for _ in range(3):
+    r.call("add", 1)
+with ex._lock:
+    ex._evict(ex._agents[r.id], ex._nodes["b"])
+r.call("add", 1)   # held while it moves, then run on b
+run(ex, a, b)
+assert r.node == "b" and ex.stats().agent_moves == 1
+r.send("add", 5)   # logged, never sent
+""")
+    ex, nodes = make(recover=True)
+    flush(ex, *nodes.values())
+    a = ex._names["m"]
+    (fake,) = [n for n in nodes.values() if ops(n, a.aid)]
+    assert ops(fake, a.aid) == [("spawn", (0,)), ("set_state", {"n": 3}),
+                                ("call", ("add", (1,), {})), ("send", ("add", (5,), {}))]
+    run(ex, *nodes.values())
+    f = ex.agent("m").call("get")
+    run(ex, *nodes.values())
+    assert f.result(timeout=5) == 9
+
+
 def test_shutdown_keeps_every_agents_state_so_recovery_replays_nothing(make, tmp_path):
     ex, nodes = make()
     refs = [ex.spawn_agent(Counter, i, state_every=50, name=f"s{i}") for i in range(4)]

@@ -56,11 +56,14 @@ class Node(FakeNode):
         return super()._op(op)
 
 
-def client(setattr_, path: str, names=("a", "b"), **kw) -> tuple[cc.ClusterExecutor, dict]:
-    """A cluster client with a journal at ``path`` on fake nodes ``names``."""
+def client(setattr_, path: str, names=("a", "b"), on_start=lambda ex: None,
+           **kw) -> tuple[cc.ClusterExecutor, dict]:
+    """A cluster client with a journal at ``path`` on fake nodes ``names`` (``on_start``
+    is called when it starts its node agents)."""
     nodes = {n: Node(n) for n in names}
 
     def start_nodes(self, wait):
+        on_start(self)
         for nid, fake in nodes.items():
             if nid not in self._nodes:
                 v = NodeView(nid, fake, 1)
@@ -309,6 +312,21 @@ def test_live_agents_need_recover_true(make, tmp_path):
     crashed_client(tmp_path / "j", "ex.spawn_agent(Counter, 0)")
     with pytest.raises(JournalError, match=r"1 live agents.*recover=True"):
         make()
+
+
+def test_a_journal_whose_agents_do_not_load_starts_no_node(make, tmp_path):
+    mod = tmp_path / "mod"
+    mod.mkdir()
+    (mod / "gone_module.py").write_text("class Local:\n    pass\n")
+    crashed_client(tmp_path / "j", f"""
+sys.path.insert(0, {str(mod)!r})
+import gone_module
+ex.spawn_agent(gone_module.Local, name="x")
+""")
+    starts = []
+    with pytest.raises(JournalError, match=r"cannot be recovered here.*gone_module"):
+        make(recover=True, on_start=starts.append)
+    assert not starts  # no node agent was started
 
 
 def test_misuse_is_refused(make, tmp_path):

@@ -197,7 +197,7 @@ class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, _fbase.Exec
         if journal is not None:  # (locked before any node agent takes the nodes' CPUs)
             try:
                 self._journal = ClusterJournal(journal, durability, len(ray.nodes()),
-                                               recover)
+                                               recover, self._tids)
             except BaseException:
                 if self._owns_ray:
                     ray.shutdown()

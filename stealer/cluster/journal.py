@@ -65,9 +65,17 @@ def _who(a: AgentRecord) -> str:
 class ClusterJournal:
     """The cluster client's handle on its journal: the epoch it writes and the rows."""
 
-    def __init__(self, path: Any, mode: str, nodes: int, recover: bool) -> None:
+    def __init__(self, path: Any, mode: str, nodes: int, recover: bool,
+                 aids: Iterator[int]) -> None:
         self.cj, self.plan = open_for_client(path, mode, nodes, recover, kind="cluster")
         self.shard: Any = self.cj.shard
+        try:  # (before any node agent starts: a journal that does not load starts none)
+            self.records = list(recovered(self.plan, aids))
+        except Exception as exc:
+            self.close()
+            raise JournalError(f"the agents of the journal {self.cj.path} cannot be "
+                               f"recovered here: {type(exc).__name__}: {exc} (their classes "
+                               "and arguments must import in this client)") from exc
         self.spawned = 0  # agents spawned in this epoch (their uids: "<epoch>.<n>")
         # name -> uid, every epoch's (names are unique per journal)
         self.names = {p.name: uid for uid, p in self.plan.agents.items()
@@ -196,7 +204,7 @@ class JournalOnCluster:
         assert j is not None
         n = 0
         with self._lock:
-            for a in recovered(j.plan, self._tids):
+            for a in j.records:
                 self._agents[a.aid] = a
                 if a.name is not None:
                     self._names[a.name] = a

@@ -11,7 +11,8 @@ executor the user holds: batches, results, node loss), ``ledger.py`` (its record
 agents and nodes), ``agents.py`` (agents on the cluster), ``balance.py`` (when agents move
 between live nodes, pure Python) and ``moves.py`` (moving them), ``node.py`` (the node agent,
 a Ray actor on each node that runs that node's local executor), ``snapshot.py`` (the figures
-``stealer top`` reads, no Ray), ``children.py`` (fork-join children
+``stealer top`` reads, no Ray), ``journal.py`` (the agents' journal, written by the
+client: ``journal=``, ``recover=True``), ``children.py`` (fork-join children
 stolen across nodes: exported at spawn by the workers' hook, claimed once, run on a
 hungry node, joined at home).
 """

@@ -53,6 +53,9 @@ class Node(FakeNode):
             return False, (TypeError("cannot pickle '_thread.lock' object"), "")
         if op.kind in ("call", "send") and op.a[0] == "get":
             return True, self.agents[op.aid]
+        if op.kind in ("call", "send") and op.a[0] == "push":  # (not commutative)
+            self.agents[op.aid] = 10 * self.agents[op.aid] + op.a[1][0]
+            return True, self.agents[op.aid]
         return super()._op(op)
 
 
@@ -113,12 +116,13 @@ def make(monkeypatch, tmp_path):
         close(ex)
 
 
-def crashed_client(path, script: str) -> None:
+def crashed_client(path, script: str) -> str:
     """Run ``script`` in a child process on a client with a journal at ``path`` (names in
-    scope: ex, a, b, run, flush, deliver, Counter), and SIGKILL it at its end."""
+    scope: ex, a, b, run, flush, deliver, Counter), and SIGKILL it at its end; its output."""
     r = subprocess.run([sys.executable, __file__, str(path), script], capture_output=True,
                        text=True, timeout=60, cwd=os.path.dirname(__file__))
     assert r.returncode == -signal.SIGKILL, r.stdout + r.stderr
+    return r.stdout
 
 
 def ops(node: Node, aid: int) -> list[tuple]:
@@ -164,6 +168,37 @@ for k in range(4):
     run(ex, *nodes.values())
     assert [f.result(timeout=5) for f in got] == [100 * i + 10 for i in range(3)]
     assert ex.stats().replayed == 18
+
+
+def test_senders_on_many_threads_are_replayed_in_the_order_the_node_ran_them(make, tmp_path):
+    # 4 threads append digits to one agent's number (x -> 10 x + d: the order shows);
+    # the node ran all 40 (a state kept after #16 and #32), then the client logs two more
+    # and dies: the recovery must rebuild the very number the node had, then append 5, 6
+    out = crashed_client(tmp_path / "j", """
+import threading
+r = ex.spawn_agent(Counter, 0, node="a", state_every=16, name="t")
+def go(d):
+    for _ in range(10):
+        r.send("push", d)
+ts = [threading.Thread(target=go, args=(d,)) for d in range(1, 5)]
+[t.start() for t in ts]
+[t.join() for t in ts]
+run(ex, a, b)
+print(a.agents[r.id], flush=True)
+for d in (5, 6):
+    r.send("push", d)
+""")
+    before = int(out.split()[-1])
+    assert len(str(before)) == 40 and sorted(str(before)) == sorted("1234" * 10)
+    ex, nodes = make(recover=True)
+    flush(ex, *nodes.values())
+    a = ex._names["t"]
+    (fake,) = [n for n in nodes.values() if ops(n, a.aid)]
+    assert [k for k, _ in ops(fake, a.aid)] == ["spawn", "set_state"] + ["send"] * 10
+    run(ex, *nodes.values())
+    f = ex.agent("t").call("get")
+    run(ex, *nodes.values())
+    assert f.result(timeout=5) == before * 100 + 56
 
 
 def test_two_crashes_in_a_row_and_a_node_loss_between_apply_each_message_once(make, tmp_path):

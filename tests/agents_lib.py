@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -390,3 +391,25 @@ class Timed(stealer.Agent):
     def work(self, seconds: float) -> float:
         busy(seconds)
         return time.monotonic()
+
+
+class Gate(stealer.Agent):
+    """``hold(started, release)`` and, with ``stepping``, its one step: create the file
+    ``started``, then wait until the file ``release`` exists (so a test can look at the
+    worker while a handler or a step runs)."""
+
+    def __init__(self, stepping: tuple | None = None) -> None:
+        self.stepping = stepping
+
+    def step(self, ctx: stealer.Ctx) -> Any:
+        if self.stepping is not None:
+            self.hold(*self.stepping)
+            self.stepping = None
+        return ctx.wait()
+
+    def hold(self, started: str, release: str) -> str:
+        open(started, "w").close()
+        end = time.monotonic() + 60
+        while not os.path.exists(release) and time.monotonic() < end:
+            time.sleep(0.001)
+        return "held"

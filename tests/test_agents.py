@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -488,6 +490,43 @@ def test_an_idle_worker_never_waits_for_a_long_step_to_get_waiting_agents(ex):
     kids, long_end = ref.result(T)
     ends = [k.result(T) for k in kids]
     assert max(ends) < long_end, (ends, long_end)
+
+
+def test_a_worker_says_it_runs_a_step_only_while_one_runs(ex, tmp_path):
+    """Idle peers ask a worker for a waiting agent (SIGUSR1, Host.poke_peers) only while its
+    W_IN_STEP word says a step runs there: a message handler never takes the request, and a
+    poke at the end of each lockstep round only interrupted handlers."""
+    from stealer.shared.shm import W_IN_STEP
+
+    pool = ex._pool
+
+    def in_step() -> list[int]:
+        return [pool.region.load32(pool.layout.worker(k) + W_IN_STEP) for k in range(2)]
+
+    def hold(ref: Any, how: str) -> list[int]:
+        started, release = str(tmp_path / f"{how}0"), str(tmp_path / f"{how}1")
+        if how == "step":
+            ref = ex.spawn_agent(L.Gate, (started, release))
+            f = None
+        else:
+            f = ref.call("hold", started, release)
+        end = time.monotonic() + T
+        while not os.path.exists(started):
+            assert time.monotonic() < end
+            time.sleep(0.001)
+        seen = in_step()
+        open(release, "w").close()
+        if f is not None:
+            assert f.result(T) == "held"
+        return seen
+
+    a = ex.spawn_agent(L.Gate)
+    assert hold(a, "call") == [0, 0]  # a handler runs: no step
+    assert sorted(hold(None, "step")) == [0, 1]  # the step's worker says so, the other not
+    end = time.monotonic() + T
+    while in_step() != [0, 0]:  # and says so no more once it ended
+        assert time.monotonic() < end
+        time.sleep(0.001)
 
 
 def test_a_stale_ref_never_reaches_the_agent_that_reuses_its_slot():

@@ -131,6 +131,9 @@ W_STEP_DEADLINE = 96  # u64 monotonic ns by which the agent step running now mus
 #                      load64s it in its monitor and kills a worker stuck past it
 W_RUNNABLE = 104  # u32 agents runnable on this worker besides the one in its turn: the worker
 #                  store32s it at each turn (release); idle peers load32 it to ask for one
+W_IN_STEP = 108  # u32 1 while this worker runs an agent's step (Host.step), else 0: the worker
+#                 store32s it (seq_cst) around the step; idle peers load32 it and ask for an
+#                 agent (SIGUSR1) only then: a message handler does not take the request
 W_PING_OUT = 112  # u64 handle+1 of the frame this worker is pinging (0: none): the worker stores it
 #                  (release) before its or64 of AF_PINGED and 0 after the push; the client reads it
 #                  after the worker's death and pings that frame again (recovery.py Pings)

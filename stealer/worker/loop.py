@@ -84,6 +84,7 @@ from stealer.shared.shm import (
     STATE_STARTING,
     W_CPU,
     W_CURRENT,
+    W_IN_STEP,
     W_JOURNAL,
     W_LEASE,
     W_PID,
@@ -696,6 +697,7 @@ def main(a: WorkerArgs) -> None:
         os._exit(EXIT_INIT_FAILED)
     r.store32(w.wbase + W_PID, os.getpid())
     r.store32(w.wbase + W_CPU, 0 if a.cpu is None else a.cpu + 1)
+    r.store32(w.wbase + W_IN_STEP, 0)  # a predecessor may have died inside a step
     r.store32(w.wbase + W_STATE, STATE_READY)
     r.add32(H_STARTED, 1)
     r.futex_wake(H_STARTED, 1 << 30)

@@ -70,7 +70,7 @@ from stealer.shared.shm import (
     H_SEARCHING,
     H_STOP_AGENTS,
     STATE_READY,
-    W_CURRENT,
+    W_IN_STEP,
     W_PID,
     W_RUNNABLE,
     W_STATE,
@@ -155,6 +155,7 @@ class Host(Adoption, Messages, Generators, Calls, Leaving):
         self.flushed = 0  # monotonic ns of the last counter flush
         self.peers_mask = ((1 << min(64, w.n)) - 1) & ~(1 << w.k if w.k < 64 else 0)
         self.runnable_off = w.wbase + W_RUNNABLE
+        self.in_step_off = w.wbase + W_IN_STEP
         self.in_api = 0  # > 0 while a step calls into us (send, call, spawn_agent...)
         self.poked: dict[int, int] = {}  # peer -> monotonic ns we last asked it for an agent
         self.turn_avg = 0  # ns per turn over every agent here (moving average): backlogs
@@ -407,18 +408,22 @@ class Host(Adoption, Messages, Generators, Calls, Leaving):
         if st is not None:
             self.arm(st)
         self.in_step = True
+        r = self.r
+        r.store32(self.in_step_off, 1)  # seq_cst: read by idle peers (poke_peers)
         w.in_body = True
         try:
             out = e.obj.step(e.ctx or self.new_ctx(e))
         except BaseException as exc:
             w.in_body = False
             self.in_step = False
+            r.store32(self.in_step_off, 0)
             if st is not None:
                 self.disarm()
             self.failed(e, exc)
             return
         w.in_body = False
         self.in_step = False
+        r.store32(self.in_step_off, 0)  # seq_cst: read by idle peers (poke_peers)
         if st is not None:
             self.disarm()
         if FP.ON:
@@ -468,7 +473,9 @@ class Host(Adoption, Messages, Generators, Calls, Leaving):
             if j == w.k:
                 continue
             base = w.seg.layout.worker(j)
-            if not r.load32(base + W_RUNNABLE) or not r.load64(base + W_CURRENT):
+            # agents wait there behind a step (a handler does not take the request: a poke
+            # at each lockstep round's end interrupted a handler for nothing)
+            if not r.load32(base + W_RUNNABLE) or not r.load32(base + W_IN_STEP):
                 continue
             if (r.load32(base + W_STATE) != STATE_READY
                     or now - self.poked.get(j, 0) < 2_000_000):

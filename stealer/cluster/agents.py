@@ -117,7 +117,10 @@ class AgentsOnCluster:
         no state kept (it starts again from its spawn arguments, with only the messages it
         had not answered), and it never moves between live nodes.  ``node``: start it on
         that node (one of ``ex.nodes``) instead of placing it; it may still move later
-        (stealer/cluster/moves.py)."""
+        (stealer/cluster/moves.py).  With a journal (``Executor(cluster=...,
+        journal=PATH)``, stealer/cluster/journal.py) the spawn, every message and each
+        state kept go to disk first, ``name`` is unique per journal and ``state_every``
+        must be at least 1."""
         if not isinstance(state_every, int) or state_every < 0:
             raise ValueError(f"state_every is a number of messages >= 0 (0: keep no "
                              f"state), not {state_every!r}")

@@ -22,7 +22,7 @@ health checks (the settings are printed), node k's executor pinned to CPU k.  On
    with ``rebalance=None`` (they all stay), and the moves made.
 
     python benchmarks/cluster.py [--tasks 20000] [--ray-tasks 2000] [--agent-rounds 300]
-                                 [--json] [--forkjoin-only]
+                                 [--json] [--forkjoin-only] [--skew-only [--reps N]]
 """
 
 from __future__ import annotations
@@ -150,6 +150,35 @@ def forkjoin_only(out: dict, children: bool = True) -> None:
                                              for n, v in st.nodes.items()}}
 
 
+def skew_runs(ex, work: list[float], reps: int) -> list[dict]:
+    """``reps`` runs of the skew workload on ``ex`` (one after the other): each run's
+    makespan, efficiency (sum of work / 2 CPUs / makespan) and tasks moved between nodes."""
+    ideal = sum(work) / 2
+    runs = []
+    for _ in range(reps):
+        moved0 = ex.stats().moved
+        dt = timed(lambda: [f.result() for f in [ex.submit(busy, s) for s in work]])
+        runs.append({"makespan_s": round(dt, 3), "efficiency": round(ideal / dt, 3),
+                     "moved": ex.stats().moved - moved0})
+    return runs
+
+
+def skew_only(out: dict, reps: int) -> None:
+    """Section 2's stealer row alone, ``reps`` times on one executor (after the no-op
+    warm-up the full run has before it), with the median efficiency."""
+    import statistics
+
+    ex = stealer.Executor(cluster=True, seed=1)
+    try:
+        ex.submit(noop, 1).result()
+        [f.result() for f in [ex.submit(noop, i) for i in range(2000)]]
+        runs = skew_runs(ex, pareto_durations(2000, 1.5, 0.002, 0.2, seed=1), reps)
+    finally:
+        ex.shutdown()
+    out["skew_stealer_runs"] = runs
+    out["skew_stealer_median_efficiency"] = statistics.median(r["efficiency"] for r in runs)
+
+
 def first_move(out: dict, trials: int = 3) -> None:
     """The time from the first call of 8 busy agents all started on one node (each call
     busy 2 ms, 8 calls out per agent) to the client's first move of one of them; each trial
@@ -212,6 +241,9 @@ def main() -> None:
                          "the first move of one to the idle node (3 trials)")
     ap.add_argument("--no-children", action="store_true",
                     help="with --forkjoin-only: no fork-join child moves between nodes")
+    ap.add_argument("--skew-only", action="store_true",
+                    help="only the stealer's skew row (2,000 Pareto tasks), --reps times")
+    ap.add_argument("--reps", type=int, default=5, help="runs of --skew-only")
     ap.add_argument("--forkjoin-only", action="store_true",
                     help="only the fork-join rows (8 trees over two nodes, one tree "
                          "started on one node), each beside one node alone")
@@ -226,6 +258,11 @@ def main() -> None:
         c.wait_for_nodes()
         if a.first_move:
             first_move(out)
+            for k, v in out.items():
+                print(f"{k}: {v}")
+            return
+        if a.skew_only:
+            skew_only(out, a.reps)
             for k, v in out.items():
                 print(f"{k}: {v}")
             return
@@ -267,9 +304,7 @@ def main() -> None:
         t = time.perf_counter()
         assert len(list(ex.map(noop, range(a.tasks), chunksize=64))) == a.tasks
         out["stealer_map_chunk64_per_s"] = a.tasks / (time.perf_counter() - t)
-        dt = timed(lambda: [f.result() for f in [ex.submit(busy, s) for s in work]])
-        out["skew_stealer"] = {"makespan_s": dt, "efficiency": ideal / dt,
-                               "moved": ex.stats().moved}
+        (out["skew_stealer"],) = skew_runs(ex, work, 1)
         refs = [ex.spawn_agent(Echo) for _ in range(8)]
         assert [r.call("echo", i).result() for i, r in enumerate(refs)] == list(range(8))
         on = {r.node for r in refs}

@@ -25,6 +25,7 @@ from stealer.cluster.policy import (
     Victim,
     backlog_s,
     buddies_of,
+    first_batch,
     grant_count,
     place,
 )
@@ -90,6 +91,49 @@ def test_a_thief_waits_for_the_idle_threshold():
     t.idle(1.0)
     assert t.poll(1.005, loads) is None
     assert t.poll(1.011, loads) == "v"
+
+
+def test_a_thief_running_low_asks_ahead_once_then_waits_the_threshold():
+    """Nothing queued and less than ``ahead`` round trips of work in flight per worker: the
+    first attempt goes at once (its reply comes about when the last task ends); after a
+    failed one the thief waits ``idle_s`` again, as an idle one does."""
+    t = Thief("me", StealConfig(idle_s=0.01, ahead=2.0), random.Random(0))
+    t.rtt.add(0.003)
+    assert t.low_water(1, 0.002) == 3  # 2 x 3 ms of work: 3 tasks of 2 ms
+    assert t.low_water(2, 0.002) == 6
+    assert t.low_water(1, 0.0) == 0  # not measured yet: only once idle
+    assert t.low_water(1, 0.1) == 0  # a task holds more than two round trips
+    assert Thief("x", StealConfig(ahead=0.0)).low_water(4, 0.001) == 0
+    loads = loads_of(me=0, v=100)
+    t.idle(1.0, low=True)
+    assert t.poll(1.0, loads) == "v"  # at once
+    t.on_reply(1.003, "v", 0, loads)  # nothing there
+    t.idle(1.004, low=True)
+    assert t.poll(1.005, loads) is None  # a failed attempt: the threshold again
+    assert t.poll(1.0135, loads) == "v"
+    t.on_reply(1.016, "v", 7, loads)  # work: the next time it runs low it asks at once
+    assert (t.idle_since, t.low, t.failed) == (None, False, 0)
+    t.idle(2.0, low=True)
+    assert t.poll(2.0, loads) == "v"
+
+
+def test_batches_to_a_node_holding_little_double_what_it_holds():
+    cfg = StealConfig(first=8)
+    idle = Load("n", 2)
+    assert first_batch(idle, 0, 256, cfg) == 16  # its window: 8 per worker
+    assert first_batch(idle, 16, 256, cfg) == 16  # 16 out since its report: 16 more
+    assert first_batch(idle, 40, 256, cfg) == 40
+    assert first_batch(Load("n", 2, queued=90, running=16), 30, 256, cfg) == 136
+    assert first_batch(Load("n", 2, queued=200, running=16), 0, 256, cfg) == 216
+    assert first_batch(Load("n", 2, queued=300), 0, 256, cfg) == 256  # holds a batch
+    assert first_batch(idle, 500, 256, cfg) == 256
+    assert first_batch(idle, 0, 256, StealConfig(first=0)) == 256  # off: full batches
+    assert first_batch(idle, 0, 4, cfg) == 4  # never more than a batch
+    sizes, held = [], 0  # a burst to an idle node of one worker: 8, 8, 16, 32, ... 256
+    while held < 1000:
+        sizes.append(first_batch(Load("n", 1), held, 256, cfg))
+        held += sizes[-1]
+    assert sizes[:7] == [8, 8, 16, 32, 64, 128, 256] and set(sizes[7:]) == {256}
 
 
 def test_one_outstanding_request_at_a_time():

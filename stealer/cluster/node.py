@@ -214,6 +214,7 @@ class NodeAgent:
         self._stealer: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the default group's loop
         self.idle_ev: asyncio.Event | None = None  # set (in that loop) when the node idles
+        # or runs low (nothing queued, at most _low_water() tasks in flight: it steals ahead)
         threading.Thread(target=self._watch, name="stealer-node-fence", daemon=True).start()
 
     # -- the client's calls --------------------------------------------------------------
@@ -457,11 +458,19 @@ class NodeAgent:
             self._measure()
         self._finished(tid, ok, value)
         self._fill()
-        if not self.inflight and not self.queue:
-            self._notify()  # a linger ends: nothing more is coming soon
-            ev, loop = self.idle_ev, self.loop
-            if ev is not None and loop is not None:
+        if not self.queue and self.inflight <= self._low_water():
+            if not self.inflight:
+                self._notify()  # a linger ends: nothing more is coming soon
+            ev, loop = self.idle_ev, self.loop  # the thief: idle, or running low
+            if ev is not None and loop is not None and not ev.is_set():
                 loop.call_soon_threadsafe(ev.set)
+
+    def _low_water(self) -> int:
+        """Tasks in flight at or below which this node, with nothing queued, steals ahead
+        (policy.Thief.low_water; 0 without stealing: only once idle)."""
+        if self.cfg is None:
+            return 0
+        return self.thief.low_water(self.workers, self.task_s)
 
     def _occupy(self) -> None:
         """Account the time since the last change of what occupies the workers (tasks
@@ -613,7 +622,8 @@ class NodeAgent:
         registered_fed = 0
         self.idle_ev = ev = asyncio.Event()
         while not self.fenced:
-            if self.queue or self.inflight:
+            low = self._low_water()
+            if self.queue or self.inflight > low:
                 if registered:  # busy again: the buddies must not push to us now
                     self.epoch += 1
                     for b in registered:
@@ -621,12 +631,12 @@ class NodeAgent:
                             self.peers[b].unlifeline.remote(self.node, self.epoch)
                 registered = []
                 ev.clear()
-                if self.queue or self.inflight:
+                if self.queue or self.inflight > self._low_water():
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(ev.wait(), 1.0)
                 continue
             now = time.monotonic()
-            self.thief.idle(now)
+            self.thief.idle(now, low=self.inflight > 0)  # (low: it asks ahead)
             loads = {n: ld for n, ld in self.peer_loads.items() if n in self.peers}
             loads[self.node] = self.load()
             victim = self.thief.poll(now, loads)

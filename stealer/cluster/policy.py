@@ -16,6 +16,17 @@ The rules (Satin's cluster-aware random stealing, X10's lifelines):
 * **Local stealing first**: a node's own workers steal from each other in shared memory; a
   node steals from another only when it has been idle (nothing queued, nothing running) for
   ``idle_s``.
+* **Asking ahead**: a node with nothing queued steals before its workers run dry, once the
+  tasks it has in flight hold less than ``ahead`` measured round trips of work per worker
+  (:meth:`Thief.low_water`): the batch then comes back about when its last task ends, where
+  a node that asked only once idle left its workers idle for ``idle_s`` and a round trip
+  (5-10 ms a time on the 2-node test cluster, one to three times a skew run).  The first
+  attempt goes at once; after a failed one the node waits ``idle_s`` again.
+* **A first batch at once**: a node that holds less than a batch (by its last report and
+  what was sent since) is sent its next tasks once they double what it holds, at least
+  its window (:func:`first_batch`), not when a full batch has gathered: an idle node's
+  workers start while the client still submits (a full batch of 256 took the client
+  10-50 ms to gather; the batch timer's thread waits for the submitting thread's GIL).
 * **One outstanding request**: an idle node sends at most one asynchronous steal request at a
   time, to a node drawn at random among the ``most_loaded`` most loaded peers.
 * **Half the surplus, one batch**: the victim gives up to half of its surplus (tasks queued
@@ -39,7 +50,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["Load", "StealConfig", "RoundTrip", "Thief", "Victim", "place", "backlog_s",
-           "grant_count", "buddies_of"]
+           "grant_count", "buddies_of", "first_batch"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +97,8 @@ class StealConfig:
     buddies: int = 2  # lifelines per thief
     rtt_factor: float = 2.0  # steal only when the saving exceeds this times the round trip
     default_task_s: float = 0.001  # task duration assumed before any was measured
+    ahead: float = 2.0  # steal once in-flight work per worker is below this many round trips
+    first: int = 8  # a batch to a node holding little: at least this many per worker (0: full)
     children: int = 1  # fork-join children out per free worker of a hungry peer (0: none)
     child_depth: int = 3  # spawns this near their tree's root are always exportable
 
@@ -129,6 +142,19 @@ def place(loads: Mapping[str, Load], rng: random.Random,
     return b if lb < la else a
 
 
+def first_batch(load: Load, sent: int, batch_size: int, cfg: StealConfig) -> int:
+    """How many tasks a node's pending batch gathers before it goes.  A node that holds
+    less than a batch (its last report's queued and running tasks, plus ``sent`` since
+    that report) gets its next batch once that batch doubles what it holds, and at least
+    ``cfg.first`` per worker (its window): an idle node's workers start at once, and
+    batches grow 8, 8, 16, 32, ... up to ``batch_size`` while the client still submits.
+    ``cfg.first`` 0: always ``batch_size``."""
+    held = load.queued + load.running + sent
+    if cfg.first <= 0 or held >= batch_size:
+        return batch_size
+    return min(batch_size, max(cfg.first * max(1, load.workers), held))
+
+
 def grant_count(queued: int, sizes: Sequence[int], cfg: StealConfig) -> int:
     """How many tasks a victim gives from the steal end of its queue: half its surplus,
     capped by ``max_count`` and by ``max_bytes`` (``sizes``: payload bytes of the tasks at
@@ -165,18 +191,31 @@ class Thief:
     outstanding: str | None = None  # the node asked and not answered yet
     sent_at: float = 0.0
     idle_since: float | None = None
+    low: bool = False  # running low (tasks in flight, nothing queued), not idle
     failed: int = 0  # failed attempts in a row
     lifelines: list[str] = field(default_factory=list)  # buddies holding our lifeline
     fed: int = 0  # work arrivals so far: lifelines registered before one are used up
 
-    def idle(self, now: float) -> None:
-        """The node has nothing queued and nothing running (from ``now`` if not before)."""
+    def idle(self, now: float, low: bool = False) -> None:
+        """The node has nothing queued and nothing running (from ``now`` if not before);
+        ``low``: nothing queued and at most :meth:`low_water` tasks in flight (it asks
+        ahead: its first attempt goes without waiting ``idle_s``)."""
         if self.idle_since is None:
             self.idle_since = now
+        self.low = low
+
+    def low_water(self, workers: int, task_s: float) -> int:
+        """The tasks in flight at or below which a node with nothing queued asks ahead:
+        those holding less than ``ahead`` round trips of work per worker (0, i.e. only
+        once idle, while the tasks' length is not measured)."""
+        if task_s <= 0 or self.cfg.ahead <= 0:
+            return 0
+        return int(max(1, workers) * self.cfg.ahead * self.rtt.s / task_s)
 
     def on_work(self) -> None:
         """Work arrived: the node is busy; its failures and lifelines are forgotten."""
         self.idle_since = None
+        self.low = False
         self.failed = 0
         self.lifelines = []
         self.fed += 1
@@ -196,7 +235,7 @@ class Thief:
         outstanding (one at a time).  Called as often as the node likes while it idles."""
         if self.outstanding is not None or self.lifelines or self.idle_since is None:
             return None
-        if now - self.idle_since < self.cfg.idle_s:
+        if now - self.idle_since < self.cfg.idle_s and not (self.low and self.failed == 0):
             return None
         peers = [ld for n, ld in loads.items() if n != self.node and self.worth(ld)]
         if not peers:

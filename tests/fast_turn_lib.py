@@ -52,6 +52,12 @@ class Mixed(stealer.Agent):
             time.sleep(0.001)
         return "slow"
 
+    def nap(self, ms: int) -> int:
+        """Sleeps ``ms`` ms: the messages sent meanwhile pile up behind it."""
+        self.log.append(("nap", ms))
+        time.sleep(ms / 1000)
+        return ms
+
     def echo(self, x: Any) -> Any:
         self.log.append(("echo", x))
         return x

@@ -1704,22 +1704,19 @@ cdef class Turns:
     cdef uint64_t nrecords
     cdef public uint64_t turns   # how many ran here (tests; stats)
     cdef object bal              # the Host's Balancer (worker/agents/balance.py)
-    cdef Py_ssize_t runnable_off, searching_off, parked_off, stop_off
+    cdef Py_ssize_t runnable_off, searching_off, parked_off
     cdef uint64_t peers_mask
 
     def __init__(self, HotPath hot not None, host, w, Py_ssize_t dir_base, Py_ssize_t c_busy,
                  Py_ssize_t c_msgs, int64_t slice_ns, int batch, int64_t throttle_ns,
-                 int64_t flush_ns, dumps, Py_ssize_t searching_off, Py_ssize_t parked_off,
-                 Py_ssize_t stop_off):
+                 int64_t flush_ns, dumps, Py_ssize_t searching_off, Py_ssize_t parked_off):
         if dir_base < 0 or dir_base + <Py_ssize_t>(hot.nrecords * DIR_BYTES) > hot.region.size:
             raise ValueError("the agent directory does not fit the region")
         hot.region._check(searching_off, 8)
         hot.region._check(parked_off, 8)
-        hot.region._check(stop_off, 4)
         hot.region._check(host.runnable_off, 4)
         self.searching_off = searching_off
         self.parked_off = parked_off
-        self.stop_off = stop_off
         self.runnable_off = host.runnable_off
         self.peers_mask = host.peers_mask
         self.bal = host.bal
@@ -1794,7 +1791,7 @@ cdef class Turns:
         bal = self.bal
         if bal.on and not bal.busy.cur:
             bal.note_busy(1)  # Balancer.turn: busy from now on
-        if turns & 7 == 0 and n >= 2 and bal.on:
+        if turns & 7 == 0 and rq.n >= 2 and bal.on:  # (after offer: it may have published)
             bal.balance()
         if turns & 63 == 0:
             host.every_64_turns()

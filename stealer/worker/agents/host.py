@@ -182,7 +182,7 @@ class Host(Adoption, Messages, Generators, Calls, Leaving):
         if self.serve is not None and turns is not None:
             self.quick = turns(hot, self, w, self.dir.base, C_BUSY_NS, C_MSGS, MSG_SLICE_NS,
                                MSG_BATCH, THROTTLE_WINDOW_NS, TURN_FLUSH_NS, self.fast_dumps,
-                               H_SEARCHING, H_PARKED, H_STOP_AGENTS)
+                               H_SEARCHING, H_PARKED)
             self.quick_ping = self.quick.ping
             self.run_next = self.quick.run_next  # type: ignore[method-assign]
         if self.journal is not None:

@@ -25,7 +25,6 @@ from stealer.cluster.policy import (
     Victim,
     backlog_s,
     buddies_of,
-    first_batch,
     grant_count,
     place,
 )
@@ -115,25 +114,6 @@ def test_a_thief_running_low_asks_ahead_once_then_waits_the_threshold():
     assert (t.idle_since, t.low, t.failed) == (None, False, 0)
     t.idle(2.0, low=True)
     assert t.poll(2.0, loads) == "v"
-
-
-def test_batches_to_a_node_holding_little_double_what_it_holds():
-    cfg = StealConfig(first=8)
-    idle = Load("n", 2)
-    assert first_batch(idle, 0, 256, cfg) == 16  # its window: 8 per worker
-    assert first_batch(idle, 16, 256, cfg) == 16  # 16 out since its report: 16 more
-    assert first_batch(idle, 40, 256, cfg) == 40
-    assert first_batch(Load("n", 2, queued=90, running=16), 30, 256, cfg) == 136
-    assert first_batch(Load("n", 2, queued=200, running=16), 0, 256, cfg) == 216
-    assert first_batch(Load("n", 2, queued=300), 0, 256, cfg) == 256  # holds a batch
-    assert first_batch(idle, 500, 256, cfg) == 256
-    assert first_batch(idle, 0, 256, StealConfig(first=0)) == 256  # off: full batches
-    assert first_batch(idle, 0, 4, cfg) == 4  # never more than a batch
-    sizes, held = [], 0  # a burst to an idle node of one worker: 8, 8, 16, 32, ... 256
-    while held < 1000:
-        sizes.append(first_batch(Load("n", 1), held, 256, cfg))
-        held += sizes[-1]
-    assert sizes[:7] == [8, 8, 16, 32, 64, 128, 256] and set(sizes[7:]) == {256}
 
 
 def test_one_outstanding_request_at_a_time():

@@ -63,8 +63,8 @@ from stealer.cluster.balance import BalanceConfig, Balancer
 from stealer.cluster.journal import ClusterJournal, JournalOnCluster
 from stealer.cluster.ledger import AgentRecord, ClusterStats, NodeView, Task
 from stealer.cluster.moves import AgentMoves
-from stealer.cluster.node import AgentOp, NodeAgent, run_chunk
-from stealer.cluster.policy import Load, StealConfig, first_batch, place
+from stealer.cluster.node import NodeAgent, run_chunk
+from stealer.cluster.policy import Load, StealConfig, place
 from stealer.errors import (
     ClusterError,
     ExecutorShutdownError,
@@ -335,16 +335,9 @@ class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, _fbase.Exec
         fn, args, kwargs = t.call
         if not node.pending:
             node.pending_since = time.monotonic()
-            # a node holding little gets its next tasks once they double what it holds
-            # (policy.first_batch: an idle node's workers start at once); tasks only: a
-            # node's agents take no part in its queued and running counts
-            node.batch_max = (first_batch(node.load, node.sent, self._batch_size,
-                                          self._steal)
-                              if self._steal is not None and not isinstance(fn, AgentOp)
-                              else self._batch_size)
             self._wake.notify()
         node.pending.append((tid, fn, args, kwargs, t.hops))
-        return node if len(node.pending) >= node.batch_max else None
+        return node if len(node.pending) >= self._batch_size else None
 
     def _send(self, node: NodeView) -> None:
         with self._lock:

@@ -83,7 +83,6 @@ class NodeView:
         self.sent = 0  # tasks sent since its last load report
         self.pending: list[tuple] = []  # (tid, fn, args, kwargs, hops) not sent yet
         self.pending_since = 0.0
-        self.batch_max = 256  # the pending batch goes at this many tasks (policy.first_batch)
         self.bseq = 0  # the last batch sent (the node runs them in this order, once each)
         self.ready = False
         self.alive = True

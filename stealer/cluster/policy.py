@@ -22,11 +22,6 @@ The rules (Satin's cluster-aware random stealing, X10's lifelines):
   a node that asked only once idle left its workers idle for ``idle_s`` and a round trip
   (5-10 ms a time on the 2-node test cluster, one to three times a skew run).  The first
   attempt goes at once; after a failed one the node waits ``idle_s`` again.
-* **A first batch at once**: a node that holds less than a batch (by its last report and
-  what was sent since) is sent its next tasks once they double what it holds, at least
-  its window (:func:`first_batch`), not when a full batch has gathered: an idle node's
-  workers start while the client still submits (a full batch of 256 took the client
-  10-50 ms to gather; the batch timer's thread waits for the submitting thread's GIL).
 * **One outstanding request**: an idle node sends at most one asynchronous steal request at a
   time, to a node drawn at random among the ``most_loaded`` most loaded peers.
 * **Half the surplus, one batch**: the victim gives up to half of its surplus (tasks queued
@@ -50,7 +45,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["Load", "StealConfig", "RoundTrip", "Thief", "Victim", "place", "backlog_s",
-           "grant_count", "buddies_of", "first_batch"]
+           "grant_count", "buddies_of"]
 
 
 @dataclass(frozen=True)
@@ -98,7 +93,6 @@ class StealConfig:
     rtt_factor: float = 2.0  # steal only when the saving exceeds this times the round trip
     default_task_s: float = 0.001  # task duration assumed before any was measured
     ahead: float = 2.0  # steal once in-flight work per worker is below this many round trips
-    first: int = 8  # a batch to a node holding little: at least this many per worker (0: full)
     children: int = 1  # fork-join children out per free worker of a hungry peer (0: none)
     child_depth: int = 3  # spawns this near their tree's root are always exportable
 
@@ -140,19 +134,6 @@ def place(loads: Mapping[str, Load], rng: random.Random,
     sent = sent or {}
     la, lb = loads[a].per_worker(sent.get(a, 0)), loads[b].per_worker(sent.get(b, 0))
     return b if lb < la else a
-
-
-def first_batch(load: Load, sent: int, batch_size: int, cfg: StealConfig) -> int:
-    """How many tasks a node's pending batch gathers before it goes.  A node that holds
-    less than a batch (its last report's queued and running tasks, plus ``sent`` since
-    that report) gets its next batch once that batch doubles what it holds, and at least
-    ``cfg.first`` per worker (its window): an idle node's workers start at once, and
-    batches grow 8, 8, 16, 32, ... up to ``batch_size`` while the client still submits.
-    ``cfg.first`` 0: always ``batch_size``."""
-    held = load.queued + load.running + sent
-    if cfg.first <= 0 or held >= batch_size:
-        return batch_size
-    return min(batch_size, max(cfg.first * max(1, load.workers), held))
 
 
 def grant_count(queued: int, sizes: Sequence[int], cfg: StealConfig) -> int:

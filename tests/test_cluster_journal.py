@@ -15,17 +15,15 @@ import os
 import signal
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 
 pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[test]'")
 
-from test_cluster_moves import Counter, FakeNode, deliver, flush
+from test_cluster_moves import Counter, FakeNode, deliver, fake_client, flush
 
 import stealer.cluster.client as cc
 from stealer.agents.journal import describe, open_for_client, plan
-from stealer.cluster.ledger import NodeView
 from stealer.errors import AgentStopped, JournalError
 
 pytestmark = pytest.mark.timeout(60)
@@ -63,30 +61,7 @@ def client(setattr_, path: str, names=("a", "b"), on_start=lambda ex: None,
            **kw) -> tuple[cc.ClusterExecutor, dict]:
     """A cluster client with a journal at ``path`` on fake nodes ``names`` (``on_start``
     is called when it starts its node agents)."""
-    nodes = {n: Node(n) for n in names}
-
-    def start_nodes(self, wait):
-        on_start(self)
-        for nid, fake in nodes.items():
-            if nid not in self._nodes:
-                v = NodeView(nid, fake, 1)
-                v.ready = True
-                self._nodes[nid] = v
-
-    def kill(*_a, **_k):
-        raise RuntimeError("a fake node")
-
-    stub = SimpleNamespace(wait=lambda refs, **k: (refs, []), kill=kill,
-                           get=lambda *a, **k: [], is_initialized=lambda: False,
-                           nodes=list)
-    setattr_(cc, "ray", stub)
-    setattr_(cc, "_connect", lambda cluster: False)
-    setattr_(cc.ClusterExecutor, "_start_nodes", start_nodes)
-    setattr_(cc.ClusterExecutor, "_collect", lambda self: None)
-    setattr_(cc.ClusterExecutor, "_tend", lambda self: None)
-    ex = cc.ClusterExecutor(True, executor_cls=object, top_s=None, seed=1, rebalance=None,
-                            journal=path, **kw)
-    return ex, nodes
+    return fake_client(setattr_, names, Node, on_start, rebalance=None, journal=path, **kw)
 
 
 def run(ex, *nodes: Node, rounds: int = 3) -> None:

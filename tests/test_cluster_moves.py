@@ -89,12 +89,15 @@ class FakeNode:
         raise AssertionError(op.kind)
 
 
-@pytest.fixture
-def cluster(monkeypatch):
-    """A cluster client on two fake nodes "a" and "b" (Ray's calls stubbed out)."""
-    nodes = {n: FakeNode(n) for n in ("a", "b")}
+def fake_client(setattr_, names=("a", "b"), node=None, on_start=lambda ex: None,
+                **kw) -> tuple[cc.ClusterExecutor, dict]:
+    """A cluster client on fake nodes ``names`` (``node``: their class, FakeNode by
+    default), Ray's calls stubbed out with ``setattr_`` (monkeypatch.setattr); ``kw``: the
+    executor's options; ``on_start`` is called when it starts its node agents."""
+    nodes = {n: (node or FakeNode)(n) for n in names}
 
     def start_nodes(self, wait):
+        on_start(self)
         for nid, fake in nodes.items():
             if nid not in self._nodes:
                 v = NodeView(nid, fake, 1)
@@ -107,14 +110,20 @@ def cluster(monkeypatch):
     stub = SimpleNamespace(wait=lambda refs, **k: (refs, []), kill=kill,
                            get=lambda *a, **k: [], is_initialized=lambda: False,
                            nodes=list)
-    monkeypatch.setattr(cc, "ray", stub)
-    monkeypatch.setattr(cc, "_connect", lambda cluster: False)
-    monkeypatch.setattr(cc.ClusterExecutor, "_start_nodes", start_nodes)
-    monkeypatch.setattr(cc.ClusterExecutor, "_collect", lambda self: None)
-    monkeypatch.setattr(cc.ClusterExecutor, "_tend", lambda self: None)
-    ex = cc.ClusterExecutor(True, executor_cls=object, top_s=None, seed=1,
-                            rebalance=BalanceConfig(reports=2, hold_s=0.0,
-                                                    default_move_s=1e-6))
+    setattr_(cc, "ray", stub)
+    setattr_(cc, "_connect", lambda cluster: False)
+    setattr_(cc.ClusterExecutor, "_start_nodes", start_nodes)
+    setattr_(cc.ClusterExecutor, "_collect", lambda self: None)
+    setattr_(cc.ClusterExecutor, "_tend", lambda self: None)
+    ex = cc.ClusterExecutor(True, executor_cls=object, top_s=None, seed=1, **kw)
+    return ex, nodes
+
+
+@pytest.fixture
+def cluster(monkeypatch):
+    """A cluster client on two fake nodes "a" and "b" (Ray's calls stubbed out)."""
+    ex, nodes = fake_client(monkeypatch.setattr,
+                            rebalance=BalanceConfig(reports=2, hold_s=0.0, default_move_s=1e-6))
     yield ex, nodes
     ex._shutdown = ex._closing = True
     ex._stop_nodes()

@@ -140,7 +140,7 @@ def _run(opts: list, ops: list, fast: bool) -> tuple[list, list]:
             os.environ["STEALER_NO_FAST_TURN"] = old
 
 
-@settings(max_examples=10, deadline=None, derandomize=True,
+@settings(max_examples=5, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(program)
 def test_both_turns_give_what_a_sequential_run_gives(prog):

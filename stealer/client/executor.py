@@ -63,6 +63,7 @@ from stealer.forkjoin import NestedExecutor, run_chunk, run_items
 from stealer.shared import serialize
 from stealer.shared._layout import S_CANCELLED, S_QUEUED
 from stealer.shared.arena import INLINE, K_ROOT
+from stealer.shared.idle import BATCH_POLL
 from stealer.shared.records import Outcome as _Outcome
 from stealer.shared.shm import H_STARTED
 
@@ -345,6 +346,12 @@ class Executor(_fbase.Executor):
       longer is killed too: ``hang_timeout`` must exceed your longest task
       (a blocking join counts as the time its children take).  See
       stealer/client/hang.py; ``stealer top`` shows a frozen worker as "frozen Ns".
+    * ``result_poll``: seconds (default 0.002).  While many tasks are outstanding (at
+      least 8 per worker: a backlog that waits several task-times anyway) the result
+      thread is not woken for each completion; it looks every ``result_poll`` seconds,
+      and a worker about to idle wakes it.  Each look costs the client tens of
+      microseconds of CPU, so a client that takes results in batches anyway may raise it
+      (a cluster's node agent uses 0.01: see README "Running on a cluster").
     * ``cluster``: a Ray address (or True: the Ray this process initialised) returns a
       :class:`stealer.cluster.client.ClusterExecutor` instead: the same ``submit``/``map``/
       ``shutdown`` over one executor per node, ``max_workers`` per node (README "Running
@@ -394,6 +401,7 @@ class Executor(_fbase.Executor):
         durability: str = "batch",
         recover: bool = False,
         hang_timeout: float | None = None,
+        result_poll: float = BATCH_POLL,
         cluster: None = None,
     ) -> None:
         topo = affinity.read_topology()
@@ -415,6 +423,10 @@ class Executor(_fbase.Executor):
             raise ValueError("records must be >= 2")
         _check_retries(retries)
         hang_timeout = check_hang_timeout(hang_timeout)
+        if (isinstance(result_poll, bool) or not isinstance(result_poll, (int, float))
+                or not BATCH_POLL <= result_poll <= 1.0):
+            raise ValueError(f"result_poll must be seconds from {BATCH_POLL} to 1.0, not "
+                             f"{result_poll!r}")
         policy: Any = cpus
         if cpus == "auto":
             policy = "compact" if max_workers <= topo.usable_count else "none"
@@ -442,7 +454,7 @@ class Executor(_fbase.Executor):
         try:
             self._pool = _Pool(max_workers, mp_context, plan, steal, init_bytes,
                                tuple(initargs), max_tasks_per_child, thread_limit, records,
-                               metrics, retries, cj, hang_timeout)
+                               metrics, retries, cj, hang_timeout, float(result_poll))
         except BaseException:
             if cj is not None:
                 cj.close()

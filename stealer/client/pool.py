@@ -130,7 +130,7 @@ class _Pool(Settling, WorkerDeaths):
                  initializer: bytes | None, initargs: tuple, max_tasks: int | None,
                  thread_limit: int | None, records: int, metrics: bool = True,
                  retries: int = 3, journal: Any = None,
-                 hang_timeout: float | None = None) -> None:
+                 hang_timeout: float | None = None, result_poll: float = BATCH_POLL) -> None:
         self.n = n
         self.journal = journal  # agents.journal.opening.ClientJournal or None
         self.retries = retries
@@ -164,6 +164,7 @@ class _Pool(Settling, WorkerDeaths):
         self.seg = seg = Segment.create(layout, self.lock, Q)
         seg.populate()
         self.hangs = HangWatch(seg, hang_timeout)  # check_hangs: frozen workers
+        self.result_poll = result_poll  # throughput mode: the result thread looks this often
         self.hung: dict[int, str] = {}  # worker -> why we killed it (check_hangs, on_death)
         self.name = seg.name
         self.procs: list[Any] = [None] * n
@@ -618,7 +619,8 @@ class _Pool(Settling, WorkerDeaths):
                 batch = policy.update(len(self.futures))
                 # in throughput mode a thread in wait_for polls every BATCH_POLL itself:
                 # both polling doubled the wake-ups (a lockstep client's CPU per call)
-                poll = BATCH_POLL if batch and not self.waiter_role.locked() else MONITOR_INTERVAL
+                poll = (self.result_poll if batch and not self.waiter_role.locked()
+                        else MONITOR_INTERVAL)
                 self.idle.client_park(self.has_result_work, poll, batch)
 
     def check_steps(self) -> None:

@@ -82,7 +82,7 @@ START_S = 60.0  # node agents must be ready this long after Executor(cluster=...
 
 #: Local executor options a node executor takes as they are.
 LOCAL_OPTIONS = ("cpus", "thread_limit", "records", "metrics", "hang_timeout",
-                 "max_tasks_per_child", "initializer", "initargs")
+                 "max_tasks_per_child", "initializer", "initargs", "result_poll")
 
 
 def _pct(sorted_s: list[float], q: float) -> float | None:

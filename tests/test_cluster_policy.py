@@ -26,6 +26,7 @@ from stealer.cluster.policy import (
     backlog_s,
     buddies_of,
     grant_count,
+    linger_for,
     place,
 )
 
@@ -421,3 +422,19 @@ def test_without_ray_the_cluster_executor_says_what_to_install(tmp_path):
             "    raise SystemExit('no ClusterError')\n")
     env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=env)
+
+
+def test_a_node_lingers_longer_only_with_much_work_queued():
+    """linger_for: the client's linger_s when little is queued or the tasks' length is not
+    measured yet; a quarter of the queued work per worker beyond it; capped at 0.25 s,
+    unless the client asked for longer; linger_s=0 (no lingering) stays 0 only when the
+    node has nothing queued."""
+    assert linger_for(0.05, 0, 0.01, 2) == 0.05  # nothing queued
+    assert linger_for(0.05, 1000, 0.0, 2) == 0.05  # tasks not measured yet
+    assert linger_for(0.05, 10, 0.002, 1) == 0.05  # 20 ms queued: a quarter is 5 ms
+    assert linger_for(0.05, 400, 0.002, 2) == pytest.approx(0.1)  # 0.4 s per worker
+    assert linger_for(0.05, 400, 0.002, 1) == pytest.approx(0.2)
+    assert linger_for(0.05, 100_000, 0.002, 1) == 0.25  # capped
+    assert linger_for(0.5, 100_000, 0.002, 1) == 0.5  # the client asked for longer
+    assert linger_for(0.0, 0, 0.002, 1) == 0.0
+    assert linger_for(0.05, 400, -1.0, 1) == 0.05  # a bad measure is no measure

@@ -67,7 +67,7 @@ import ray
 
 from stealer.agents.message import SET_STATE, STATE
 from stealer.cluster import children
-from stealer.cluster.policy import Load, StealConfig, Thief, Victim
+from stealer.cluster.policy import Load, StealConfig, Thief, Victim, linger_for
 from stealer.errors import NodeFencedError, RemoteError, RemoteTraceback
 
 __all__ = ["AgentOp", "NodeAgent", "node_cpus", "run_chunk"]
@@ -247,6 +247,7 @@ class NodeAgent:
                       loads: dict[str, Load] | None,
                       peers: dict[str, Any] | None) -> tuple[list[tuple], Load]:
         """The long poll: waits up to ``wait_s`` for results, then up to ``linger_s`` more
+        (longer with much work queued: policy.linger_for)
         while work is still running here and fewer than ``BATCH_OUT`` results wait (a node
         with nothing left to run answers at once: a lone task's result is not held back);
         returns ([(seq, results, moved), ...], load): every batch the client has not
@@ -276,7 +277,8 @@ class NodeAgent:
         if not self.out and not self.moved and wait_s > 0:
             await self._wait(1, wait_s)
         if linger_s > 0:
-            await self._wait(BATCH_OUT, linger_s)
+            await self._wait(BATCH_OUT, linger_for(linger_s, len(self.queue), self.task_s,
+                                                   self.workers))
         with self.lock:
             for seq in [q for q in self.unacked if q <= ack]:
                 del self.unacked[seq]

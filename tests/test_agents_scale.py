@@ -41,9 +41,15 @@ class StopFails(stealer.Agent):
         raise RuntimeError("on_stop failed")
 
 
-@pytest.fixture(params=["native", "python"])
+@pytest.fixture(scope="module", params=["native", "python"])
 def ex(request):
-    with _py_hotpath(request.param == "python"), stealer.Executor(2, records=1 << 14) as e:
+    """One executor per twin for the module: every test that takes it stops its agents and
+    checks that no record stays held, so the next one starts from the same clean state.
+    STEALER_PY_HOTPATH is set only while it starts (the client's and the workers' arenas
+    read it then), not around the tests that make their own executors."""
+    with _py_hotpath(request.param == "python"):
+        e = stealer.Executor(2, records=1 << 14)
+    with e:
         yield e
 
 

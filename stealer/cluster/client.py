@@ -479,6 +479,7 @@ class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, _fbase.Exec
                     self._settle(node, out, moved)
                     node.acked = seq
             node.load, node.sent = load, 0
+            node.heard = time.monotonic()
             if node.alive and not self._closed_down():
                 self._poll(node)
             self._balance(node)  # agents between live nodes (moves.py)
@@ -640,7 +641,7 @@ class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, _fbase.Exec
             info = infos.get(node.id)
             if info is None or not info.get("Alive"):
                 self._lost(node, "node reported dead")
-            elif node.ready:
+            elif node.ready and time.monotonic() - node.heard > self._health_s:
                 ref = node.handle.ping.remote()
                 with self._lock:
                     self._waits[ref] = ("ping", node, None)

@@ -89,6 +89,8 @@ class NodeView:
         self.backoff = 0.0
         self.peers_seen = -1  # the membership version whose peers it was sent
         self.acked = 0  # the last result batch processed (the node drops it and those before)
+        self.heard = 0.0  # time.monotonic() of its last results() reply (a ping is skipped
+        # while it answers polls: a reply says the same as a ping, and both cost CPU)
         self.lat: deque[float] = deque(maxlen=2048)  # seconds from batch out to result in
 
 

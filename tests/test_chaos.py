@@ -475,7 +475,10 @@ def test_recovery_on_a_full_injector_does_not_spin():
     joining that thread)."""
     records = 32
     with _executor(1, records=records, retries=3) as ex:
-        jobs = [(ex.submit(tasks.sleep_then, 0.3, i), i) for i in range(records)]
+        # the two that are killed run long enough to be killed running; the rest are short
+        # (they run on one worker, one after the other, in the same order whatever they take)
+        jobs = [(ex.submit(tasks.sleep_then, 0.3 if i < 2 else 0.03, i), i)
+                for i in range(records)]
         assert ex.wait_ready(60)
         for f in (jobs[0][0], jobs[1][0]):  # kill the worker running the 1st, then the 2nd
             deadline = time.monotonic() + 30

@@ -64,7 +64,14 @@ def run_killed(tmp_path, mode: str, seed: int) -> None:
                     f"{list(bad.items())[:3]}"
 
 
-@pytest.mark.parametrize("seed", range(20))
+# A seed is a kill: its time (rng.uniform(0.1, 0.9) s after "linked") and its kind (odd:
+# the whole process group).  These twelve of the first twenty (~3.5 s each in CI) keep
+# both kinds across the whole window: client-only kills at 0.19-0.87 s, group kills at
+# 0.21-0.87 s, before the workers are ready (~0.25 s) and mid-run.
+BATCH_SEEDS = [0, 1, 2, 3, 4, 5, 6, 7, 8, 14, 15, 19]
+
+
+@pytest.mark.parametrize("seed", BATCH_SEEDS)
 def test_client_killed_at_random_points_batch(tmp_path, seed):
     run_killed(tmp_path, "batch", seed)
 

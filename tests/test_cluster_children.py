@@ -105,6 +105,10 @@ def test_children_are_exported_only_for_peers_with_free_workers():
     assert hungry([idle, half, waiting], [], {}) == {"i": 2, "h": 1, "w": 1}
     assert hungry([idle], [], {"i": 2}) == {}  # what was shipped to it fills it
     assert hungry([busy], ["b"], {}) == {"b": 1}  # a lifeline is fresher than its report
+    # a lifeline says it has a free worker now, whatever was shipped to it before (its
+    # worker may be blocked in a shipped child, waiting on one of ours)
+    assert hungry([busy], ["b"], {"b": 1}) == {"b": 1}
+    assert hungry([idle], ["i"], {"i": 5}, cap=2) == {"i": 2}
     assert room([idle, half], [], {"i": 1}, cap=2) == 3 + 2
 
 

@@ -314,6 +314,32 @@ def test_without_stealing_the_skew_stays_on_its_node(cluster, own):
         e.shutdown()
 
 
+def test_a_node_whose_workers_are_busy_gets_no_fork_join_children(cluster, own):
+    """A node whose one worker runs a long task asks ahead of running dry (its tasks were
+    measured short), but it says it has no worker free: the fork-join children pending on
+    the other node are not shipped to it, where they would wait behind that task (and
+    their parent with them); the tree runs where it started."""
+    e = stealer.Executor(cluster=True, seed=1, rebalance=None)
+    try:
+        a, b = e.nodes
+        cpu = {n: e.submit_to(n, ct.where).result(timeout=60)[0] for n in (a, b)}
+        # short tasks on both: a node with one task in flight then counts as running low
+        [f.result(timeout=60) for f in [e.submit_to(n, ct.spin, 0.001, i)
+                                        for n in (a, b) for i in range(40)]]
+        long = e.submit_to(a, ct.spin, 2.0)
+        time.sleep(0.2)
+        t = time.monotonic()
+        value, ran = e.submit_to(b, ct.fib_where, 24).result(timeout=60)
+        took = time.monotonic() - t
+        assert value == ct.fib_seq(24)
+        assert ran == (cpu[b],), f"the tree's leaves ran on {ran}; {a[:12]} was busy"
+        assert took < 1.5, f"the tree took {took:.2f} s: it waited for the busy node"
+        assert e.stats().nodes[b]["children"]["shipped"] == 0
+        assert long.result(timeout=60)[0] == cpu[a]
+    finally:
+        e.shutdown()
+
+
 def test_a_node_runs_the_clients_batches_in_their_order_and_each_once(cluster, own):
     """Ray keeps no order between one caller's calls to an async actor (seen on this
     machine: 4 batches early in 12 runs of 2,400 agent calls, and before the numbering an

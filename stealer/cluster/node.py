@@ -200,6 +200,10 @@ class NodeAgent:
         self.victim = Victim(node_id, steal or StealConfig())
         self.steals = {"asked": 0, "got": 0, "given": 0, "pushed": 0, "took": 0}
         self.ll_epochs: dict[str, int] = {}  # thief -> the epoch of its last (un)lifeline
+        # lifeline thieves that had a worker free when they registered: only they get
+        # fork-join children (a node stealing ahead, every worker busy, gets task pushes
+        # only: measured, a node running a fib(33) root got a sibling of its size that way)
+        self.ll_free: set[str] = set()
         self.epoch = 0  # of our own lifeline calls
         self.agents: dict[int, Any] = {}  # client's agent id -> local AgentRef
         # agent id -> its operations handed to its local agent and not answered yet: an
@@ -338,13 +342,16 @@ class NodeAgent:
     # -- other nodes' calls ---------------------------------------------------------------
 
     @ray.method(concurrency_group="steal")
-    def steal(self, thief: str) -> tuple[list[tuple], Load, list[tuple], Any]:
+    def steal(self, thief: str, free: bool = True) -> tuple[list[tuple], Load, list[tuple],
+                                                           Any]:
         """A thief's request: up to half the surplus from the back of the queue, one batch;
-        with no surplus, half the exported fork-join children (oldest first)."""
+        with no surplus, half the exported fork-join children (oldest first), if it has a
+        worker ``free`` (not only asking ahead: a child as large as what it runs would
+        wait there behind it)."""
         batch = self._give(thief, lambda q, sizes: self.victim.grant(q, sizes))
         self.steals["given"] += len(batch)
         kids: list[tuple] = []
-        if not batch and self.kids is not None:
+        if not batch and self.kids is not None and free:
             with self.kids.lock:
                 t = self.kids.table
                 kids = t.ship(thief, max(1, t.pending() // 2))
@@ -373,15 +380,21 @@ class NodeAgent:
         self._kids_changed()
 
     @ray.method(concurrency_group="steal")
-    def lifeline(self, thief: str, epoch: int) -> None:
+    def lifeline(self, thief: str, epoch: int, free: bool = True) -> None:
         """A thief that gave up asking: push to it when this node has surplus.  ``epoch``
         orders a thief's lifeline and unlifeline calls (they may run out of order in the
-        steal group's threads): an older one than the last seen is ignored."""
+        steal group's threads): an older one than the last seen is ignored.  ``free``:
+        it had a worker free (not only stealing ahead): fork-join children go only to
+        such thieves, tasks to all."""
         with self.lock:
             if epoch <= self.ll_epochs.get(thief, -1):
                 return
             self.ll_epochs[thief] = epoch
             self.victim.register(thief)
+            if free:
+                self.ll_free.add(thief)
+            else:
+                self.ll_free.discard(thief)
         self._push()
         self._kids_changed()
 
@@ -470,6 +483,13 @@ class NodeAgent:
             ev, loop = self.idle_ev, self.loop  # the thief: idle, or running low
             if ev is not None and loop is not None and not ev.is_set():
                 loop.call_soon_threadsafe(ev.set)
+
+    def _free_workers(self) -> int:
+        """Workers with nothing to run now: not holding a task or an agent's messages, or
+        holding a fork-join proxy that waits on another node with nothing to help with."""
+        held = min(self.workers, self.inflight + len(self.agent_out))
+        waiting = self.kids.waiting if self.kids is not None else 0
+        return self.workers - held + waiting
 
     def _low_water(self) -> int:
         """Tasks in flight at or below which this node, with nothing queued, steals ahead
@@ -655,16 +675,18 @@ class NodeAgent:
                 if lines and (lines != registered or registered_fed != self.thief.fed
                               or now - registered_at > LIFELINE_RENEW_S):
                     self.epoch += 1
+                    free = self._free_workers() > 0
                     for b in lines:
                         if b in self.peers:
-                            self.peers[b].lifeline.remote(self.node, self.epoch)
+                            self.peers[b].lifeline.remote(self.node, self.epoch, free)
                     registered, registered_at = lines, now
                     registered_fed = self.thief.fed
                 await asyncio.sleep(LIFELINE_POLL_S if lines else cfg.idle_s)
                 continue
             self.steals["asked"] += 1
             got: list[tuple] = []
-            fut = asyncio.wrap_future(self.peers[victim].steal.remote(self.node).future())
+            fut = asyncio.wrap_future(self.peers[victim].steal.remote(
+                self.node, self._free_workers() > 0).future())
             done, _ = await asyncio.wait({fut}, timeout=max(1.0, 20 * self.thief.rtt.s))
             kids: list[tuple] = []
             if fut in done and fut.exception() is None:
@@ -698,7 +720,7 @@ class NodeAgent:
             return
         peers = [ld for n, ld in self.peer_loads.items() if n in self.peers]
         with self.lock:
-            lines = list(self.victim.lifelines)
+            lines = [t for t in self.victim.lifelines if t in self.ll_free]
         cap = self.thief.cfg.children
         with kids.lock:
             t = kids.table

@@ -82,6 +82,12 @@ def test_a_failed_push_makes_the_children_pending_again():
     t.ship("b", 1)
     assert t.unship([1]) == 1
     assert t.ship("c", 1) == [(1, b"x")]
+    # declined by a thief with no worker free: pending again, counted apart; a claim by
+    # its own proxy then runs it here
+    assert t.unship([1], declined=True) == 1
+    assert t.unship([1], declined=True) == 0  # (pending already: nothing to undo)
+    assert (t.n["rerun"], t.n["declined"]) == (1, 1)
+    assert t.claim(1) == ("run",)
 
 
 def test_imports_run_once_and_a_lost_origin_drops_those_not_started():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import pickle
 import time
 from pathlib import Path
 
@@ -326,7 +327,7 @@ def test_a_node_whose_workers_are_busy_gets_no_fork_join_children(cluster, own):
         # short tasks on both: a node with one task in flight then counts as running low
         [f.result(timeout=60) for f in [e.submit_to(n, ct.spin, 0.001, i)
                                         for n in (a, b) for i in range(40)]]
-        long = e.submit_to(a, ct.spin, 2.0)
+        long = e.submit_to(a, ct.spin, 3.0)
         time.sleep(0.2)
         t = time.monotonic()
         value, ran = e.submit_to(b, ct.fib_where, 24).result(timeout=60)
@@ -335,7 +336,21 @@ def test_a_node_whose_workers_are_busy_gets_no_fork_join_children(cluster, own):
         assert ran == (cpu[b],), f"the tree's leaves ran on {ran}; {a[:12]} was busy"
         assert took < 1.5, f"the tree took {took:.2f} s: it waited for the busy node"
         assert e.stats().nodes[b]["children"]["shipped"] == 0
+        # children that reach it anyway (a lifeline or a steal request older than its
+        # work) go back at once, as many as it has no worker free for; once free it takes them
+        ha, hb = e.node_handle(a), e.node_handle(b)
+        kid = [(("test", 1), pickle.dumps((ct.square, (7,), {})))]
+
+        def imported() -> int:
+            return ray.get(ha.status.remote(), timeout=30)["children"]["imported"]
+
+        before = imported()
+        assert not long.done(), "the long task ended too soon for this check"
+        ray.get(ha.take_children.remote(kid, b, hb), timeout=30)
+        assert imported() == before, "a node with no worker free took a child"
         assert long.result(timeout=60)[0] == cpu[a]
+        ray.get(ha.take_children.remote(kid, b, hb), timeout=30)
+        assert imported() == before + 1
     finally:
         e.shutdown()
 

@@ -123,7 +123,7 @@ class ChildTable:
         self.early: set[Any] = set()  # claimed before their export arrived (ignored then)
         self.imports: OrderedDict[tuple[str, Any], bytes] = OrderedDict()  # not started
         self.n = {"exported": 0, "local": 0, "shipped": 0, "returned": 0, "dropped": 0,
-                  "rerun": 0, "imported": 0, "helped": 0}
+                  "rerun": 0, "imported": 0, "helped": 0, "declined": 0}
 
     # -- exported children (this node is the parent's) --------------------------------------
     def add(self, key: Any, payload: bytes) -> None:
@@ -183,15 +183,16 @@ class ChildTable:
         self.n["returned"] += 1
         return True
 
-    def unship(self, keys: Iterable[Any]) -> int:
-        """A push that failed: those children are PENDING again (if still out)."""
+    def unship(self, keys: Iterable[Any], declined: bool = False) -> int:
+        """A push that failed, or ``declined`` by a thief that had no worker free when
+        they came: those children are PENDING again (if still out)."""
         n = 0
         for key in keys:
             e = self.exports.get(key)
             if e is not None and e.node is not None and e.done is None:
                 e.node = None
                 n += 1
-        self.n["rerun"] += n
+        self.n["declined" if declined else "rerun"] += n
         return n
 
     def lost(self, node: str) -> int:

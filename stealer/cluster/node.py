@@ -367,6 +367,17 @@ class NodeAgent:
         self._take_children(items, source, handle)
 
     @ray.method(concurrency_group="steal")
+    def decline_children(self, keys: list) -> None:
+        """Children we shipped that the thief had no worker free for when they came: they
+        are PENDING here again (our own proxies run them, or a hungry peer gets them)."""
+        if self.kids is None:
+            return
+        with self.kids.cv:
+            self.kids.table.unship(keys, declined=True)
+            self.kids.cv.notify_all()
+        self._kids_changed()
+
+    @ray.method(concurrency_group="steal")
     def child_results(self, items: list[tuple]) -> None:
         """Results of our exported children, (key, ok, value) each, from the node that
         ran them; one for a child claimed again here (its node was thought lost), or
@@ -772,6 +783,19 @@ class NodeAgent:
             return
         # (its handle comes with them: our peers, from the client, may not list it yet)
         self.origins[source] = handle
+        # As many as we have workers free now, the others back at once: a lifeline or a
+        # steal request may be older than the work that came since (traced: a node got
+        # work 10 ms before a child as large as a root's half came on its lifeline; its
+        # worker ran it only after its own roots, and the parent's worker, waiting on it,
+        # ran the first node's pieces one by one: 8 fib(30) roots over two nodes took
+        # 2.2 s where one node takes 2.4).
+        free = max(0, self._free_workers())
+        if free < len(items):
+            with contextlib.suppress(Exception):
+                handle.decline_children.remote([k for k, _ in items[free:]])
+            items = items[:free]
+            if not items:
+                return
         with kids.cv:
             ikeys = kids.table.add_imports(source, items)
             kids.cv.notify_all()  # a waiting proxy may run one inline

@@ -144,7 +144,7 @@ def linger_for(linger_s: float, queued: int, task_s: float, workers: int) -> flo
     """How long a node's results() call holds results back while its work still runs:
     ``linger_s``, or a quarter of the work queued there per worker (``queued`` tasks of
     ``task_s`` measured seconds; 0: not measured yet) when that is longer, at most
-    LINGER_MAX_S.  Each results() call costs the node and the client milliseconds of CPU
+    LINGER_MAX_S (or ``linger_s`` if the client asked for longer).  Each results() call costs the node and the client milliseconds of CPU
     (on the 2-core test cluster, the skew workload: 36 calls per node at a fixed 50 ms,
     0.56-0.71 s of both node agents' CPU per run; 11-20 this way, 0.47-0.56 s), while a
     node with seconds of work queued has no result anyone needs much sooner."""

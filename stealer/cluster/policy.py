@@ -44,8 +44,8 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Load", "StealConfig", "RoundTrip", "Thief", "Victim", "place", "backlog_s", "linger_for",
-           "grant_count", "buddies_of"]
+__all__ = ["Load", "StealConfig", "RoundTrip", "Thief", "Victim", "place", "backlog_s",
+           "linger_for", "grant_count", "buddies_of"]
 
 
 @dataclass(frozen=True)
@@ -144,10 +144,11 @@ def linger_for(linger_s: float, queued: int, task_s: float, workers: int) -> flo
     """How long a node's results() call holds results back while its work still runs:
     ``linger_s``, or a quarter of the work queued there per worker (``queued`` tasks of
     ``task_s`` measured seconds; 0: not measured yet) when that is longer, at most
-    LINGER_MAX_S (or ``linger_s`` if the client asked for longer).  Each results() call costs the node and the client milliseconds of CPU
-    (on the 2-core test cluster, the skew workload: 36 calls per node at a fixed 50 ms,
-    0.56-0.71 s of both node agents' CPU per run; 11-20 this way, 0.47-0.56 s), while a
-    node with seconds of work queued has no result anyone needs much sooner."""
+    LINGER_MAX_S (or ``linger_s`` if the client asked for longer).  Each results() call
+    costs the node and the client milliseconds of CPU (on the 2-core test cluster, the
+    skew workload: 36 calls per node at a fixed 50 ms, 0.56-0.71 s of both node agents'
+    CPU per run; 11-20 this way, 0.47-0.56 s), while a node with seconds of work queued
+    has no result anyone needs much sooner."""
     backlog = queued * max(0.0, task_s) / max(1, workers)
     return min(max(linger_s, LINGER_MAX_S), max(linger_s, LINGER_SHARE * backlog))
 

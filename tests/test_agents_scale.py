@@ -29,6 +29,9 @@ T = 60  # seconds: only to turn a hang into a failure
 class Plain(stealer.Agent):
     """Message-only, no on_stop: its final value is None."""
 
+    def __init__(self, pad: bytes = b"") -> None:
+        self.pad = pad  # (a spawn payload of the size a test needs)
+
     def ping(self, x: object = None) -> object:
         return x
 
@@ -39,6 +42,30 @@ class StopFails(stealer.Agent):
 
     def on_stop(self) -> None:
         raise RuntimeError("on_stop failed")
+
+
+class InitFails(stealer.Agent):
+    """Message-only; its constructor raises for every third index."""
+
+    def __init__(self, k: int) -> None:
+        if k % 3 == 0:
+            raise ValueError(f"no agent {k}")
+        self.k = k
+
+    def ping(self, x: object = None) -> object:
+        return (self.k, x)
+
+
+class OwnStep(stealer.Agent):
+    """No ``step`` on the class, one on the instance: it must run, not sleep dormant."""
+
+    def __init__(self, n: int) -> None:
+        self.left = n
+        self.step = self._step
+
+    def _step(self, ctx: stealer.Ctx) -> object:
+        self.left -= 1
+        return ctx.done("stepped") if self.left <= 0 else None
 
 
 @pytest.fixture(scope="module", params=["native", "python"])
@@ -192,25 +219,55 @@ def test_idle_agents_go_dormant_and_wake_exactly_as_before(ex):
     assert records_in_use(ex) == 0
 
 
-def test_shutdown_stops_dormant_and_woken_agents_with_their_final_values():
+def test_adopting_an_idle_agent_whose_constructor_raises_or_that_has_its_own_step(ex):
+    """The other ends of adopting an agent fresh from its spawn (Turns.adopt natively,
+    dormant.adopt in Python): a constructor that raises ends that agent with its error
+    and nobody else; an instance ``step`` attribute makes it run its steps."""
+    refs = ex.spawn_agents(InitFails, [(k,) for k in range(30)])
+    steppers = ex.spawn_agents(OwnStep, [(k + 1,) for k in range(20)])
+    assert [r.result(T) for r in steppers] == ["stepped"] * 20
+    for k, r in enumerate(refs):
+        if k % 3 == 0:
+            with pytest.raises(ValueError, match=f"no agent {k}$"):
+                r.result(T)
+    live = [r for k, r in enumerate(refs) if k % 3]
+    assert [f.result(T) for f in ex.call_all(live, "ping", [(1,)] * len(live))] == [
+        (k, 1) for k in range(30) if k % 3]
+    assert _stop_all(live) == [None] * len(live)
+    assert records_in_use(ex) == 0
+
+
+@pytest.mark.parametrize("turns", ["native", "python"])
+def test_shutdown_stops_dormant_and_woken_agents_with_their_final_values(monkeypatch, turns):
     """Shutdown stops every agent directly, dormant or not: on_stop's value (None without
     one, its exception if it raises) reaches each ref, also for agents that got messages
-    just before the shutdown (whose notification may still be on its way)."""
+    just before the shutdown (whose notification may still be on its way).  Both twins of
+    the dormant agents' stop: Turns.stop_dormant (native) and dormant.stop_all's loop
+    (STEALER_NO_FAST_TURN=1).  Among the agents without on_stop: some got a late message
+    (the native pass must leave their mailbox to the loop), and some have a spawn payload
+    that fills their record's inline bytes (their None no longer fits beside it: reported
+    through the Python path)."""
+    monkeypatch.setenv("STEALER_NO_FAST_TURN", "1" if turns == "python" else "")
     with stealer.Executor(2, records=1 << 14) as ex:
         counters = ex.spawn_agents(L.Counter, [(i,) for i in range(3000)])
         plain = ex.spawn_agents(Plain, [()] * 500)
         failing = ex.spawn_agents(StopFails, [()] * 20)
+        # args of 0..99 bytes: spawn payloads of every size around the 96 inline bytes
+        filled = ex.spawn_agents(Plain, [(b"x" * k,) for k in range(100)])
         _settled(ex)
         assert counters[5].call("add", 1).result(T) == 6  # woken
         for r in counters[100:400]:
             r.send("add", 1)  # late: handled, or still in the mailbox at the stop
+        for r in plain[100:300]:
+            r.send("ping", 1)  # the same for agents without on_stop
+    assert [r.result(T) for r in plain] == [None] * 500
+    assert [r.result(T) for r in filled] == [None] * 100
     got = [r.result(T) for r in counters]
     assert got[5] == "stopped at 6"
     for i, v in enumerate(got):
         if i != 5:
             assert v in ((f"stopped at {i}", f"stopped at {i + 1}") if 100 <= i < 400
                          else (f"stopped at {i}",)), (i, v)
-    assert [r.result(T) for r in plain] == [None] * 500
     for r in failing:
         with pytest.raises(RuntimeError, match="on_stop failed"):
             r.result(T)

@@ -247,7 +247,7 @@ class _Pool(Settling, WorkerDeaths):
         if hot is not None:  # complete_batch in one native call (the method is its reference)
             self.complete_batch = functools.partial(  # type: ignore[method-assign]
                 hot.complete_batch, futures=self.futures, loads=serialize.fast_loads,
-                slow=self.complete_taken, other=self.settle_other)
+                slow=self.complete_taken, other=self.settle_others)
             self.help_complete = hot.help_complete  # type: ignore[method-assign]
         # every MPMC ring (offset -> capacity) and the claims a dead worker left that a live
         # one's intent also names (ringfix.py): asked again at each check_workers
@@ -361,6 +361,8 @@ class _Pool(Settling, WorkerDeaths):
         """complete() for a batch, with the common case (a small pickled result) inline."""
         take = self.arena.complete_take  # frees the record if the result is inline
         loads = serialize.load_value
+        futures = self.futures
+        others: list[tuple[int, Any]] = []  # plain results for no future: agents', at the end
         for h in hs:
             kind, status, fid, data = take(h)
             if data is None or status != ST_OK or kind & F_RBUFFERS:
@@ -371,7 +373,12 @@ class _Pool(Settling, WorkerDeaths):
             except BaseException:
                 self.complete_taken(h, kind, status, fid, data)
                 continue
-            self.settle(fid, value)
+            if fid in futures:
+                self.settle(fid, value)
+            else:
+                others.append((fid, value))
+        if others:
+            self.settle_others(others)
 
     def settle(self, fid: int, value: Any) -> None:
         """Result thread: the plain result of task ``fid`` (or an agent's reply)."""
@@ -450,6 +457,14 @@ class _Pool(Settling, WorkerDeaths):
         """A result for no pending future: an agent's (or a stray: a delivery bug)."""
         if not self.agents.settle(fid, ST_OK, value) and not self.broken:
             self.stray += 1
+
+    def settle_others(self, pairs: list[tuple[int, Any]]) -> None:
+        """:meth:`settle_other` of a batch's plain results that found no future, at the
+        batch's end (complete_batch and its native twin): agents' final values, one lock
+        section for all of them (AgentClient.settle_many)."""
+        stray = self.agents.settle_many(pairs)
+        if stray and not self.broken:
+            self.stray += stray
 
     def complete_taken(self, h: int, kind: int, status: int, fid: int, data: Any) -> None:
         """Finish a completion whose record header was read by complete_take."""

@@ -56,6 +56,17 @@ class Adoption:
 
     # -- adopting an agent (its record was just started by this worker) -----------------
     def adopt(self, h: int, kind: int, link: int) -> None:
+        quick = self.quick
+        if quick is not None:  # an agent fresh from its spawn, held dormant: Turns.adopt
+            got = quick.adopt(h, link)
+            if got == 1:
+                return
+            if got == 2:
+                dormant.built(self, h, _Entry)
+                return
+            if got:  # its constructor raised
+                dormant.failed(self, h, link, _Entry, *got)
+                return
         d = self.dir
         r = self.r
         ent = d.entry(h)

@@ -50,7 +50,7 @@ from stealer.shared._layout import (
     ST_OK,
 )
 
-__all__ = ["adopt", "thaw", "stop_all"]
+__all__ = ["adopt", "built", "failed", "thaw", "stop_all"]
 
 _U64 = struct.Struct("=Q")
 _MISSING = object()
@@ -69,7 +69,6 @@ def adopt(host: Any, h: int, link: int, entry: Any, ent: int) -> tuple | None:
     nothing is to be replayed)."""
     a = host.a
     r = host.r
-    d = host.dir
     try:
         spawn = a.read_inline(h)  # one native call for a pickle stored inline
         if spawn is None:
@@ -94,27 +93,43 @@ def adopt(host: Any, h: int, link: int, entry: Any, ent: int) -> tuple | None:
         obj = cls(*args, **kwargs) if kwargs else cls(*args)
     except BaseException as exc:
         w.in_body = False
-        e = entry(h, link)
-        host.agents[h] = e
-        host.spawned(e, spawn)
-        e.gen = gen
-        e.seen = d.done_mark(h)
-        host.finish(e, ST_ERROR, exc)
+        failed(host, h, link, entry, exc, gen, spawn)
         return None
     w.in_body = False
     if FP.ON:
         FP.hit("dormant.adopt_built")
     r.store32(ent + D_GEN, gen)  # stats only: read by collect()
     host.dormant[h] = obj
-    step = hasattr(obj, "step")  # (an instance attribute: the class had none)
-    if step or r.load64(ent + D_HEAD):  # a message pushed while it was being built
+    if hasattr(obj, "step") or r.load64(ent + D_HEAD):
+        built(host, h, entry)
+    return None
+
+
+def failed(host: Any, h: int, link: int, entry: Any, exc: BaseException, gen: int,
+           spawn: tuple) -> None:
+    """:func:`adopt` (or its native twin, Turns.adopt) of agent ``h``, whose constructor
+    raised ``exc``: it ends with that error, as any agent whose spawn fails."""
+    e = entry(h, link)
+    host.agents[h] = e
+    host.spawned(e, spawn)
+    e.gen = gen
+    e.seen = host.dir.done_mark(h)
+    host.finish(e, ST_ERROR, exc)
+
+
+def built(host: Any, h: int, entry: Any) -> None:
+    """:func:`adopt`'s (or Turns.adopt's) end for dormant agent ``h`` just built: thawed
+    and scheduled if its object has a ``step`` attribute of its own (the class had none)
+    or a message was pushed while it was being built (seq_cst load: pairs with the
+    push's CAS of D_HEAD)."""
+    step = hasattr(host.dormant[h], "step")
+    if step or host.r.load64(host.dir.entry(h) + D_HEAD):
         e = thaw(host, h, entry)
         if step:
             e.want_step = True
             e.state = entry.RUNNABLE
         host.take(e)
         host.schedule(e)
-    return None
 
 
 def thaw(host: Any, h: int, entry: Any) -> Any:
@@ -159,6 +174,14 @@ def stop_all(host: Any, entry: Any) -> None:
     report = w.report_encoded
     kind = K_ROOT | F_AGENT
     has_stop: dict[type, bool] = {}  # per class: an on_stop to call?
+    quick = host.quick  # Turns, or None: this loop is its twin (and has the failpoints)
+    if quick is not None and not FP.ON and none[0] == ST_OK and not none[2]:
+        # the agents with no on_stop and an empty mailbox in one native pass; the rest
+        # (an on_stop to call, a message came) come back for the loop below
+        rest, unreported = quick.stop_dormant(dormant, has_stop, none[1])
+        for h, link in unreported:  # closed; the value did not fit beside the spawn
+            report(h, kind, link, *none)
+        dormant.update(rest)
     while dormant:
         h, obj = dormant.popitem()
         t = type(obj)

@@ -24,6 +24,13 @@ Shutdown (:func:`stop_all`): a dormant agent's stop runs its ``on_stop`` (if it 
 and reports the value right away, with what ``Host.finish`` does for an agent with no
 messages and no checkpoint (close its mailbox, publish the value); one whose mailbox got
 a message meanwhile (its notification not handled yet) is thawed and stopped by a turn.
+
+Native twins (native/_cqueues.pyx, used where the Host's native turn is: the extension, no
+journal, no failpoints): ``Turns.adopt`` runs Host.adopt + :func:`adopt` for an agent fresh
+from its spawn that goes dormant (its other ends are :func:`failed` and :func:`built`),
+``Turns.stop_dormant`` the part of :func:`stop_all`'s loop for agents without ``on_stop``
+whose mailbox is empty.  A million idle agents took ~9 µs of a worker's CPU each to adopt
+and ~3 µs each to stop in these Python functions.
 """
 
 from __future__ import annotations

@@ -287,6 +287,41 @@ def test_dormant_agents_of_a_killed_worker_restart_from_their_spawn():
 
 
 @pytest.mark.kills_workers
+@pytest.mark.parametrize("when", ["adopting", "stopping"])
+def test_a_worker_killed_while_it_adopts_or_stops_idle_agents_natively(when):
+    """SIGKILL a worker while it adopts 60,000 idle agents (Turns.adopt, one after another)
+    or while it stops them at shutdown (Turns.stop_dormant's pass): the agents it held or
+    was taking restart on its successor from their spawn, and every call and every final
+    value still arrives once (no failpoints here: they would turn the native paths off)."""
+    n = 60_000
+    with stealer.Executor(2, records=1 << 17) as ex:
+        for f in [ex.submit(time.sleep, 0.05) for _ in range(2)]:
+            f.result(T)  # both workers up
+        pids = ex.worker_pids()
+        refs = ex.spawn_agents(Plain, [()] * n)
+        if when == "adopting":
+            time.sleep(0.01)  # (the adoption of 60,000 takes ~0.1 s on 2 cores)
+            adopted = ex.stats().injector_depth < n
+            os.kill(pids[0], signal.SIGKILL)
+            _settled(ex)
+            probes = list(refs[:: n // 200])
+            assert [f.result(T) for f in ex.call_all(probes, "ping", [(k,) for k in
+                                                                    range(len(probes))])] \
+                == list(range(len(probes)))
+            # the call woke the probes: the rest are dormant where they live now
+        else:
+            _settled(ex)
+            adopted = True
+            killer = threading.Timer(0.02, os.kill, (pids[0], signal.SIGKILL))
+            killer.start()
+        ex.shutdown(wait=True)
+    assert adopted, "the kill came before any adoption: this run tests nothing"
+    assert ex._pool.crashes >= 1  # (stopping: the shutdown saw it too)
+    got = [r.result(T) for r in refs]
+    assert got.count(None) == n
+
+
+@pytest.mark.kills_workers
 @pytest.mark.parametrize("point", ["dormant.adopt_built", "dormant.stop_after_close"])
 def test_worker_killed_at_a_dormant_failpoint(monkeypatch, tmp_path, point):
     """Killed right after building an idle agent (before it is held dormant), or at

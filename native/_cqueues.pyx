@@ -1755,6 +1755,31 @@ cdef class Turns:
         self.turns = 0
         self.cls_step = {}
 
+    def start(self, uint64_t h, Py_ssize_t current_off, Py_ssize_t wait_hist_off):
+        """Worker.execute's start of record ``h`` (its twin: HotPath.start_task, then for an
+        agent the current word cleared and Host.adopt): 0 if ``h`` was not QUEUED (the
+        caller's not_started); 1 when it was an agent and :meth:`adopt` held it dormant
+        (all done); else ``(kind, link, inline payload or None, start time, got)``: a task
+        to run (``got`` None), or an agent the caller gives to Host.adopt with ``got``,
+        :meth:`adopt`'s result."""
+        cdef uint64_t t = _now_ns()
+        cdef uint32_t kind
+        cdef uint64_t link
+        cdef bint started
+        data = self.hot.c_start(h, current_off, t, wait_hist_off, self.who, &started, &kind,
+                                &link)
+        if not started:
+            return 0
+        if not (kind & F_AGENT):
+            return (kind, link, data, t, None)
+        # it lives here now, not as the task this worker runs: seq_cst store, as
+        # Region.store64 in Worker.execute (read by a recoverer's load of the word)
+        st_store_seqcst_u64(self.region.base + current_off, 0)
+        got = self.adopt(h, link)
+        if got == 1:
+            return 1
+        return (kind, link, data, t, got)
+
     def adopt(self, uint64_t h, uint64_t link):
         """Host.adopt of an agent fresh from its spawn with nothing to do, held dormant
         (stealer/worker/agents/dormant.py): the common case of ``spawn_agents``, in one

@@ -297,6 +297,9 @@ class Worker(ForkJoinHandling, PingHandling):
         from stealer.worker.agents.host import Host
 
         self.host = Host(self)  # the agents living on this worker (stealer/worker/agents/host.py)
+        # execute's start natively where the Host's turn is native (Turns.start; None: the
+        # Python start, its twin)
+        self.quick_start: Any = self.host.quick.start if self.host.quick is not None else None
 
     # (status, pickle, buffers) of an outcome, for the agents' journal (host.py)
     encode_result = staticmethod(encode_result)
@@ -491,16 +494,28 @@ class Worker(ForkJoinHandling, PingHandling):
         if FP.ON:
             FP.hit("worker.after_take")
         # current word first, then QUEUED -> RUNNING|who (records.py)
-        t = a.start_task(h, self.cur_off, self.wait_off, self.who)
-        if t is None:
-            self.not_started(h)
-            return
-        if FP.ON:
-            FP.hit("worker.after_start")
-        kind, link, data, t0 = t
+        got = None
+        if self.quick_start is not None:  # Turns.start: an idle agent adopted in one call
+            t = self.quick_start(h, self.cur_off, self.wait_off)
+            if t == 1:
+                self.tick -= 1  # as below
+                return
+            if t == 0:
+                self.not_started(h)
+                return
+            kind, link, data, t0, got = t
+        else:
+            t = a.start_task(h, self.cur_off, self.wait_off, self.who)
+            if t is None:
+                self.not_started(h)
+                return
+            if FP.ON:
+                FP.hit("worker.after_start")
+            kind, link, data, t0 = t
         if kind & F_AGENT:
             self.r.store64(self.cur_off, 0)
-            self.host.adopt(h, kind, link)  # it lives here now (stealer/worker/agents/host.py)
+            # it lives here now (stealer/worker/agents/host.py)
+            self.host.adopt(h, kind, link, got)
             # Adopting runs no step: the next pass takes work again instead of a turn, so a
             # batch of new agents joins the round-robin at once (not one per turn).
             self.tick -= 1

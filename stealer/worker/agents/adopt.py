@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import time
+from typing import Any
 
 from stealer.agents.api import Ctx
 from stealer.agents.options import DEFAULT_OPTIONS, AgentOptions
@@ -55,10 +56,13 @@ class Adoption:
     """
 
     # -- adopting an agent (its record was just started by this worker) -----------------
-    def adopt(self, h: int, kind: int, link: int) -> None:
+    def adopt(self, h: int, kind: int, link: int, got: Any = None) -> None:
+        """Agent ``h`` was started by this worker: it lives here now.  ``got``: what
+        Turns.adopt already returned for it (Turns.start calls it), None if not asked."""
         quick = self.quick
         if quick is not None:  # an agent fresh from its spawn, held dormant: Turns.adopt
-            got = quick.adopt(h, link)
+            if got is None:
+                got = quick.adopt(h, link)
             if got == 1:
                 return
             if got == 2:

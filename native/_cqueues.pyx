@@ -1711,6 +1711,7 @@ cdef class Turns:
     cdef public uint64_t turns   # how many ran here (tests; stats)
     cdef object bal              # the Host's Balancer (worker/agents/balance.py)
     cdef dict cls_step           # adopt: agent class -> has a step method
+    cdef public object got       # start: adopt's result for the agent it returned
     cdef Py_ssize_t runnable_off, searching_off, parked_off
     cdef uint64_t peers_mask
 
@@ -1759,9 +1760,10 @@ cdef class Turns:
         """Worker.execute's start of record ``h`` (its twin: HotPath.start_task, then for an
         agent the current word cleared and Host.adopt): 0 if ``h`` was not QUEUED (the
         caller's not_started); 1 when it was an agent and :meth:`adopt` held it dormant
-        (all done); else ``(kind, link, inline payload or None, start time, got)``: a task
-        to run (``got`` None), or an agent the caller gives to Host.adopt with ``got``,
-        :meth:`adopt`'s result."""
+        (all done); else ``(kind, link, inline payload or None, start time)`` as
+        start_task's: a task to run, or an agent the caller gives to Host.adopt with
+        :attr:`got`, :meth:`adopt`'s result (a task's path stays start_task's: an int
+        or that tuple, nothing more to look at)."""
         cdef uint64_t t = _now_ns()
         cdef uint32_t kind
         cdef uint64_t link
@@ -1771,14 +1773,15 @@ cdef class Turns:
         if not started:
             return 0
         if not (kind & F_AGENT):
-            return (kind, link, data, t, None)
+            return (kind, link, data, t)
         # it lives here now, not as the task this worker runs: seq_cst store, as
         # Region.store64 in Worker.execute (read by a recoverer's load of the word)
         st_store_seqcst_u64(self.region.base + current_off, 0)
         got = self.adopt(h, link)
         if got == 1:
             return 1
-        return (kind, link, data, t, got)
+        self.got = got
+        return (kind, link, data, t)
 
     def adopt(self, uint64_t h, uint64_t link):
         """Host.adopt of an agent fresh from its spawn with nothing to do, held dormant

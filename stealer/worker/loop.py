@@ -494,16 +494,15 @@ class Worker(ForkJoinHandling, PingHandling):
         if FP.ON:
             FP.hit("worker.after_take")
         # current word first, then QUEUED -> RUNNING|who (records.py)
-        got = None
-        if self.quick_start is not None:  # Turns.start: an idle agent adopted in one call
-            t = self.quick_start(h, self.cur_off, self.wait_off)
-            if t == 1:
-                self.tick -= 1  # as below
+        quick = self.quick_start
+        if quick is not None:  # Turns.start: an idle agent adopted in one call
+            t = quick(h, self.cur_off, self.wait_off)
+            if t.__class__ is int:
+                if t:
+                    self.tick -= 1  # as below
+                else:
+                    self.not_started(h)
                 return
-            if t == 0:
-                self.not_started(h)
-                return
-            kind, link, data, t0, got = t
         else:
             t = a.start_task(h, self.cur_off, self.wait_off, self.who)
             if t is None:
@@ -511,11 +510,11 @@ class Worker(ForkJoinHandling, PingHandling):
                 return
             if FP.ON:
                 FP.hit("worker.after_start")
-            kind, link, data, t0 = t
+        kind, link, data, t0 = t
         if kind & F_AGENT:
             self.r.store64(self.cur_off, 0)
-            # it lives here now (stealer/worker/agents/host.py)
-            self.host.adopt(h, kind, link, got)
+            # it lives here now (stealer/worker/agents/host.py); Turns.adopt's answer if asked
+            self.host.adopt(h, kind, link, None if quick is None else self.host.quick.got)
             # Adopting runs no step: the next pass takes work again instead of a turn, so a
             # batch of new agents joins the round-robin at once (not one per turn).
             self.tick -= 1

@@ -237,6 +237,29 @@ def test_adopting_an_idle_agent_whose_constructor_raises_or_that_has_its_own_ste
     assert records_in_use(ex) == 0
 
 
+def test_final_values_settled_in_a_batch_go_to_their_futures_or_wait_and_strays_count():
+    """AgentClient.settle_many (what complete_batch hands an agent's final value that found
+    no future): a value whose Future was made meanwhile resolves it, one nobody asked for
+    waits in ``finished`` for ref.result(), and a result that is not an agent's is counted
+    as a stray (a delivery bug: test_chaos checks the count stays 0 under kills)."""
+    from stealer.agents.message import AGENT_FID
+    from stealer.client.agents import _AgentFuture
+
+    with stealer.Executor(1) as ex:
+        pool = ex._pool
+        ac = pool.agents
+        asked, unasked = AGENT_FID | 0xFFFFF0, AGENT_FID | 0xFFFFF1  # no agent has these
+        f = _AgentFuture(pool, asked, "agent")
+        pool.futures[asked] = f
+        assert ac.settle_many([(asked, "mine"), (unasked, "later"), (7, "stray")]) == 1
+        assert f.result(T) == "mine" and asked not in pool.futures
+        assert ac.finished.pop(unasked) == (0, "later")
+        stray = pool.stray
+        pool.settle_others([(8, None)])
+        assert pool.stray == stray + 1
+        pool.stray = stray
+
+
 @pytest.mark.parametrize("turns", ["native", "python"])
 def test_shutdown_stops_dormant_and_woken_agents_with_their_final_values(monkeypatch, turns):
     """Shutdown stops every agent directly, dormant or not: on_stop's value (None without

@@ -48,6 +48,35 @@ def test_a_control_call_is_answered_inside_another_agents_step():
         ctl.stop()
 
 
+def test_a_control_signal_that_lands_before_a_steps_user_code_is_not_kept_for_the_step(
+        monkeypatch, tmp_path):
+    """The sender signals once, when it sees the owner in a turn.  A signal that lands
+    while that turn is still being set up (W_IN_STEP set, the step's user code not
+    running yet: inline.on_signal ignores it there) must not leave the control message
+    waiting for the whole step: it is handled when the step's user code starts.  A
+    failpoint holds the worker 0.8 s in that window, where the client sends the call."""
+    from stealer.shared.shm import W_IN_STEP
+
+    monkeypatch.setenv("STEALER_FAILPOINTS", "agent.step_enter=sleep800")
+    monkeypatch.setenv("STEALER_FAILPOINTS_DIR", str(tmp_path))
+    with stealer.Executor(1) as ex:
+        pool = ex._pool
+        ctl = ex.spawn_agent(L.Stamp, tier="control")
+        _adopted(ctl)
+        bulk = ex.spawn_agent(L.Spans, 1, 1.0, tier="bulk")
+        word = pool.layout.worker(0) + W_IN_STEP
+        end = time.monotonic() + T
+        while not pool.region.load32(word):  # the bulk step's turn began: held 0.8 s
+            assert time.monotonic() < end, "the bulk agent never stepped"
+            time.sleep(0.001)
+        sent = time.monotonic()
+        ran = ctl.call("hit").result(T)
+        ((start, stop),) = bulk.result(T)
+        assert sent < start, "the call was not sent inside the held window"
+        assert ran < stop, (sent, ran, start, stop)  # not after the whole step
+        ctl.stop()
+
+
 def test_the_agent_mid_step_gets_its_message_after_the_step():
     with stealer.Executor(1) as ex:
         ctl = ex.spawn_agent(L.Spans, 3, 0.5, tier="control")

@@ -147,6 +147,7 @@ class Host(Adoption, Messages, Generators, Calls, Leaving):
         self.blocking: Any = None  # thread pool of run_blocking, made on first use
         self.current: _Entry | None = None
         self.in_step = False
+        self.ctl_missed = False  # inline.on_signal came outside a step's user code (step())
         self.turns = 0
         self.step_deadline_off = w.wbase + W_STEP_DEADLINE
         self.stopping = False
@@ -410,8 +411,17 @@ class Host(Adoption, Messages, Generators, Calls, Leaving):
         self.in_step = True
         r = self.r
         r.store32(self.in_step_off, 1)  # seq_cst: read by idle peers (poke_peers)
+        if FP.ON:
+            FP.hit("agent.step_enter")
         w.in_body = True
         try:
+            if self.ctl_missed:
+                # a control message's signal came while this turn was being set up (not in
+                # user code yet: inline.on_signal left it): its handler runs now, at the
+                # step's start, not after the whole step (a signal from now on is handled
+                # where it lands; one that lands between the test and the store is too)
+                self.ctl_missed = False
+                inline.on_signal(self)
             out = e.obj.step(e.ctx or self.new_ctx(e))
         except BaseException as exc:
             w.in_body = False

@@ -16,7 +16,10 @@ When it runs, and what a control handler may touch:
   (``Worker.in_body``), never inside stealer's own bookkeeping (``in_api``:
   a send, a call, a spawn the step makes; ``in_spawn``: fork-join).  Anywhere
   else the signal is ignored and the worker loop handles the message at the
-  next turn boundary, as before.
+  next turn boundary, as before; except a signal that lands while a step's
+  turn is being set up (before its user code runs): it is noted
+  (``Host.ctl_missed``) and the message is handled when that step's user code
+  starts, not after the whole step.
 * Never for the agent that is mid-step: its messages wait for its step to end
   (an agent's handlers and steps never overlap).  Nor for a journaled agent,
   one replaying after a restore, a stopped one, or one suspended in a
@@ -54,6 +57,10 @@ def on_signal(host: Any) -> None:
     a step of another agent is running and is in user code."""
     w = host.w
     if not (host.in_step and w.in_body and not host.in_api and not w.in_spawn):
+        # between turns, in a message turn, or in stealer's own code: the worker loop sees
+        # the notification at the turn's end, but a step about to start would keep it for
+        # the whole step (the sender signalled once): Host.step looks at this flag first
+        host.ctl_missed = True
         return
     outer = host.current
     if outer is None or outer.tier == 0:

@@ -1874,30 +1874,40 @@ cdef class Turns:
         cdef int done
         cdef const char *data = <const char *>none
         cdef Py_ssize_t n = len(none)
-        while dormant:
-            hobj, obj = dormant.popitem()
-            t = type(obj)
-            fn = has_stop.get(t)
-            if fn is None:
-                fn = has_stop[t] = getattr(t, "on_stop", None) is not None
-            if fn:
-                rest.append((hobj, obj))
-                continue
-            h = <uint64_t>hobj
-            self.hot._check_handle(h)
-            ep = base + DIR_BYTES * <Py_ssize_t>(h & 0xFFFFFFFF)
-            # close an empty mailbox: acquire loads (pair with a sender's seq_cst CAS of
-            # D_HEAD and its fetch_add of D_COUNT), then the seq_cst CAS that closes it
-            # (pairs with a sender's CAS of D_HEAD: it sees CLOSED, or we see its push)
-            if (st_load_acquire_u64(ep + D_HEAD) or st_load_acquire_u32(ep + D_COUNT)
-                    or not st_cas_seqcst_u64(ep + D_HEAD, 0, D_CLOSED)):
-                rest.append((hobj, obj))
-                continue
-            r = self.hot.rec(h)
-            link = (<uint64_t *>(r + R_LINK))[0]     # its spawner's, written before QUEUED
-            done = self.hot.c_finish(h, ST_OK, data, n, self.completions, self.who)
-            if done == 0:
-                unreported.append((hobj, link))
+        try:
+            while dormant:
+                hobj, obj = dormant.popitem()
+                t = type(obj)
+                fn = has_stop.get(t)
+                if fn is None:
+                    fn = has_stop[t] = getattr(t, "on_stop", None) is not None
+                if fn:
+                    rest.append((hobj, obj))
+                    continue
+                h = <uint64_t>hobj
+                try:
+                    self.hot._check_handle(h)
+                except BaseException:
+                    rest.append((hobj, obj))     # the Python loop meets it (and says why)
+                    raise
+                ep = base + DIR_BYTES * <Py_ssize_t>(h & 0xFFFFFFFF)
+                # close an empty mailbox: acquire loads (pair with a sender's seq_cst CAS
+                # of D_HEAD and its fetch_add of D_COUNT), then the seq_cst CAS that closes
+                # it (pairs with a sender's CAS of D_HEAD: it sees CLOSED, or we see its push)
+                if (st_load_acquire_u64(ep + D_HEAD) or st_load_acquire_u32(ep + D_COUNT)
+                        or not st_cas_seqcst_u64(ep + D_HEAD, 0, D_CLOSED)):
+                    rest.append((hobj, obj))
+                    continue
+                r = self.hot.rec(h)
+                link = (<uint64_t *>(r + R_LINK))[0]  # its spawner's, written before QUEUED
+                done = self.hot.c_finish(h, ST_OK, data, n, self.completions, self.who)
+                if done == 0:
+                    unreported.append((hobj, link))
+        except BaseException:
+            # nothing popped is dropped: what is left to do goes back (the caller's loop,
+            # or its error path, still sees every agent that was dormant)
+            dormant.update(rest)
+            raise
         return rest, unreported
 
     def run_next(self):

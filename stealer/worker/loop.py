@@ -514,7 +514,11 @@ class Worker(ForkJoinHandling, PingHandling):
         if kind & F_AGENT:
             self.r.store64(self.cur_off, 0)
             # it lives here now (stealer/worker/agents/host.py); Turns.adopt's answer if asked
-            self.host.adopt(h, kind, link, None if quick is None else self.host.quick.got)
+            got = None
+            if quick is not None:
+                q = self.host.quick
+                got, q.got = q.got, None  # (a constructor's exception: not kept past this)
+            self.host.adopt(h, kind, link, got)
             # Adopting runs no step: the next pass takes work again instead of a turn, so a
             # batch of new agents joins the round-robin at once (not one per turn).
             self.tick -= 1

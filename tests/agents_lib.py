@@ -383,6 +383,38 @@ class Stamp(stealer.Agent):
     def get(self) -> int:
         return self.n
 
+    def keep(self, _x: Any) -> None:
+        """Takes any argument (SlowArg)."""
+
+
+class SlowArg:
+    """Takes ``seconds`` to pickle (time.sleep in ``__reduce__``): a send of it stays inside
+    stealer's API that long."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __reduce__(self) -> tuple:
+        time.sleep(self.seconds)
+        return (SlowArg, (0.0,))
+
+
+class SlowSender(stealer.Agent):
+    """One step: ``target.send("keep", SlowArg(pickle_s))``, then ``after_s`` of busy work;
+    the final value is the step's (start, end of the send, end)."""
+
+    def __init__(self, target: Any, pickle_s: float, after_s: float) -> None:
+        self.target = target
+        self.pickle_s = pickle_s
+        self.after_s = after_s
+
+    def step(self, ctx: stealer.Ctx) -> Any:
+        t0 = time.monotonic()
+        self.target.send("keep", SlowArg(self.pickle_s))
+        t1 = time.monotonic()
+        busy(self.after_s)
+        return ctx.done((t0, t1, time.monotonic()))
+
 
 class Timed(stealer.Agent):
     """Message-only: ``work(seconds)`` keeps its worker busy that long, then returns when

@@ -77,6 +77,63 @@ def test_a_control_signal_that_lands_before_a_steps_user_code_is_not_kept_for_th
         ctl.stop()
 
 
+def test_a_control_message_sent_before_a_turn_marks_itself_is_not_kept_for_the_step(
+        monkeypatch, tmp_path):
+    """The sender signals only if it sees the owner in a turn (W_CURRENT).  A control
+    message pushed after the worker loop last looked at its inbox, but before the next
+    turn stores W_CURRENT, gets no signal: the owner itself must see it when that turn's
+    step starts, not after the whole step.  A failpoint holds the worker 0.8 s at the
+    bulk agent's first turn, before it stores W_CURRENT; the client sends the call there."""
+    monkeypatch.setenv("STEALER_FAILPOINTS", "agent.turn_enter=sleep800@2!once")
+    monkeypatch.setenv("STEALER_FAILPOINTS_DIR", str(tmp_path))
+    with stealer.Executor(1) as ex:
+        ctl = ex.spawn_agent(L.Stamp, tier="control")
+        _adopted(ctl)  # its turn is the failpoint's first hit
+        bulk = ex.spawn_agent(L.Spans, 1, 1.0, tier="bulk")
+        fired = tmp_path / "agent.turn_enter"
+        end = time.monotonic() + T
+        while not fired.exists():  # the bulk agent's first turn is held (second hit)
+            assert time.monotonic() < end, "the bulk agent's turn never began"
+            time.sleep(0.001)
+        sent = time.monotonic()
+        ran = ctl.call("hit").result(T)
+        ((start, stop),) = bulk.result(T)
+        assert sent < start, "the call was not sent inside the held window"
+        assert ran < stop, (sent, ran, start, stop)  # not after the whole step
+        ctl.stop()
+
+
+def test_a_control_signal_during_a_steps_api_call_is_handled_when_the_call_returns():
+    """A signal that lands while the running step is inside stealer's API (here a send
+    whose argument takes 0.8 s to pickle) is held back there (in_api), and handled as soon
+    as that call returns to the step's user code, not at the step's end."""
+    from stealer.shared.shm import W_IN_STEP
+
+    with stealer.Executor(1) as ex:
+        pool = ex._pool
+        ctl = ex.spawn_agent(L.Stamp, tier="control")
+        _adopted(ctl)
+        sink = ex.spawn_agent(L.Stamp)
+        _adopted(sink)
+        snd = ex.spawn_agent(L.SlowSender, sink, 0.8, 1.0, tier="bulk")
+        word = pool.layout.worker(0) + W_IN_STEP
+        end = time.monotonic() + T
+        while not pool.region.load32(word):  # the step began: it is in its 0.8 s send
+            assert time.monotonic() < end, "the sender never stepped"
+            time.sleep(0.001)
+        time.sleep(0.2)
+        sent = time.monotonic()
+        ran = ctl.call("hit").result(T)
+        start, sent_end, stop = snd.result(T)
+        assert start < sent < sent_end, "the call was not sent during the step's send"
+        # not inside the send (its pickling had ~0.6 s left), nor at the step's end: as the
+        # send returned (in stealer's code on its way out, just before sent_end is read)
+        assert sent + 0.3 < ran < stop and ran < sent_end + 0.3, (
+            sent, ran, start, sent_end, stop)
+        ctl.stop()
+        sink.stop()
+
+
 def test_the_agent_mid_step_gets_its_message_after_the_step():
     with stealer.Executor(1) as ex:
         ctl = ex.spawn_agent(L.Spans, 3, 0.5, tier="control")

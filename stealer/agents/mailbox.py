@@ -82,6 +82,10 @@ def signal_if_busy(region: Any, worker_base: int, h: int, flags: int) -> bool:
     ``flags``: the agent's directory flags (D_FLAGS).  True if a signal was sent."""
     if not flags & AF_CONTROL:
         return False
+    # seq_cst fence: the message's and the notification's pushes before the load of
+    # W_CURRENT; pairs with Host.step's fence after the turn's store of it (the owner then
+    # looks at its control agents' mailboxes): we signal it, or it sees the message
+    region.fence()
     cur = region.load64(worker_base + W_CURRENT)  # acquire: pairs with the turn's store
     if not cur or cur == h + 1:
         return False  # between turns (the loop sees the inbox), or the agent itself

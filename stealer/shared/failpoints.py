@@ -46,6 +46,7 @@ POINTS = {
     "recovery.after_take_over": "a recoverer claimed a dead worker's task, before re-run/fail",
     # agents (stealer/worker/agents/, the Host and its pieces)
     "agent.adopt": "an agent record was started here, before its mailbox is walked",
+    "agent.turn_enter": "an agent's turn begins (off the run queue), before W_CURRENT is set",
     "agent.step_enter": "a step begins (W_IN_STEP set), before its user code runs",
     "agent.after_step": "an agent step returned, before its outcome is applied",
     "agent.after_handler": "a message handler returned, before the message is marked done",

@@ -47,6 +47,11 @@ def _api(fn: Any) -> Any:
             return fn(self, *args)
         finally:
             self.in_api -= 1
+            if self.ctl_missed and self.in_step and not self.in_api:
+                # a control message's signal came during this call, in a step: its handler
+                # runs now, back at the step's user code, not at the step's end
+                self.ctl_missed = False
+                self.on_control_now()
 
     return call
 

@@ -147,7 +147,9 @@ class Host(Adoption, Messages, Generators, Calls, Leaving):
         self.blocking: Any = None  # thread pool of run_blocking, made on first use
         self.current: _Entry | None = None
         self.in_step = False
-        self.ctl_missed = False  # inline.on_signal came outside a step's user code (step())
+        # inline.on_signal came outside a step's user code: set up (Host.step), or in one of
+        # its API calls (calls._api): handled where that ends
+        self.ctl_missed = False
         self.turns = 0
         self.step_deadline_off = w.wbase + W_STEP_DEADLINE
         self.stopping = False
@@ -257,6 +259,8 @@ class Host(Adoption, Messages, Generators, Calls, Leaving):
     def turn(self, e: _Entry) -> None:
         w = self.w
         r = self.r
+        if FP.ON:
+            FP.hit("agent.turn_enter")
         r.store64(w.cur_off, e.h + 1)  # release: read by the recoverer after our death
         w.cur = e.cur
         w.frame = e.frame
@@ -415,11 +419,16 @@ class Host(Adoption, Messages, Generators, Calls, Leaving):
             FP.hit("agent.step_enter")
         w.in_body = True
         try:
-            if self.ctl_missed:
-                # a control message's signal came while this turn was being set up (not in
-                # user code yet: inline.on_signal left it): its handler runs now, at the
-                # step's start, not after the whole step (a signal from now on is handled
-                # where it lands; one that lands between the test and the store is too)
+            if self.controls:
+                # A control message for an agent here runs now, at the step's start, not
+                # after the whole step, if its sender did not signal (it found no turn: it
+                # looked before our W_CURRENT store above) or its signal landed while this
+                # turn was set up (inline.on_signal left it, ctl_missed).  seq_cst fence:
+                # the W_CURRENT store before the mailboxes' loads in on_signal (take);
+                # pairs with signal_if_busy's fence between the sender's push and its load
+                # of W_CURRENT: it signals us, or we see its message here, or both.  A
+                # signal from now on is handled where it lands.
+                r.fence()
                 self.ctl_missed = False
                 inline.on_signal(self)
             out = e.obj.step(e.ctx or self.new_ctx(e))
@@ -502,6 +511,10 @@ class Host(Adoption, Messages, Generators, Calls, Leaving):
 
     def _on_control(self, signum: int, frame: Any) -> None:
         """inline.SIGNAL from a sender: a control agent's message waits (inline.py)."""
+        inline.on_signal(self)
+
+    def on_control_now(self) -> None:
+        """A step's API call ended after a control signal it held back (calls._api)."""
         inline.on_signal(self)
 
     def _on_alarm(self, signum: int, frame: Any) -> None:

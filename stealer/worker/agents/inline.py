@@ -16,10 +16,18 @@ When it runs, and what a control handler may touch:
   (``Worker.in_body``), never inside stealer's own bookkeeping (``in_api``:
   a send, a call, a spawn the step makes; ``in_spawn``: fork-join).  Anywhere
   else the signal is ignored and the worker loop handles the message at the
-  next turn boundary, as before; except a signal that lands while a step's
-  turn is being set up (before its user code runs): it is noted
-  (``Host.ctl_missed``) and the message is handled when that step's user code
-  starts, not after the whole step.
+  next turn boundary, as before; except two windows of a step, where the
+  message is handled as soon as the step's user code runs again, not after
+  the whole step: a signal that lands while the step's turn is being set up,
+  or during one of its calls into stealer (a send, a spawn...), is noted
+  (``Host.ctl_missed``) and handled when the user code starts or the call
+  returns.
+* The sender signals only if it sees the owner in a turn (``W_CURRENT``).  A
+  message pushed after the worker loop last looked at its inbox but before
+  the next turn stores ``W_CURRENT`` gets no signal: so every step of a worker
+  that hosts control agents looks at their mailboxes when it starts (after a
+  fence that pairs with the sender's, Dekker-style: the sender signals, or
+  the owner sees the message, or both).
 * Never for the agent that is mid-step: its messages wait for its step to end
   (an agent's handlers and steps never overlap).  Nor for a journaled agent,
   one replaying after a restore, a stopped one, or one suspended in a

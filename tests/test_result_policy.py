@@ -32,6 +32,12 @@ except ImportError:  # pragma: no cover - depends on the build
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling classes")
 
 
+def _policy(tid: int = 0) -> int:
+    """Thread ``tid``'s scheduling policy, without the reset-on-fork flag (which the short
+    slice of the normal mode sets: stealer.shared.idle.set_slice)."""
+    return os.sched_getscheduler(tid) & ~getattr(os, "SCHED_RESET_ON_FORK", 0)
+
+
 def _in_thread(fn, setup=None):
     """``fn()`` in a fresh thread (a policy change stays with that thread); its result."""
     out: list = []
@@ -53,7 +59,7 @@ def test_the_policy_enters_at_the_backlog_and_leaves_below_the_gap():
         p = ResultPolicy(2)  # enter at 16 outstanding, leave below 8
         seen = []
         for n in (0, 15, 16, 9, 8, 7, 15, 16, 0):
-            seen.append((p.update(n), os.sched_getscheduler(0)))
+            seen.append((p.update(n), _policy()))
         return seen
 
     bat, oth = os.SCHED_BATCH, os.SCHED_OTHER
@@ -61,10 +67,66 @@ def test_the_policy_enters_at_the_backlog_and_leaves_below_the_gap():
                                (False, oth), (False, oth), (True, bat), (False, oth)]
 
 
+def _slice_ns(tid: int = 0) -> int:
+    """Thread ``tid``'s time slice as the kernel reports it (sched_getattr's sched_runtime;
+    0 where the kernel keeps none for normal threads)."""
+    import ctypes
+    import platform
+    import struct
+
+    nr = {"x86_64": 315, "aarch64": 275}.get(platform.machine())
+    if nr is None:
+        pytest.skip("sched_getattr's number is not known for this machine")
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(56)
+    assert libc.syscall(nr, tid, buf, 56, 0) == 0, os.strerror(ctypes.get_errno())
+    return struct.unpack_from("=IIQiIQ", buf.raw)[5]
+
+
+def _slices_kept() -> bool:
+    """Whether this kernel keeps a normal thread's own slice (EEVDF, Linux 6.6+)."""
+    def probe():
+        return idle_mod.set_slice(200_000) and _slice_ns() == 200_000
+
+    return _in_thread(probe)
+
+
+def test_the_result_thread_asks_for_a_short_slice_out_of_throughput_mode():
+    if not _slices_kept():
+        pytest.skip("this kernel keeps no slice per normal thread (EEVDF, Linux 6.6+)")
+
+    def run():
+        default = _slice_ns()
+        p = ResultPolicy(1)
+        seen = [_slice_ns()]
+        p.update(1000)  # throughput mode: SCHED_BATCH, the default slice
+        seen.append(_slice_ns())
+        p.update(0)  # normal again: the short slice again
+        seen.append(_slice_ns())
+        seen.append(_in_thread(_slice_ns))  # a thread it starts (a done callback's)
+        return default, seen
+
+    default, seen = _in_thread(run)
+    short = idle_mod.RESULT_SLICE_NS
+    assert default != short
+    assert seen == [short, default, short, default]  # the short slice is not inherited
+
+
+def test_an_executors_result_thread_runs_with_the_short_slice():
+    if not _slices_kept():
+        pytest.skip("this kernel keeps no slice per normal thread (EEVDF, Linux 6.6+)")
+    with stealer.Executor(1) as ex:
+        assert ex.submit(tasks.add, 1, 2).result(30) == 3
+        t = ex._pool.thread
+        assert t is not None and t.native_id is not None
+        assert _slice_ns(t.native_id) == idle_mod.RESULT_SLICE_NS
+    assert _slice_ns() != idle_mod.RESULT_SLICE_NS  # the caller's own thread is untouched
+
+
 def test_a_thread_started_in_another_class_is_left_alone():
     def run():
         p = ResultPolicy(1)
-        return p.ok, p.update(1000), os.sched_getscheduler(0)
+        return p.ok, p.update(1000), _policy()
 
     def idle_class():
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
@@ -79,7 +141,7 @@ def test_a_refused_change_turns_the_policy_off(monkeypatch):
     def run():
         p = ResultPolicy(1)
         monkeypatch.setattr(idle_mod.os, "sched_setscheduler", refuse)
-        return p.update(1000), p.ok, p.update(1000), os.sched_getscheduler(0)
+        return p.update(1000), p.ok, p.update(1000), _policy()
 
     assert _in_thread(run) == (False, False, False, os.SCHED_OTHER)
 
@@ -148,15 +210,15 @@ def test_the_result_thread_runs_batch_under_a_backlog_and_is_woken_there(mode, m
     with _one_worker_polling_never(mode, monkeypatch) as e:
         p = e._pool
         tid = p.thread.native_id
-        assert os.sched_getscheduler(tid) == os.SCHED_OTHER
+        assert _policy(tid) == os.SCHED_OTHER
         # The result thread decides when it parks: after the gate's completion it parks
         # with 20 tasks outstanding (>= 8 per worker), each of them 50 ms long.
         gate = e.submit(tasks.sleep_then, 0.3, "gate")
         rest = [e.submit(tasks.sleep_then, 0.05, i) for i in range(20)]
-        _wait_until(lambda: os.sched_getscheduler(tid) == os.SCHED_BATCH, "SCHED_BATCH")
+        _wait_until(lambda: _policy(tid) == os.SCHED_BATCH, "SCHED_BATCH")
         _settled_by_the_result_thread(p, rest, list(range(20)))
         assert gate.result(timeout=20) == "gate"
-        assert os.sched_getscheduler(tid) == os.SCHED_OTHER
+        assert _policy(tid) == os.SCHED_OTHER
 
 
 @pytest.mark.parametrize("mode", ["native", "python"])

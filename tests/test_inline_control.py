@@ -134,6 +134,24 @@ def test_a_control_signal_during_a_steps_api_call_is_handled_when_the_call_retur
         sink.stop()
 
 
+def test_a_second_control_call_in_the_same_step_is_answered_inside_it_too():
+    """The first call's notification stays queued in the worker's inbox until the step
+    ends (its handler ran nested, the loop has not popped it).  A second call must not find
+    that notification still pending, send none (and so no signal), and wait for the step's
+    end: both run inside the one bulk step."""
+    with stealer.Executor(1) as ex:
+        ctl = ex.spawn_agent(L.Stamp, tier="control")
+        _adopted(ctl)
+        bulk = ex.spawn_agent(L.Spans, 1, 1.5, tier="bulk")
+        time.sleep(0.2)  # the bulk agent is in its one step (1.5 s)
+        first = ctl.call("hit").result(T)
+        time.sleep(0.1)
+        second = ctl.call("hit").result(T)
+        ((start, stop),) = bulk.result(T)
+        assert start < first < second < stop, (start, first, second, stop)
+        ctl.stop()
+
+
 def test_the_agent_mid_step_gets_its_message_after_the_step():
     with stealer.Executor(1) as ex:
         ctl = ex.spawn_agent(L.Spans, 3, 0.5, tier="control")

@@ -90,7 +90,14 @@ def _eligible(host: Any, e: Any) -> bool:
         return False
     if e.it is not None or e.blocked or e.state >= host.SUSPENDED:  # or finished
         return False
-    host.take(e)  # the mailbox chain since our last walk (the notification stays queued)
+    # AF_NOTIFIED cleared first (seq_cst RMW, as the loop's ping handling does before its
+    # walk): the notification of these messages stays queued in our inbox until the step
+    # ends, and while the flag stays set a later message sends none, so no signal either,
+    # and would wait for the step's end.  Cleared, the next one notifies (a second, harmless
+    # ping: the loop's handling of each is idempotent) and signals again.  Then the mailbox
+    # chain since our last walk.
+    host.dir.clear_notified(e.h)
+    host.take(e)
     return bool(e.pending)
 
 

@@ -250,7 +250,11 @@ def test_overlapping_waits_in_two_threads_do_not_deadlock(tmp_path):
         lo, hi = min(map(id, settled)), max(map(id, settled))
         blocker = e.submit(wait_for_file, str(gate), "blocker")
         pending = [blocker]
-        while sum(lo < id(f) < hi for f in pending) < 5 and len(pending) < 3000:
+        # Until a few pending futures sit between settled ones in id() order (they fill
+        # the holes just made, usually within tens of submits).  Capped low: every future
+        # here is locked 1,500 times by each of 8 threads, and CI once found no hole for
+        # 3,000 submits, which made the threads' work (not a deadlock) outlast LIMIT.
+        while sum(lo < id(f) < hi for f in pending) < 5 and len(pending) < 400:
             pending.append(e.submit(tasks.square, len(pending)))
         by_id = sorted([*settled, *pending], key=id)
         kinds = "".join("S" if f in settled else "P" for f in by_id)
@@ -258,17 +262,20 @@ def test_overlapping_waits_in_two_threads_do_not_deadlock(tmp_path):
         # settled one after that pending one: a wrong lock order shows up here.
         cut = kinds.find("SP") + 1
         assert cut > 0 and "S" in kinds[cut:], f"no settled/pending interleaving: {kinds}"
-        sets = [by_id[:cut + 1], by_id[cut:], by_id[::3], by_id]
+        # Each set holds a pending future (by_id[cut]), so as_completed(timeout=0) must
+        # time out on every one (by_id[::3] alone may pick settled futures only).
+        sets = [by_id[:cut + 1], by_id[cut:], sorted({*by_id[::3], by_id[cut]}, key=id), by_id]
+        rounds = max(100, min(1500, 200_000 // len(by_id)))  # bounded work, whatever the count
 
         def waits(fs):
             expect = settled.intersection(fs)
-            for _ in range(1500):
+            for _ in range(rounds):
                 done, _not_done = cf.wait(fs, timeout=0)
                 assert done == expect
 
         def as_completed(fs):
             expect = settled.intersection(fs)
-            for _ in range(1500):
+            for _ in range(rounds):
                 got = set()
                 with pytest.raises(cf.TimeoutError):
                     for f in cf.as_completed(fs, timeout=0):

@@ -125,3 +125,38 @@ def test_a_thread_waiting_on_a_batch_is_woken_by_its_last_pending_reply(ex):
     assert single.result(T) == 1
     for r in refs:
         r.stop()
+
+
+def test_a_thread_gathering_batches_parks_for_their_replies_not_on_a_timer(ex, monkeypatch):
+    """A client gathering call_all rounds (16 agents, as many calls as put the result thread
+    in throughput mode) parks with a target, the batch's last pending reply, never for
+    no record, and about once per worker a round: it is woken by replies and idle
+    workers, not by its early polls (each one a wake on a CPU a busy worker gives up)."""
+    from stealer.client.waiting import NO_TARGET, WAITER_POLL_MAX
+    from stealer.shared.idle import Idle
+
+    parks: list[int] = []
+    park = Idle.waiter_park
+
+    def counted(self, has_work, timeout, h=-1):
+        parks.append(h)
+        return park(self, has_work, timeout, h)
+
+    refs = [ex.spawn_agent(L.Counter, 0, 0.001) for _ in range(16)]  # 1 ms per call
+    warm = 2  # the first round places the new agents (hundreds of ms)
+    rounds = 12
+    for k in range(warm + rounds):
+        if k == warm:
+            monkeypatch.setattr(Idle, "waiter_park", counted)
+            t0 = time.monotonic()
+        futs = ex.call_all(refs, "add", [(1,)] * len(refs))
+        assert [f.result(T) for f in futs] == [k + 1] * len(refs)
+    wall = time.monotonic() - t0
+    monkeypatch.undo()
+    assert parks and NO_TARGET not in parks and -1 not in parks, parks
+    # ~8 ms rounds on 2 workers: early polls (every 2 ms) made 4-6 parks a round; a slow
+    # machine's longer rounds may add the waiter's safety poll (one per WAITER_POLL_MAX)
+    limit = 3 * rounds + wall / WAITER_POLL_MAX
+    assert len(parks) <= limit, f"{len(parks)} parks in {rounds} rounds ({wall:.3f} s)"
+    for r in refs:
+        r.stop()

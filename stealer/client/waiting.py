@@ -133,24 +133,25 @@ class Settling:
         """:meth:`wait_for`'s look at the rings: settle what they hold (up to 1024 per
         ring); how many, or -1 after an internal error (reported; the caller returns)."""
         got = 0
-        for ring in self.completions:
-            if not len(ring):
-                continue
-            if main:
-                old = _block()
-                try:
-                    _signals_due()
-                except BaseException:
-                    _restore(old)
-                    raise  # before the batch: nothing popped
+        rings = [ring for ring in self.completions if len(ring)]
+        if not rings:
+            return 0
+        if main:  # one mask for all the rings (two system calls a look, not two a ring)
+            old = _block()
             try:
+                _signals_due()
+            except BaseException:
+                _restore(old)
+                raise  # before the batch: nothing popped
+        try:
+            for ring in rings:
                 got += self.consume(ring, 1024)
-            except BaseException as exc:  # as in the result thread: a bug, reported
-                self.internal_error(exc)
-                return -1
-            finally:
-                if main:
-                    _restore(old)
+        except BaseException as exc:  # as in the result thread: a bug, reported
+            self.internal_error(exc)
+            return -1
+        finally:
+            if main:
+                _restore(old)
         if got and (self.backlog or self.requeue or self.ping_backlog):
             self.wake()  # records freed here: the result thread moves backlogs in
         return got
@@ -177,7 +178,10 @@ class Settling:
         nobody (they are announced when their worker idles, and this thread polls every
         ``BATCH_POLL`` to ``WAITER_POLL_MAX``), so a client that waits on one reply after
         another is woken about once per reply it waits for, and replies that came first
-        are settled on the way.  Returns the time left of ``timeout`` (None: no limit);
+        are settled on the way.  A future of a ``call_all`` batch parks for the batch's
+        last pending reply (:meth:`batch_target`), in throughput mode too, and polls only
+        every ``WAITER_POLL_MAX``: a lockstep round wakes it about once per worker.
+        Returns the time left of ``timeout`` (None: no limit);
         the caller then waits as the stdlib does, which returns at once if ``f`` is
         settled.  Done callbacks still run in the result thread (:meth:`consume`)."""
         end = None if timeout is None else time.monotonic() + timeout
@@ -186,9 +190,12 @@ class Settling:
             return timeout
         idle = self.idle
         pending = _fbase.PENDING
-        poll = BATCH_POLL
         enter, leave = BATCH_ENTER * self.n, BATCH_LEAVE * self.n
         batch = False
+        # A call_all batch's waiter is woken by the batch's last reply (or a worker running
+        # out of work: see batch_target), so it needs no early polls: each poll was a
+        # wake, 3-4 per lockstep round, each on a CPU that a busy worker had to give up.
+        base_poll = poll = WAITER_POLL_MAX if f._st_batch is not None else BATCH_POLL
         # In the main thread a signal handler (Ctrl-C's KeyboardInterrupt) could raise in
         # the middle of a batch it popped: completions lost. Signals are held while it
         # consumes and handled right after (two system calls per batch, main thread only).
@@ -208,7 +215,7 @@ class Settling:
                         return timeout
                     break
                 if got:
-                    poll = BATCH_POLL
+                    poll = base_poll
                     continue
                 left = poll
                 if end is not None:
@@ -221,10 +228,10 @@ class Settling:
                 # was woken for most of its replies, one by one); else its record's does.
                 batch = len(self.futures) >= (leave if batch else enter)
                 h = f._st_handle
-                if batch:
-                    h = NO_TARGET
-                elif f._st_batch is not None:
+                if f._st_batch is not None:  # (in throughput mode too: one wake a batch)
                     h = self.batch_target(f)
+                elif batch:
+                    h = NO_TARGET
                 elif h is None:
                     h = -1  # no record known (an agent's final value): any completion
                 if not idle.waiter_park(lambda: f._state != pending or self.has_completions(),

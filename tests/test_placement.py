@@ -101,6 +101,49 @@ def test_a_lockstep_round_s_tail_is_not_a_lasting_gap():
         gap = a.now(t) - b.now(t)
         assert not P.lasting(gap)
         assert not P.lasting(-gap)
+        assert not P.lasting(gap, a.now(t) / 16) and not P.lasting(-gap, b.now(t) / 16)
+
+
+def _lockstep_shares(busy_a_ms: float, busy_b_ms: float, rounds: int = 40,
+                     round_ms: float = 9.4) -> tuple[float, float]:
+    """Two workers' busy shares after ``rounds`` lockstep rounds in which A is busy
+    ``busy_a_ms`` and B ``busy_b_ms`` of each ``round_ms``."""
+    a, b = P.BusyShare(), P.BusyShare()
+    t = 1
+    for _ in range(rounds):
+        a.update(t, 1)
+        b.update(t, 1)
+        a.update(t + int(busy_a_ms * MS), 0)
+        b.update(t + int(busy_b_ms * MS), 0)
+        t += int(round_ms * MS)
+    return a.now(t), b.now(t)
+
+
+def test_a_lasting_speed_difference_moves_one_lockstep_agent_and_never_back():
+    """16 lockstep agents on each of two workers, one CPU 12% slower (the development VM's
+    two vCPUs, measured: 8.9 ms of handlers a round against 7.9): the slower worker finished
+    last in ~95% of the rounds, 1 ms behind, and the old fixed gap (0.2) never let an agent
+    go.  The gap is lasting now; one agent moves (half the gap is under one agent); then
+    the shares are even (15 x 0.556 ms against 17 x 0.494 ms) and no move goes either way."""
+    a, b = _lockstep_shares(8.9, 7.9)
+    gap = a - b
+    assert 0.08 < gap < 0.2  # what the old rule let stand
+    assert P.lasting(gap, a / 16)
+    assert P.agents_for(gap, a, 16) == 1
+    a, b = _lockstep_shares(15 * 8.9 / 16, 17 * 7.9 / 16)
+    assert not P.lasting(a - b, a / 15) and not P.lasting(b - a, b / 17)
+
+
+def test_a_gap_under_one_and_a_half_agents_is_not_lasting():
+    """A 7% speed difference with 16 agents each: moving one agent (6% of the time) would
+    make the other worker the slower one, and it would move back.  The same gap with 64
+    agents each is worth one move; a gap under BUSY_GAP never is."""
+    a, b = _lockstep_shares(8.9, 8.3)
+    gap = a - b
+    assert P.BUSY_GAP <= gap < P.GAP_AGENTS * a / 16
+    assert not P.lasting(gap, a / 16)
+    assert P.lasting(gap, a / 64)
+    assert not P.lasting(P.BUSY_GAP * 0.9, 0.0)
 
 
 def test_a_structural_imbalance_is_a_lasting_gap_and_moves_half_of_it():

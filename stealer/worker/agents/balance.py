@@ -27,7 +27,7 @@ from stealer.shared.shm import (
 )
 from stealer.worker.agents.entry import _Entry
 from stealer.worker.agents.placement import (
-    BUSY_GAP,
+    IDLE_SHARE,
     BusyShare,
     MoveBudget,
     agents_for,
@@ -119,10 +119,11 @@ class Balancer:
         idle (a replacement, a worker left without agents: not a swap of shares)."""
         theirs = self.peer_share(j, now)
         mine = self.busy.now(now)
-        if not lasting(mine - theirs):
+        agents = len(self.host.agents)
+        if not lasting(mine - theirs, mine / max(agents, 1)):
             return 0
-        n = agents_for(mine - theirs, mine, len(self.host.agents))
-        return n if theirs < BUSY_GAP else min(n, self.budget.left(now))
+        n = agents_for(mine - theirs, mine, agents)
+        return n if theirs < IDLE_SHARE else min(n, self.budget.left(now))
 
     def gave(self, j: int, n: int, now: int) -> None:
         """``n`` agents went to peer ``j`` (or may have: a publish for any idle thief):

@@ -261,7 +261,9 @@ def test_a_waking_worker_hands_its_cpu_to_the_result_thread(monkeypatch):
         p = e._pool
         tid = p.thread.native_id
         own = os.sched_getaffinity(tid)
-        assert p.region.load32(H_CLIENT_TID) == tid
+        # published by the result thread once it runs (ResultPolicy): the executor does
+        # not wait for that, so a look right after it starts may still read 0
+        _wait_until(lambda: p.region.load32(H_CLIENT_TID) == tid, "it publishes its id")
         for _ in range(3):  # each: the result thread parked (normal), the worker wakes it
             _wait_until(lambda: p.region.load32(H_CLIENT_PARK) == PARKED, "it parks")
             # (cf.wait, not result(): a thread in result() settles it itself, woken on its
@@ -277,8 +279,7 @@ def test_the_thread_id_is_withdrawn_when_the_result_thread_ends():
     e = stealer.Executor(1)
     p = e._pool
     region = p.region
-    seen = region.load32(H_CLIENT_TID)
-    assert seen == p.thread.native_id
+    _wait_until(lambda: region.load32(H_CLIENT_TID) == p.thread.native_id, "it publishes")
     e.shutdown(wait=True)
     p.thread.join(30)
     assert region.load32(H_CLIENT_TID) == 0

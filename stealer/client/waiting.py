@@ -132,10 +132,9 @@ class Settling:
     def settle_rings(self, main: bool) -> int:
         """:meth:`wait_for`'s look at the rings: settle what they hold (up to 1024 per
         ring); how many, or -1 after an internal error (reported; the caller returns)."""
-        got = 0
-        rings = [ring for ring in self.completions if len(ring)]
-        if not rings:
+        if not self.has_completions():  # (no list made per look: this runs at every wake)
             return 0
+        got = 0
         if main:  # one mask for all the rings (two system calls a look, not two a ring)
             old = _block()
             try:
@@ -144,8 +143,9 @@ class Settling:
                 _restore(old)
                 raise  # before the batch: nothing popped
         try:
-            for ring in rings:
-                got += self.consume(ring, 1024)
+            for ring in self.completions:
+                if len(ring):
+                    got += self.consume(ring, 1024)
         except BaseException as exc:  # as in the result thread: a bug, reported
             self.internal_error(exc)
             return -1

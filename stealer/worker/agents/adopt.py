@@ -48,7 +48,7 @@ class Adoption:
 
     Owns: ``opts_cache`` (the shared AgentOptions), the scheduling of an entry on ``rq``
     (``schedule``, ``_tier``) and the walk of its mailbox (``take``).
-    Relies on the Host's ``w``, ``a``, ``r``, ``dir``, ``who``, ``agents``, ``controls``,
+    Relies on the Host's ``w``, ``a``, ``r``, ``dir``, ``who``, ``agents``, ``controls``, ``bal``,
     ``dormant``, ``away`` (an agent we published and take back), ``stopping`` and ``rq``,
     and on ``finish`` (leaving.py) and ``ready`` (generators.py).  A mixin, not
     an object of its own: ``schedule`` runs at every turn, and these methods read the
@@ -103,6 +103,7 @@ class Adoption:
             # published by a peer (or by us, then run elsewhere): one more migration
             self.r.store32(d.entry(h) + D_OWNER, owner + (1 << MIGR_SHIFT) - OWNER_MOVING
                            + self.who)
+            self.bal.got()  # a move back takes a bigger gap for a while (balance.py)
         spawn = None
         if not ck:  # from its spawn: kept dormant if it has nothing to do (dormant.py)
             spawn = dormant.adopt(self, h, link, _Entry, ent)

@@ -28,6 +28,7 @@ from stealer.shared.shm import (
 from stealer.worker.agents.entry import _Entry
 from stealer.worker.agents.placement import (
     IDLE_SHARE,
+    REVERSE_NS,
     BusyShare,
     MoveBudget,
     agents_for,
@@ -78,6 +79,7 @@ class Balancer:
         self.at_off = w.wbase + W_BUSY_AT
         self.on = w.n > 1  # nothing to balance with one worker
         self.quiet_until = 0  # monotonic ns before which pays_to_idle says no at once
+        self.came = 0  # monotonic ns an agent last arrived here by migration (0: never)
 
     # -- our busy share ------------------------------------------------------------------
     def note_busy(self, busy: int) -> None:
@@ -120,10 +122,16 @@ class Balancer:
         theirs = self.peer_share(j, now)
         mine = self.busy.now(now)
         agents = len(self.host.agents)
-        if not lasting(mine - theirs, mine / max(agents, 1)):
+        back = self.came != 0 and now - self.came < REVERSE_NS
+        if not lasting(mine - theirs, mine / max(agents, 1), back):
             return 0
         n = agents_for(mine - theirs, mine, agents)
         return n if theirs < IDLE_SHARE else min(n, self.budget.left(now))
+
+    def got(self) -> None:
+        """An agent arrived here by migration (a peer published it): moving one away
+        takes a bigger gap for a while (placement.lasting's ``back``)."""
+        self.came = time.monotonic_ns()
 
     def gave(self, j: int, n: int, now: int) -> None:
         """``n`` agents went to peer ``j`` (or may have: a publish for any idle thief):

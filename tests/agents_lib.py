@@ -445,3 +445,10 @@ class Gate(stealer.Agent):
         while not os.path.exists(release) and time.monotonic() < end:
             time.sleep(0.001)
         return "held"
+
+
+class Where(stealer.Agent):
+    """Message-only: ``pid`` says which worker process holds it."""
+
+    def pid(self) -> int:
+        return os.getpid()

@@ -50,6 +50,7 @@ from stealer.shared._layout import (
     S_DONE,
     S_QUEUED,
     S_RECOVERING,
+    S_RUNNING,
     ST_ERROR,
     ST_OK,
 )
@@ -210,7 +211,6 @@ class AgentClient:
         fits."""
         pool = self.pool
         r = pool.region
-        a = self.a
         n = pool.n
         for _ in range(n):
             k = self.next_worker
@@ -221,13 +221,25 @@ class AgentClient:
             if r.load32(base + W_STATE) not in (STATE_STARTING, STATE_READY):
                 continue
             cur = r.load64(base + W_CURRENT)  # relaxed: a hint (pairs with nothing)
-            if cur and not a.kind_link(a.off(cur - 1))[0] & F_AGENT:
+            if cur and self._task_runs(cur - 1):
                 continue  # a task runs there
             if pool.inboxes[k].push(h):
                 pool.idle.notify_worker(k)
                 return
         pool.push(h)
         pool.idle.notify_one()
+
+    def _task_runs(self, h: int) -> bool:
+        """Is task ``h``, named by a worker's current word, still running?  A worker
+        clears the word after it published the task's result: a client woken by that
+        result (the worker hands it its CPU) and spawning agents at once found the word
+        still set for milliseconds, and put every agent on the other worker (256 of 256
+        in half of the runs).  A record that is not RUNNING any more is done."""
+        a = self.a
+        if a.kind_link(a.off(h))[0] & F_AGENT:
+            return False
+        st = a.tr.state(h)  # None: the record was freed (and maybe reused) since
+        return st is not None and st[0] == S_RUNNING
 
     # -- the journal ------------------------------------------------------------------
     def recover(self, plan: Any) -> int:

@@ -290,3 +290,29 @@ def test_a_balancer_raises_its_bar_after_an_agent_arrives_and_lowers_it_later():
     assert bal.cap(0, now) == 0
     bal.came = now - P.REVERSE_NS - 1  # that was a while ago
     assert bal.cap(0, now) >= 1
+
+
+def test_a_move_to_an_idle_peer_that_does_not_pay_is_not_weighed_again_for_a_while():
+    """256 lockstep agents of 50 us: the worker holding the backlog found its peer idle
+    at 95% of its turns, and weighed a move at each (5.5 us) that never paid (a move
+    costs ~110 us, more than a turn saves); the answer is kept for QUIET_NS now, as when
+    every idle peer has work on its way."""
+    from types import SimpleNamespace
+
+    from stealer.worker.agents.balance import QUIET_NS
+
+    bal, now = _balancer_with_peer_share(0.0, 16)
+    bal.busy.update(now, 1)
+    bal.busy.avg = 0.9
+    short = SimpleNamespace(turn_ns=50 * US, ckpt_ns=20 * US)
+    bal.host.rq = SimpleNamespace(n=1, candidate=lambda: short)
+    e = SimpleNamespace(turn_ns=50 * US)
+    assert bal.cap(0, now) >= 1  # the peer may take agents: only the move's cost says no
+    assert bal.pays_to_idle(e, idle=0b01) == -1
+    assert bal.quiet_until > now
+    long = SimpleNamespace(turn_ns=500 * US, ckpt_ns=20 * US)
+    bal.host.rq = SimpleNamespace(n=8, candidate=lambda: long)
+    assert bal.pays_to_idle(e, idle=0b01) == -1  # quiet: not weighed
+    bal.quiet_until -= 2 * QUIET_NS
+    assert bal.pays_to_idle(e, idle=0b01) == 0  # a long backlog pays: peer 0 gets one
+

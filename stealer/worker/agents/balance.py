@@ -201,9 +201,12 @@ class Balancer:
             self.quiet_until = now + QUIET_NS
             return -1
         c = host.rq.candidate()
-        if c is None:
-            return -1
         backlog = (e.turn_ns or host.turn_avg) + host.rq.n * host.turn_avg
-        if not pays_to_idle(backlog, c.turn_ns or host.turn_avg, move_cost_ns(c.ckpt_ns)):
+        if c is None or not pays_to_idle(backlog, c.turn_ns or host.turn_avg,
+                                         move_cost_ns(c.ckpt_ns)):
+            # no agent to give, or one too short to pay for its move: asked at every turn
+            # while a peer idles (256 lockstep agents of 50 us, at every round's end), so
+            # not again for 1 ms either
+            self.quiet_until = now + QUIET_NS
             return -1
         return j

@@ -234,7 +234,7 @@ class AgentClient:
         clears the word after it published the task's result: a client woken by that
         result (the worker hands it its CPU) and spawning agents at once found the word
         still set for milliseconds, and put every agent on the other worker (256 of 256
-        in half of the runs).  A record that is not RUNNING any more is done."""
+        in 5 of 8 runs).  A record that is not RUNNING any more is done."""
         a = self.a
         if a.kind_link(a.off(h))[0] & F_AGENT:
             return False

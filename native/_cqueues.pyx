@@ -976,16 +976,18 @@ cdef class HotPath:
         return h
 
     def spawn_inline(self, list datas, uint32_t kind, uint64_t link_or, uint32_t retries,
-                     Py_ssize_t dir_off, uint32_t cap, list out):
+                     Py_ssize_t dir_off, uint32_t cap, list out, MPMCRing ring=None):
         """Client: a batch of agents (stealer/client/agents_batch.py), one record each: for each
         payload of ``datas`` (bytes, each <= INLINE) take a record, fill it as
         ``submit_inline`` does with link ``link_or | h``, make its directory entry at
         ``dir_off`` fresh (zeroed, capacity ``cap``; before the push that publishes it) and
-        push it on the injector; append each handle to ``out``.  Wakes nobody: the caller
-        notifies once for the batch.  Returns 0 when all were queued, -1 when no record was
-        free (``out`` holds those queued so far), or -2 when the injector was full: the last
-        handle in ``out`` is set up but not queued (the caller queues it).
+        push it on ``ring`` (a worker's inbox: that worker starts them) or, None, on the
+        injector; append each handle to ``out``.  Wakes nobody: the caller notifies once
+        for the batch.  Returns 0 when all were queued, -1 when no record was free (``out``
+        holds those queued so far), or -2 when the ring was full: the last handle in
+        ``out`` is set up but not queued (the caller queues it).
         """
+        cdef MPMCRing q = self.injector if ring is None else ring
         cdef Py_ssize_t i, n
         cdef uint64_t t_submit = _now_ns()
         cdef uint64_t idx, gen, h
@@ -1023,7 +1025,7 @@ cdef class HotPath:
             (<uint32_t *>(d + D_CAP))[0] = cap
             st_store_relaxed_u64(r, gen | (<uint64_t>S_QUEUED << STATE_SHIFT))  # alloc: published by the push below
             out.append(<int64_t>h)
-            if self.injector.c_push(h) != ST_SUCCESS:   # release (cell seq): the worker's pop acquires it
+            if q.c_push(h) != ST_SUCCESS:   # release (cell seq): the worker's pop acquires it
                 return -2
         return 0
 

@@ -594,14 +594,15 @@ def run_agent_scale(system: System, workers: int, quick: bool | str) -> dict[str
         refs: Any = spawn(_wl.IdleAgent, itertools.repeat((), n))
         t_spawned = time.perf_counter()
         _report(0.8)
-        # Every agent adopted: nothing left on the injector or any deque, then a call to the
+        # Every agent adopted: nothing left on the injector, any deque or inbox, then a call to the
         # last one spawned and to SCALE_PROBES others answers.
         end = time.monotonic() + WAIT_TIMEOUT_S
         while True:
             # (agents=False: the scan of every agent's record, ~30 ms at 2M records, would
             # take a core from the workers being measured at every look)
             st = ex.stats(agents=False)  # type: ignore[attr-defined]
-            if st.injector_depth == 0 and not any(w.deque_depth for w in st.workers):
+            if st.injector_depth == 0 and not any(w.deque_depth or w.inbox_depth
+                                                  for w in st.workers):
                 break
             if time.monotonic() > end:
                 raise TimeoutError("agents still waiting to be adopted")

@@ -202,13 +202,26 @@ class AgentClient:
 
     def place(self, h: int) -> None:
         """Queue new agent ``h`` on the next worker in turn that is live and not running a
-        task (an agent's turn is fine): pushed into its inbox, where it starts it
-        (worker/join.py on_ping; a dead worker's inbox is handed on by recovery.py
-        dead_pings), so agents spawned in a row start spread evenly.  From the injector,
-        whichever worker took its batches adopted them (seen: 246 of 256 on one), and
-        the balancer then spent hundreds of moves evening them out.  A worker in a task
-        reads its inbox only after it: the agent would wait.  The injector if no worker
-        fits."""
+        task (:meth:`pick`): pushed into its inbox, where it starts it (worker/join.py
+        on_ping; a dead worker's inbox is handed on by recovery.py dead_pings), so agents
+        spawned in a row start spread evenly.  From the injector, whichever worker took
+        its batches adopted them (seen: 246 of 256 on one), and the balancer then spent
+        hundreds of moves evening them out.  The injector if no worker fits."""
+        pool = self.pool
+        for _ in range(pool.n):
+            k = self.pick()
+            if k < 0:
+                break
+            if pool.inboxes[k].push(h):
+                pool.idle.notify_worker(k)
+                return
+        pool.push(h)
+        pool.idle.notify_one()
+
+    def pick(self) -> int:
+        """The next worker in turn that is live and not running a task (an agent's turn is
+        fine: a worker in a task reads its inbox only after it, and the agent would wait);
+        -1 if none is."""
         pool = self.pool
         r = pool.region
         n = pool.n
@@ -223,11 +236,8 @@ class AgentClient:
             cur = r.load64(base + W_CURRENT)  # relaxed: a hint (pairs with nothing)
             if cur and self._task_runs(cur - 1):
                 continue  # a task runs there
-            if pool.inboxes[k].push(h):
-                pool.idle.notify_worker(k)
-                return
-        pool.push(h)
-        pool.idle.notify_one()
+            return k
+        return -1
 
     def _task_runs(self, h: int) -> bool:
         """Is task ``h``, named by a worker's current word, still running?  A worker

@@ -276,14 +276,15 @@ class Arena:
         return h
 
     def spawn_inline(self, datas: list[bytes], kind: int, link_or: int, retries: int,
-                     dir_off: int, cap: int, out: list[int]) -> int:
+                     dir_off: int, cap: int, out: list[int], ring: Any = None) -> int:
         """Client: a batch of agents (stealer/client/agents_batch.py), one record each: for each
         inline payload take a record set up as :meth:`submit_inline` does with link
         ``link_or | h``, give it a fresh directory entry at ``dir_off`` (zeroed, capacity
-        ``cap``; published by the push) and push it on the injector, appending each handle
-        to ``out``.  Wakes nobody (the caller notifies once).  0: all queued; -1: no free
-        record (``out`` holds those queued); -2: the injector was full, the last handle in
-        ``out`` is set up but not queued."""
+        ``cap``; published by the push) and push it on ``ring`` (a worker's inbox) or, None,
+        on the injector, appending each handle to ``out``.  Wakes nobody (the caller
+        notifies once).  0: all queued; -1: no free record (``out`` holds those queued);
+        -2: the ring was full, the last handle in ``out`` is set up but not queued."""
+        q = self.injector if ring is None else ring
         for data in datas:
             if len(data) > INLINE:
                 raise ValueError("payload too large for the inline path")
@@ -300,7 +301,7 @@ class Arena:
             mm[e : e + DIR_BYTES] = bytes(DIR_BYTES)  # plain stores: published by the push
             _U32.pack_into(mm, e + D_CAP, cap)
             out.append(h)
-            if not self.injector.push(h):  # release: the worker's pop acquires it
+            if not q.push(h):  # release: the worker's pop acquires it
                 return -2
         return 0
 

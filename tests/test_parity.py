@@ -234,36 +234,52 @@ def test_shutdown_cancel_futures_notifies_waiters(tmp_path):
 
 
 # -- 2. wait()/as_completed() in several threads keep one lock order --------------
+def _interleaved(gate):
+    """An Executor(1) blocked by a task waiting for ``gate``, with settled futures and
+    pending ones interleaved in id() order: ``(e, settled, pending, by_id, cut)``, where
+    ``by_id[cut - 1]`` is settled, ``by_id[cut]`` pending and a settled one follows; or
+    ``(e, None, ...)`` when the allocator left no hole for a pending future this time."""
+    e = stealer.Executor(1)
+    made = [e.submit(tasks.square, i) for i in range(60)]
+    until(lambda: all(f.done() for f in made), "60 quick tasks")  # done() takes no lock
+    settled = set(made[::2])
+    made.clear()  # leave holes in memory, for pending futures to fill
+    gc.collect()
+    lo, hi = min(map(id, settled)), max(map(id, settled))
+    blocker = e.submit(wait_for_file, str(gate), "blocker")
+    pending = [blocker]
+    # Until a few pending futures sit between settled ones in id() order (they fill the
+    # holes just made, usually within tens of submits).  Capped low: every future here is
+    # locked 1,500 times by each of 8 threads, and CI once found no hole for 3,000
+    # submits, which made the threads' work (not a deadlock) outlast LIMIT; with the cap,
+    # CI once found none in 400 (then a fresh executor tries again).
+    while sum(lo < id(f) < hi for f in pending) < 5 and len(pending) < 400:
+        pending.append(e.submit(tasks.square, len(pending)))
+    by_id = sorted([*settled, *pending], key=id)
+    kinds = "".join("S" if f in settled else "P" for f in by_id)
+    # Overlapping sets that lock a pending future after a settled one, and a settled one
+    # after that pending one: a wrong lock order shows up here.
+    cut = kinds.find("SP") + 1
+    if cut > 0 and "S" in kinds[cut:]:
+        return e, settled, pending, by_id, cut
+    return e, None, pending, kinds, cut
+
+
 def test_overlapping_waits_in_two_threads_do_not_deadlock(tmp_path):
     """wait() and as_completed() lock their futures in id() order; every future needs its
     own lock for that order to hold (settled ones too, and the ones nobody looked at)."""
     old_interval = sys.getswitchinterval()
-    e = stealer.Executor(1)
-    gate = tmp_path / "gate"
+    for attempt in range(3):
+        gate = tmp_path / f"gate{attempt}"
+        e, settled, pending, by_id, cut = _interleaved(gate)
+        if settled is not None:
+            break
+        gate.touch()
+        e.shutdown(wait=True)
+    else:
+        raise AssertionError(f"no settled/pending interleaving in 3 executors: {by_id}")
     clean = False
     try:
-        made = [e.submit(tasks.square, i) for i in range(60)]
-        until(lambda: all(f.done() for f in made), "60 quick tasks")  # done() takes no lock
-        settled = set(made[::2])
-        made.clear()  # leave holes in memory, for pending futures to fill
-        gc.collect()
-        lo, hi = min(map(id, settled)), max(map(id, settled))
-        blocker = e.submit(wait_for_file, str(gate), "blocker")
-        pending = [blocker]
-        # Until a few pending futures sit between settled ones in id() order (they fill
-        # the holes just made, usually within tens of submits).  Capped low: every future
-        # here is locked 1,500 times by each of 8 threads, and CI once found no hole for
-        # 3,000 submits, which made the threads' work (not a deadlock) outlast LIMIT.
-        while sum(lo < id(f) < hi for f in pending) < 5 and len(pending) < 400:
-            pending.append(e.submit(tasks.square, len(pending)))
-        by_id = sorted([*settled, *pending], key=id)
-        kinds = "".join("S" if f in settled else "P" for f in by_id)
-        # Overlapping sets that lock a pending future after a settled one, and a
-        # settled one after that pending one: a wrong lock order shows up here.
-        cut = kinds.find("SP") + 1
-        assert cut > 0 and "S" in kinds[cut:], f"no settled/pending interleaving: {kinds}"
-        # Each set holds a pending future (by_id[cut]), so as_completed(timeout=0) must
-        # time out on every one (by_id[::3] alone may pick settled futures only).
         sets = [by_id[:cut + 1], by_id[cut:], sorted({*by_id[::3], by_id[cut]}, key=id), by_id]
         rounds = max(100, min(1500, 200_000 // len(by_id)))  # bounded work, whatever the count
 

@@ -2049,10 +2049,12 @@ cdef class Turns:
         notification handled (Pings.clear, then Host.notify with HotPath.take_mail and
         Host.schedule): True.  False, with nothing done: ForkJoinHandling.on_ping (the
         twin of both) handles it."""
-        e = self.agents.get(h)
-        if e is None or (h & 0xFFFFFFFF) >= self.nrecords:
+        if (h & 0xFFFFFFFF) >= self.nrecords:
             return False
+        e = self.agents.get(h)
         cdef char *ep = self.region.base + self.dir_base + DIR_BYTES * <Py_ssize_t>(h & 0xFFFFFFFF)
+        if e is None:
+            return self.arrive(h, ep)
         # seq_cst RMW: Pings.clear's (pairs with Pings.ping's or64 of AF_PINGED: a child
         # done after this sends a fresh ping) and take_mail's (pairs with post_msg's
         # fetch_or of AF_NOTIFIED: a message pushed after the walk notifies again) in one
@@ -2076,6 +2078,27 @@ cdef class Turns:
                 self.schedule(e, 0)
         elif e.pending or e.outbox:
             self.schedule(e, 0)
+        return True
+
+    cdef bint arrive(self, uint64_t h, char *ep) except -1:
+        """:meth:`ping` of a record that is no agent living here: an agent sent to this
+        worker to start (``spawn_agents``' share of a batch, a peer's hand-over) is started
+        as ForkJoinHandling.on_ping does (Pings.clear, then Worker.execute while it is
+        QUEUED): True.  False, with nothing done, for anything else (a dormant agent, a
+        task's frame, not an agent's record): on_ping handles it."""
+        host = self.host
+        if host.dormant and h in host.dormant:
+            return False                             # Adoption.notify thaws it
+        cdef char *r = self.hot.rec(h)
+        if not ((<uint32_t *>(r + R_KIND))[0] & F_AGENT):  # written before the push we popped
+            return False
+        # seq_cst RMW: Pings.clear's (pairs with Pings.ping's or64 of AF_PINGED)
+        wset_fetch_and_seqcst(ep + D_FLAGS, ~(<uint64_t>AF_PINGED))
+        # acquire: pairs with the seq_cst CASes on the state word (spawn's publication,
+        # a peer's hand-over); a stale or no longer QUEUED copy is dropped, as on_ping does
+        cdef uint64_t w = st_load_acquire_u64(r)
+        if (w & GEN_MASK) == (h >> 32) and ((w >> STATE_SHIFT) & STATE_MASK) == S_QUEUED:
+            self.w.execute(h)
         return True
 
     cdef int schedule(self, e, uint64_t now) except -1:

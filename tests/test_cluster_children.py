@@ -210,13 +210,21 @@ class FakePeer:
             self.srv.cv.notify_all()
 
 
-def _node(peer: FakePeer):
+def _node(peer: FakePeer, want_depth: int | None = None):
     d = children.make_dir()
     srv = ChildServer(d, lambda *a: None, peer.hook, lambda node: None)
     peer.srv = srv
     ex = stealer.Executor(1, initializer=children.install,
-                          initargs=(srv.path, srv.want_path, srv.authkey, 3, None, ()))
+                          initargs=(srv.path, srv.want_path, srv.authkey, 3, None, (),
+                                    want_depth))
     return srv, ex
+
+
+def _fib_spawns(n: int, cutoff: int, upto: int, depth: int = 1) -> int:
+    """The spawns of workloads.fib(n, cutoff) at depths 1 to ``upto`` below its root."""
+    if n < max(cutoff, 2) or depth > upto:
+        return 0
+    return 2 + sum(_fib_spawns(m, cutoff, upto, depth + 1) for m in (n - 1, n - 2))
 
 
 @pytest.mark.parametrize("die_after", [None, 0])
@@ -252,12 +260,45 @@ def test_the_workers_export_nothing_deeper_than_the_depth_unless_wanted():
         assert srv.table.n["local"] == 14 and srv.table.n["shipped"] == 0
         srv.set_want(True)  # a hungry peer: every spawn is exported
         assert ex.submit(fib, 18, 14).result(timeout=60) == fib_seq(18)
-        assert srv.table.n["exported"] - 14 > 2 + 4 + 8
+        assert srv.table.n["exported"] - 14 == _fib_spawns(18, 14, 99) > 2 + 4 + 8
     finally:
         ex.shutdown()
         srv.close()
         shutil.rmtree(os.path.dirname(srv.path), ignore_errors=True)
     assert not os.path.exists(srv.path)
+
+
+def test_a_wanted_node_exports_nothing_deeper_than_the_want_depth():
+    """StealConfig.want_depth: the want flag exports spawns down to that depth, no deeper
+    (the small children that cost more to move than to run)."""
+    from stealer.bench.workloads import fib, fib_seq
+
+    srv, ex = _node(FakePeer(), want_depth=5)
+    srv.hook = lambda: None  # nobody takes anything: every proxy claims its own child
+    try:
+        srv.set_want(True)
+        assert ex.submit(fib, 24, 14).result(timeout=60) == fib_seq(24)
+        assert _fib_spawns(24, 14, 5) < _fib_spawns(24, 14, 99)  # (the tree is deeper)
+        assert srv.table.n["exported"] == _fib_spawns(24, 14, 5) == srv.table.n["local"]
+        srv.set_want(False)  # no hungry peer: down to child_depth (3) only
+        before = srv.table.n["exported"]
+        assert ex.submit(fib, 24, 14).result(timeout=60) == fib_seq(24)
+        assert srv.table.n["exported"] - before == _fib_spawns(24, 14, 3)
+    finally:
+        ex.shutdown()
+        srv.close()
+        shutil.rmtree(os.path.dirname(srv.path), ignore_errors=True)
+
+
+def test_the_want_depth_is_checked():
+    from stealer.cluster.policy import StealConfig
+
+    assert StealConfig().want_depth == 5
+    assert StealConfig(want_depth=None).want_depth is None
+    for bad in ({"want_depth": 2}, {"want_depth": 255}, {"child_depth": -1},
+                {"child_depth": 6}):
+        with pytest.raises(ValueError, match="depth"):
+            StealConfig(**bad)
 
 
 def test_the_directories_of_dead_node_agents_are_removed_by_the_next():

@@ -35,8 +35,18 @@ some spawns into *exported* children:
 When to ship: only to a node that says it is hungry now (a lifeline: a thief that failed
 its attempts, or a node whose proxy waits on a child it sent there with nothing to help
 with), the oldest pending children first, one per free worker of it (:func:`hungry`, less
-what is already out there).  The want flag (deeper spawns exported too) is up while some
-peer has room by its load report or a lifeline, and this node has nothing queued.  A busy
+what is already out there).  The want flag (deeper spawns exported too, down to ``want_depth``, 5) is up while some
+peer has room by its load report or a lifeline, and this node has nothing queued.  The
+flag exported every spawn before: traced on one fib(33) tree (cutoff 18) over two 1-worker
+nodes, the last third of the run was then an exchange of ever smaller children
+(fib(17)-fib(23), 0.1-2 ms of work each) over round trips of 2-10 ms, each node's proxies
+waiting in turn on the other's; each node's worker was busy ~0.27 s of a 0.36-0.44 s
+tree.  Nine trees a run, the median (one node alone: ~0.50 s): every spawn 0.44 and
+0.39 s, down to depth 9 0.38 and 0.38 s, 7 0.36 and 0.34 s, 5 0.33 and 0.33 s, 3 (no
+deeper export) 0.33 and 0.34 s.  A limit found by timing each depth's children (the
+proxies that ran their call here reporting its run time) was tried and dropped: 0.37-0.41
+s, no better than none; likely (not traced) because a proxy's run time includes its waits
+on children moved away, so small ones measure large.  A busy
 cluster exports only the shallow spawns, claimed back by their own proxies (one round
 trip on the socket each), and the spawn path costs one flag read and a walk of at most
 ``child_depth`` record links.
@@ -369,10 +379,13 @@ class ChildServer:
 class WorkerLink:
     """In a worker of a node executor: the spawn hook of ``stealer.forkjoin``."""
 
-    def __init__(self, path: str, want_path: str, authkey: bytes, depth: int) -> None:
+    def __init__(self, path: str, want_path: str, authkey: bytes, depth: int,
+                 want_depth: int | None = None) -> None:
         self.path = path
         self.authkey = authkey
         self.depth = depth
+        # spawns exported while the want flag is up: this near their root (StealConfig)
+        self.want_depth = -1 if want_depth is None else max(depth, want_depth)
         fd = os.open(want_path, os.O_RDONLY)
         try:
             self.want = mmap.mmap(fd, 8, prot=mmap.PROT_READ)  # byte 0: see ChildServer
@@ -387,15 +400,16 @@ class WorkerLink:
             self.conn = Client(self.path, family="AF_UNIX", authkey=self.authkey)
         return self.conn
 
-    def shallow(self, cur: Any) -> bool:
-        """Whether a child spawned now is within ``depth`` of its tree's root on this node
-        (its ancestors walked up by their records' links: at most ``depth`` reads)."""
+    def shallow(self, cur: Any, depth: int = -1) -> bool:
+        """Whether a child spawned now is within ``depth`` (default: the link's) of its
+        tree's root on this node (its ancestors walked up by their records' links: at most
+        ``depth`` reads)."""
         frame = cur.frame
         h = frame.h if frame is not None else (cur.cur[0] if cur.cur is not None else -1)
         if h < 0:
             return False
         a = cur.arena
-        for _ in range(self.depth):
+        for _ in range(self.depth if depth < 0 else depth):
             kind, _status, link = a.kind_link(a.off(h))
             if kind & K_MASK != K_CHILD:
                 return True  # the root is at most depth - 1 above the child
@@ -406,7 +420,9 @@ class WorkerLink:
         """Spawn ``fn(*args, **kwargs)``: exported (a proxy spawned here, the call sent to
         the node agent) when it is a shallow spawn or the node agent wants children; as
         usual otherwise, or when the call does not pickle, or the node agent is gone."""
-        if not self.want[0] and not self.shallow(cur):  # want: see ChildServer.want_mm
+        if not self.shallow(cur) and (
+                not self.want[0]  # want: see ChildServer.want_mm
+                or (self.want_depth >= 0 and not self.shallow(cur, self.want_depth))):
             return cur.spawn(fn, args, kwargs)
         try:
             payload = pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
@@ -482,13 +498,13 @@ def _picklable(exc: BaseException) -> BaseException:
 
 
 def install(path: str, want_path: str, authkey: bytes, depth: int, init: Any = None,
-            initargs: tuple = ()) -> None:
+            initargs: tuple = (), want_depth: int | None = None) -> None:
     """The node executor's worker initializer: installs the spawn hook, then runs the
     user's initializer (if any)."""
     from stealer import forkjoin
 
     try:
-        forkjoin._export = WorkerLink(path, want_path, authkey, depth)
+        forkjoin._export = WorkerLink(path, want_path, authkey, depth, want_depth)
     except OSError:  # its node agent is stopping (a worker replaced meanwhile): no export
         forkjoin._export = None
     if init is not None:

@@ -175,7 +175,7 @@ class NodeAgent:
                                              self._kids_changed, self._kids_hungry)
             local["initargs"] = (self.kids.path, self.kids.want_path, self.kids.authkey,
                                  steal.child_depth, local.pop("initializer", None),
-                                 tuple(local.pop("initargs", ()) or ()))
+                                 tuple(local.pop("initargs", ()) or ()), steal.want_depth)
             local["initializer"] = children.install
         self.ex = executor_cls(workers, **local)
         self.ex.wait_ready(60)

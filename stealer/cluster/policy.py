@@ -95,6 +95,17 @@ class StealConfig:
     ahead: float = 2.0  # steal once in-flight work per worker is below this many round trips
     children: int = 1  # fork-join children out per free worker of a hungry peer (0: none)
     child_depth: int = 3  # spawns this near their tree's root are always exportable
+    # ... and, while a peer wants children (the want flag), spawns this near (None: all).
+    # Deeper ones ran for 0.1-2 ms each in a fib(33) tree and cost round trips of 2-10 ms
+    # to move (stealer/cluster/children.py: the trace and the measurements).
+    want_depth: int | None = 5
+
+    def __post_init__(self) -> None:
+        if self.child_depth < 0:
+            raise ValueError(f"child_depth must be 0 or more, not {self.child_depth}")
+        if self.want_depth is not None and not self.child_depth <= self.want_depth <= 254:
+            raise ValueError(f"want_depth must be from child_depth ({self.child_depth}) to "
+                             f"254, or None for any depth, not {self.want_depth}")
 
 
 class RoundTrip:

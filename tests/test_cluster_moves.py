@@ -49,7 +49,7 @@ class FakeNode:
         self.agents: dict[int, int] = {}  # aid -> its counter
         self.seen: list[tuple[str, int]] = []  # (kind, aid) of every operation it ran
         self.fail_state = False
-        for name in ("submit", "results", "ping", "stop", "status"):
+        for name in ("submit", "results", "ping", "stop", "status", "view"):
             setattr(self, name, _Method(self, name))
 
     def run(self) -> list[tuple]:

@@ -195,6 +195,7 @@ class NodeAgent:
         self.waiter: tuple[asyncio.AbstractEventLoop, asyncio.Event, int] | None = None
         self.cfg = steal
         self.peers: dict[str, Any] = {}
+        self.view_version = -1  # the client's last set of nodes applied (view())
         self.peer_loads: dict[str, Load] = {}
         self.thief = Thief(node_id, steal or StealConfig(), random.Random(seed))
         self.victim = Victim(node_id, steal or StealConfig())
@@ -263,16 +264,8 @@ class NodeAgent:
         self._contact()
         self.polls += 1
         self.loop = asyncio.get_running_loop()
-        if peers is not None:
-            new = {n: h for n, h in peers.items() if n != self.node}
-            gone = set(self.peers) - set(new)
-            self.peers = new
-            if gone and self.kids is not None:
-                with self.kids.cv:
-                    for n in gone:  # its children not back run again here (at-least-once)
-                        self.kids.table.lost(n)
-                        self.origins.pop(n, None)
-                    self.kids.cv.notify_all()
+        if peers is not None:  # (the client sends them by view(); a caller may here)
+            self._set_peers(peers)
         if loads is not None:
             self.peer_loads = loads
             self._kids_changed()
@@ -317,6 +310,31 @@ class NodeAgent:
             self.waiter = None
             loop.call_soon_threadsafe(ev.set)
 
+    @ray.method(concurrency_group="steal")
+    def view(self, version: int, peers: dict[str, Any]) -> None:
+        """The client's set of live nodes (their handles), sent as soon as it changes (a
+        node ready or lost: ClusterExecutor._share_view).  ``version`` orders the calls
+        (the steal group's threads may run two out of order): an older one than the last
+        applied is ignored."""
+        self._contact()
+        with self.lock:
+            if version <= self.view_version:
+                return
+            self.view_version = version
+        self._set_peers(peers)
+        self._kids_changed()
+
+    def _set_peers(self, peers: dict[str, Any]) -> None:
+        new = {n: h for n, h in peers.items() if n != self.node}
+        gone = set(self.peers) - set(new)
+        self.peers = new
+        if gone and self.kids is not None:
+            with self.kids.cv:
+                for n in gone:  # its children not back run again here (at-least-once)
+                    self.kids.table.lost(n)
+                    self.origins.pop(n, None)
+                self.kids.cv.notify_all()
+
     @ray.method(concurrency_group="health")
     def ping(self) -> Load:
         self._contact()
@@ -328,7 +346,7 @@ class NodeAgent:
         return {"node": self.node, "fenced": self.fenced, "queued": len(self.queue),
                 "inflight": self.inflight, "done": self.done_n, "steals": dict(self.steals),
                 "agents": len(self.agents), "evicted": self.evicted, "polls": self.polls,
-                "reordered": self.reordered,
+                "reordered": self.reordered, "peers": sorted(self.peers),
                 "children": (dict(self.kids.table.n, waiting=self.kids.waiting)
                              if self.kids is not None else None),
                 "worker_pids": [p for p in self.ex.worker_pids() if p] if not self.fenced else [],

@@ -285,10 +285,12 @@ class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, _fbase.Exec
         took 0.32-0.46 s).  Only when the set changed since that node last got it
         (deserializing actor handles costs the node agent more than the rest of a call);
         the version orders the calls there."""
-        version = self._membership
-        peers = {n.id: n.handle for n in self._nodes.values() if n.alive and n.ready}
-        for node in list(self._nodes.values()):
-            if node.alive and node.ready and node.peers_seen != version:
+        with self._lock:  # (called by the results thread, a retry's timer, the start)
+            version = self._membership
+            nodes = [n for n in self._nodes.values() if n.alive and n.ready]
+        peers = {n.id: n.handle for n in nodes}
+        for node in nodes:
+            if node.peers_seen != version:
                 node.peers_seen = version
                 ref = node.handle.view.remote(version, peers)
                 with self._lock:

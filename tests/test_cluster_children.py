@@ -295,8 +295,8 @@ def test_the_want_depth_is_checked():
 
     assert StealConfig().want_depth == 5
     assert StealConfig(want_depth=None).want_depth is None
-    for bad in ({"want_depth": 2}, {"want_depth": 255}, {"child_depth": -1},
-                {"child_depth": 6}):
+    assert StealConfig(child_depth=4, want_depth=40).want_depth == 40
+    for bad in ({"want_depth": 2}, {"child_depth": -1}, {"child_depth": 6}):
         with pytest.raises(ValueError, match="depth"):
             StealConfig(**bad)
 

@@ -35,9 +35,9 @@ some spawns into *exported* children:
 When to ship: only to a node that says it is hungry now (a lifeline: a thief that failed
 its attempts, or a node whose proxy waits on a child it sent there with nothing to help
 with), the oldest pending children first, one per free worker of it (:func:`hungry`, less
-what is already out there).  The want flag (deeper spawns exported too, down to ``want_depth``, 5) is up while some
-peer has room by its load report or a lifeline, and this node has nothing queued.  The
-flag exported every spawn before: traced on one fib(33) tree (cutoff 18) over two 1-worker
+what is already out there).  The want flag (deeper spawns exported too, down to
+``want_depth``, 5) is up while some peer has room by its load report or a lifeline, and
+this node has nothing queued.  The flag exported every spawn before: traced on one fib(33) tree (cutoff 18) over two 1-worker
 nodes, the last third of the run was then an exchange of ever smaller children
 (fib(17)-fib(23), 0.1-2 ms of work each) over round trips of 2-10 ms, each node's proxies
 waiting in turn on the other's; each node's worker was busy ~0.27 s of a 0.36-0.44 s
@@ -49,7 +49,7 @@ s, no better than none; likely (not traced) because a proxy's run time includes 
 on children moved away, so small ones measure large.  A busy
 cluster exports only the shallow spawns, claimed back by their own proxies (one round
 trip on the socket each), and the spawn path costs one flag read and a walk of at most
-``child_depth`` record links.
+``child_depth`` record links (``want_depth`` while the flag is up).
 
 Limits: a proxy whose child is out holds its worker while it has nothing to help with
 (a worker cannot leave a task for other work of its deque without the core's join
@@ -420,9 +420,10 @@ class WorkerLink:
         """Spawn ``fn(*args, **kwargs)``: exported (a proxy spawned here, the call sent to
         the node agent) when it is a shallow spawn or the node agent wants children; as
         usual otherwise, or when the call does not pickle, or the node agent is gone."""
-        if not self.shallow(cur) and (
-                not self.want[0]  # want: see ChildServer.want_mm
-                or (self.want_depth >= 0 and not self.shallow(cur, self.want_depth))):
+        if self.want[0]:  # a peer wants children (ChildServer.want_mm): deeper ones too
+            if self.want_depth >= 0 and not self.shallow(cur, self.want_depth):
+                return cur.spawn(fn, args, kwargs)
+        elif not self.shallow(cur):
             return cur.spawn(fn, args, kwargs)
         try:
             payload = pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)

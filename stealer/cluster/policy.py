@@ -103,9 +103,9 @@ class StealConfig:
     def __post_init__(self) -> None:
         if self.child_depth < 0:
             raise ValueError(f"child_depth must be 0 or more, not {self.child_depth}")
-        if self.want_depth is not None and not self.child_depth <= self.want_depth <= 254:
-            raise ValueError(f"want_depth must be from child_depth ({self.child_depth}) to "
-                             f"254, or None for any depth, not {self.want_depth}")
+        if self.want_depth is not None and self.want_depth < self.child_depth:
+            raise ValueError(f"want_depth must be child_depth ({self.child_depth}) or more, "
+                             f"or None for any depth, not {self.want_depth}")
 
 
 class RoundTrip:

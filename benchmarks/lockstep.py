@@ -21,11 +21,15 @@ the share of the W cores' time spent in handlers (the same fraction, but with th
 time measured in that run: the shared VM's load moves a handler's cost between runs), round
 time p50/p99, the client's CPU per call (outside handlers), the workers' CPU per call
 beyond the handlers, the handlers' CPU per call where they ran, and stealer's agent migrations
-per 1,000 calls.  Targets (issue 19): stealer >= 0.9 of ideal (32 x 0.5 ms), >= 0.8
+per 1,000 calls.  Then stealer and the pipes again, interleaved (``stealer.bench.lockstep.
+interleave``: both alive, taking turns in ``--blocks`` blocks of rounds, A B then B A), for a
+stealer / pipes ratio that a change of the machine's load during the run does not bias (run
+one after the other, a slower minute for one of them moved the ratio by a third on the
+shared VM).  Targets (issue 19): stealer >= 0.9 of ideal (32 x 0.5 ms), >= 0.8
 (256 x 0.05 ms), >= 1.5x the pipes; <= 10 µs client and <= 10 µs worker overhead per call.
 
     PYTHONPATH=$PWD python benchmarks/lockstep.py [--quick] [--workers 2] [--rounds 200]
-        [--agents N --work-ms MS] [--json]
+        [--agents N --work-ms MS] [--blocks 8] [--json]
 """
 
 from __future__ import annotations
@@ -61,8 +65,9 @@ def _warm(ex: cf.Executor, workers: int) -> cf.Executor:
     return ex
 
 
-def run_config(cfg: L.Config, workers: int) -> dict[str, Any]:
-    """Every system on ``cfg``, side by side; each checked against the one-process run."""
+def run_config(cfg: L.Config, workers: int, blocks: int = 8) -> dict[str, Any]:
+    """Every system on ``cfg``, side by side; each checked against the one-process run.
+    Then (``blocks`` > 0) stealer and the pipes interleaved (:func:`interleaved`)."""
     cal = L.calibrate(cfg.work_s)
     runs: dict[str, dict[str, Any]] = {}
     runs["one process"] = oracle = L.run_sequential(cfg, cal, workers)
@@ -80,13 +85,35 @@ def run_config(cfg: L.Config, workers: int) -> dict[str, Any]:
     for res in runs.values():
         del res["finals"], res["last_obs"]
     stealer_cps = runs["stealer agents"]["calls_per_s"]
-    return {
+    out = {
         "agents": cfg.agents, "work_ms": cfg.work_s * 1e3, "rounds": cfg.rounds,
         "warmup": cfg.warmup, "workers": workers, "iters": cal.iters,
         "handler_ms": cal.handler_s * 1e3, "ideal": L.ideal(cfg, cal, workers),
         "systems": runs, "failed": failed,
         "stealer_vs_pipes": stealer_cps / runs["pipes (process per agent)"]["calls_per_s"],
     }
+    if blocks > 0:
+        out["interleaved"] = interleaved(cfg, cal, workers, blocks, failed)
+    return out
+
+
+def interleaved(cfg: L.Config, cal: L.Calibration, workers: int, blocks: int,
+                failed: list[str]) -> dict[str, Any]:
+    """Stealer's agents and the pipes, both alive, taking turns block by block
+    (L.interleave); their last observations must agree (they stepped the same rounds)."""
+    with L.pipes_system(cfg, cal) as pipes, \
+            _warm(stealer.Executor(workers), workers) as ex, \
+            L.agents_system(ex, cfg, cal) as agents:  # (the pipes fork before the executor)
+        got = L.interleave(cfg, {"stealer": agents, "pipes": pipes}, blocks)
+    if got["stealer"]["last_obs"] != got["pipes"]["last_obs"]:
+        failed.append("interleaved: stealer's and the pipes' last observations differ")
+    pairs = [s / p for s, p in zip(got["stealer"]["block_calls_per_s"],
+                                   got["pipes"]["block_calls_per_s"])]
+    return {"blocks": blocks, "rounds": got["stealer"]["rounds"],
+            "stealer_calls_per_s": got["stealer"]["calls_per_s"],
+            "pipes_calls_per_s": got["pipes"]["calls_per_s"],
+            "stealer_vs_pipes": got["stealer"]["calls_per_s"] / got["pipes"]["calls_per_s"],
+            "block_ratios": pairs}
 
 
 def _fmt(value: Any, spec: str) -> str:
@@ -106,6 +133,12 @@ def print_table(cfg: L.Config, res: dict[str, Any]) -> None:
     for (name, _r), c in zip(rows, cells):
         print("  ".join([name.ljust(width), *(x.rjust(w) for x, w in zip(c, widths))]))
     print(f"stealer / pipes calls/s: {res['stealer_vs_pipes']:.2f}")
+    il = res.get("interleaved")
+    if il:
+        lo, hi = min(il["block_ratios"]), max(il["block_ratios"])
+        print(f"stealer / pipes calls/s, interleaved ({il['blocks']} blocks, {il['rounds']} "
+              f"rounds in all): {il['stealer_vs_pipes']:.2f} ({il['stealer_calls_per_s']:,.0f} "
+              f"vs {il['pipes_calls_per_s']:,.0f}; blocks {lo:.2f}-{hi:.2f})")
     for msg in res["failed"]:
         print(f"WRONG: {msg}")
 
@@ -120,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, help="measured rounds (default 200, --quick 30)")
     p.add_argument("--warmup", type=int, help="warm-up rounds (default 20, --quick 5)")
     p.add_argument("--quick", action="store_true", help="fewer rounds")
+    p.add_argument("--blocks", type=int, default=8, help="blocks of the interleaved stealer "
+                   "vs pipes run (0: none)")
     p.add_argument("--json", action="store_true", help="also print the results as JSON")
     a = p.parse_args(argv)
     rounds, warmup = L.ROUNDS["quick" if a.quick else "full"]
@@ -130,12 +165,14 @@ def main(argv: list[str] | None = None) -> int:
                             base.work_s if a.work_ms is None else a.work_ms / 1e3, 0, 0)]
     if min(a.workers, a.agents or 1, a.rounds or 1) < 1 or (a.work_ms or 1) <= 0:
         p.error("--workers, --agents, --rounds and --work-ms must be positive")
+    if a.blocks < 0:
+        p.error("--blocks must be 0 (no interleaved run) or more")
     out: dict[str, Any] = {}
     t0 = time.perf_counter()
     for base in configs:
         cfg = L.Config(base.name, base.agents, base.work_s, a.rounds or rounds,
                        warmup if a.warmup is None else a.warmup)
-        out[cfg.name] = res = run_config(cfg, a.workers)
+        out[cfg.name] = res = run_config(cfg, a.workers, a.blocks)
         print_table(cfg, res)
     print(f"\n({time.perf_counter() - t0:.1f} s)")
     if a.json:

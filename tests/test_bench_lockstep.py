@@ -134,6 +134,52 @@ def test_stealer_round_uses_call_all_when_there_is_one(batch: bool) -> None:
         ("call", k, "act", (a,)) for k, a in enumerate("abc")]
 
 
+def _logged_system(cfg: L.Config, log: list[str], name: str) -> L.System:
+    """The one-process loop as a System that logs each round it steps under ``name``."""
+    envs = [L.Env(i, cfg.seed) for i in range(cfg.agents)]
+
+    def step(actions: list[Any]) -> list[Any]:
+        log.append(name)
+        return [e.act(a, 1) for e, a in zip(envs, actions)]
+
+    return L.System(step, lambda: [(e.summary(), e.cpu_ns) for e in envs],
+                    handlers_in_client=True)
+
+
+def test_interleave_takes_turns_block_by_block_and_steps_each_system_alike() -> None:
+    """Warm-up rounds, then blocks in turn, A B then B A: a load change on the machine
+    falls on both; each system's rounds are its own, as a system run alone."""
+    cfg = L.Config("x", agents=3, work_s=1e-4, rounds=8, warmup=1)
+    log: list[str] = []
+    got = L.interleave(cfg, {"a": _logged_system(cfg, log, "a"),
+                             "b": _logged_system(cfg, log, "b")}, blocks=4)
+    assert "".join(log) == "a" + "b" + "aa" + "bb" + "bb" + "aa" + "aa" + "bb" + "bb" + "aa"
+    assert got["a"]["rounds"] == got["b"]["rounds"] == 8
+    assert len(got["a"]["block_calls_per_s"]) == 4 and got["a"]["calls_per_s"] > 0
+    alone = L.drive(cfg, L.Calibration(1e-4, 1, 1e-4), _logged_system(cfg, [], "c"), 1)
+    assert got["a"]["last_obs"] == got["b"]["last_obs"] == alone["last_obs"]
+
+
+def test_the_benchmark_script_interleaves_stealer_and_the_pipes() -> None:
+    """benchmarks/lockstep.py's interleaved run, at the tiny size: both alive at once (the
+    pipes forked before the executor), the same rounds, a ratio and one per block."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "lockstep.py"
+    spec = importlib.util.spec_from_file_location("_lockstep_script", path)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    cfg = CONFIGS[0]
+    failed: list[str] = []
+    got = script.interleaved(cfg, L.Calibration(cfg.work_s, 1, cfg.work_s), WORKERS, 2,
+                             failed)
+    assert failed == []
+    assert got["rounds"] == cfg.rounds // 2 * 2 and len(got["block_ratios"]) == 2
+    assert got["stealer_vs_pipes"] == pytest.approx(
+        got["stealer_calls_per_s"] / got["pipes_calls_per_s"])
+
+
 def test_ideal_is_ceil_balanced() -> None:
     cfg = L.Config("x", agents=5, work_s=1e-3, rounds=1, warmup=0)
     cal = L.Calibration(1e-3, 10, 2e-3)  # the measured handler time counts, not the target

@@ -75,7 +75,8 @@ import resource
 import statistics
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any
@@ -96,6 +97,9 @@ __all__ = [
     "initial_actions",
     "next_actions",
     "drive",
+    "interleave",
+    "pipes_system",
+    "agents_system",
     "stealer_round",
     "run_sequential",
     "run_pipes",
@@ -419,6 +423,47 @@ def _settled(counters: Callable[[], dict[str, int]], before: dict[str, int], cal
         time.sleep(0.005)
 
 
+def interleave(cfg: Config, systems: dict[str, System], blocks: int = 8
+               ) -> dict[str, dict[str, Any]]:
+    """Several systems measured over the same stretch of time: each runs ``cfg.warmup``
+    rounds, then ``cfg.rounds`` split into ``blocks`` blocks, the systems taking turns
+    block by block, in one order and then the reverse (A B, B A, A B...), so a load change
+    on the machine (the shared VM moves a handler's cost 1.5x within a minute) falls on
+    both alike; :func:`drive` runs one system after another.  Each system steps its own
+    environments from round 0 (its actions follow its own observations).  Per system:
+    ``calls_per_s`` over its blocks' wall time, ``block_calls_per_s`` (each block),
+    ``rounds``, ``wall_s``, ``last_obs``."""
+    names = list(systems)
+    per = max(1, cfg.rounds // max(1, blocks))
+    actions = {n: initial_actions(cfg.agents) for n in names}
+    done = dict.fromkeys(names, 0)
+    wall = dict.fromkeys(names, 0.0)
+    per_block: dict[str, list[float]] = {n: [] for n in names}
+    last: dict[str, list[Any]] = {}
+
+    def run_rounds(n: str, k: int) -> float:
+        sysm, acts = systems[n], actions[n]
+        t0 = time.perf_counter()
+        for _ in range(k):
+            replies = sysm.step(acts)
+            acts = next_actions([o for o, _ in replies], done[n])
+            done[n] += 1
+            last[n] = replies
+        actions[n] = acts
+        return time.perf_counter() - t0
+
+    for n in names:
+        run_rounds(n, cfg.warmup)
+    for b in range(blocks):
+        for n in (names if b % 2 == 0 else names[::-1]):
+            dt = run_rounds(n, per)
+            wall[n] += dt
+            per_block[n].append(cfg.agents * per / dt)
+    return {n: {"calls_per_s": cfg.agents * per * blocks / wall[n], "wall_s": wall[n],
+                "rounds": per * blocks, "block_calls_per_s": per_block[n],
+                "last_obs": [o.tobytes() for o, _ in last[n]]} for n in names}
+
+
 # --------------------------------------------------------------------------- the systems
 
 
@@ -465,6 +510,14 @@ def run_pipes(cfg: Config, cal: Calibration, workers: int,
     receives every reply.  The processes are forked (gymnasium's AsyncVectorEnv default on
     Linux; SubprocVecEnv's forkserver starts them 2-3 times slower here, and runs the same),
     so each starts with numpy imported; call it while no executor of this process runs."""
+    with pipes_system(cfg, cal, start_method) as sysm:
+        return drive(cfg, cal, sysm, workers, report)
+
+
+@contextmanager
+def pipes_system(cfg: Config, cal: Calibration, start_method: str = "fork"
+                 ) -> Iterator[System]:
+    """:func:`run_pipes`' processes and pipes as a :class:`System` (closed on exit)."""
     ctx = mp.get_context(start_method)
     remotes, procs = [], []
     try:
@@ -487,8 +540,7 @@ def run_pipes(cfg: Config, cal: Calibration, workers: int,
                 remote.send(("summary", None))
             return [_recv(remote) for remote in remotes]
 
-        sysm = System(step, summaries, lambda: _psutil_procs([p.pid for p in procs]))
-        return drive(cfg, cal, sysm, workers, report)
+        yield System(step, summaries, lambda: _psutil_procs([p.pid for p in procs]))
     finally:
         for remote in remotes:
             try:
@@ -568,6 +620,13 @@ def stealer_round(ex: Any, refs: Sequence[Any], method: str,
 def run_agents(ex: Any, cfg: Config, cal: Calibration, workers: int,
                report: Callable[[float], None] | None = None) -> dict[str, Any]:
     """stealer: one :class:`LockstepAgent` per environment, stepped by :func:`stealer_round`."""
+    with agents_system(ex, cfg, cal) as sysm:
+        return drive(cfg, cal, sysm, workers, report)
+
+
+@contextmanager
+def agents_system(ex: Any, cfg: Config, cal: Calibration) -> Iterator[System]:
+    """:func:`run_agents`' agents on ``ex`` as a :class:`System` (stopped on exit)."""
     refs = [ex.spawn_agent(LockstepAgent, i, cfg.seed, cal.iters) for i in range(cfg.agents)]
     try:
 
@@ -580,9 +639,8 @@ def run_agents(ex: Any, cfg: Config, cal: Calibration, workers: int,
         def counters() -> dict[str, int]:
             return dict(ex.stats().totals())
 
-        sysm = System(step, summaries, lambda: _psutil_procs(ex.worker_pids()),
-                      counters=counters)
-        return drive(cfg, cal, sysm, workers, report)
+        yield System(step, summaries, lambda: _psutil_procs(ex.worker_pids()),
+                     counters=counters)
     finally:
         for r in refs:
             r.stop()

@@ -209,6 +209,7 @@ def test_bench_cli_lockstep(tmp_path: Path, capsys: Any) -> None:
         assert st[prefix + "pipes_calls_per_s"] > 0 and st[prefix + "seq_calls_per_s"] > 0
         assert st[prefix + "vs_pipes"] == pytest.approx(
             st[prefix + "calls_per_s"] / st[prefix + "pipes_calls_per_s"])
+        assert st[prefix + "vs_pipes_il"] > 0 and prefix + "vs_pipes_il" not in pp
         assert "pipes_calls_per_s" not in pp
         assert res["ideal"][prefix + "of_ideal"] == 1.0
     assert st["info"]["default"]["mode"] == "agents"

@@ -688,7 +688,10 @@ _ROW_FORMATS = [
     ("pipes_client_us", "pipes: client µs/call", ".1f"),
     ("pipes_worker_us", "pipes: worker µs/call", ".1f"),
     ("vs_pipes", "calls/s / pipes'", ".2f"),
+    ("vs_pipes_il", "calls/s / pipes', interleaved", ".2f"),
 ]
+#: Blocks of the interleaved stealer / pipes run (:func:`interleave`) in ``stealer bench``.
+IL_BLOCKS = 8
 
 
 def table_rows() -> list[tuple[str, str, str]]:
@@ -714,7 +717,9 @@ def run(system: Any, workers: int, size: str, opener: Callable[..., tuple[Any, f
     both configurations: ``opener(system, workers)`` gives a warm executor and its ready
     time.  A native-agent system (``system.agents == "native"``) runs :func:`run_agents`,
     then the pipe peer, and reports the one-process peer too (keys ``seq_*``, ``pipes_*``,
-    ``vs_pipes``); any other runs :func:`run_shipped`.  Keys of the overhead-bound
+    ``vs_pipes``), then both again interleaved (``vs_pipes_il``: :func:`interleave`, the
+    ratio a change of the machine's load during the run does not bias); any other runs
+    :func:`run_shipped`.  Keys of the overhead-bound
     configuration start with ``ob_``.  RuntimeError when a system's finals are not the
     one-process oracle's."""
     native = getattr(system, "agents", "flat") == "native"
@@ -751,7 +756,26 @@ def run(system: Any, workers: int, size: str, opener: Callable[..., tuple[Any, f
             out.update(_flat(prefix + "seq_", oracle, PEER_FIELDS))
             out.update(_flat(prefix + "pipes_", pipes, PEER_FIELDS))
             out[prefix + "vs_pipes"] = res["calls_per_s"] / pipes["calls_per_s"]
+            out[prefix + "vs_pipes_il"] = _vs_pipes_interleaved(system, workers, opener, cfg,
+                                                                cal)
     return out
+
+
+def _vs_pipes_interleaved(system: Any, workers: int, opener: Callable[..., tuple[Any, float]],
+                          cfg: Config, cal: Calibration) -> float:
+    """stealer's agents / the pipes, calls/s over the same stretch of time
+    (:func:`interleave`); the pipes fork before the executor starts."""
+    with pipes_system(cfg, cal) as pipes:
+        ex, _ready = opener(system, workers)
+        try:
+            with agents_system(ex, cfg, cal) as agents:
+                got = interleave(cfg, {"stealer": agents, "pipes": pipes}, IL_BLOCKS)
+        finally:
+            ex.shutdown(wait=True)
+    if got["stealer"]["last_obs"] != got["pipes"]["last_obs"]:
+        raise RuntimeError(f"{system.name} ({cfg.label}), interleaved with the pipes: the "
+                           "last observations differ (a call was lost, repeated or misrouted)")
+    return got["stealer"]["calls_per_s"] / got["pipes"]["calls_per_s"]
 
 
 def _children() -> list[int]:

@@ -158,6 +158,8 @@ def test_interleave_takes_turns_block_by_block_and_steps_each_system_alike() -> 
     assert len(got["a"]["block_calls_per_s"]) == 4 and got["a"]["calls_per_s"] > 0
     alone = L.drive(cfg, L.Calibration(1e-4, 1, 1e-4), _logged_system(cfg, [], "c"), 1)
     assert got["a"]["last_obs"] == got["b"]["last_obs"] == alone["last_obs"]
+    with pytest.raises(ValueError, match="block"):
+        L.interleave(cfg, {"a": _logged_system(cfg, [], "a")}, blocks=0)
 
 
 def test_the_benchmark_script_interleaves_stealer_and_the_pipes() -> None:

@@ -60,7 +60,9 @@ configuration is a block of rows.  A system with native agents (stealer) runs it
 in the same run, the one-process and pipe peers: they are not executors, so they get no
 column of their own but rows of the stealer column ("one process: of ideal", "pipes: of
 ideal", the pipes' client and worker µs, "calls/s / pipes'"), so stealer and the design it
-must beat by 1.5x sit side by side.  A plain executor's column (ProcessPoolExecutor, loky,
+must beat by 1.5x sit side by side; then both run again interleaved (:func:`interleave`, row
+"calls/s / pipes', interleaved": the ratio that a change of the machine's load during the
+run does not bias).  A plain executor's column (ProcessPoolExecutor, loky,
 ...) runs the shipped-state design, the natural way to step stateful environments on a pool.
 Every system is checked against the one-process run (measured once per process and
 configuration).  ``benchmarks/lockstep.py`` runs all four systems side by side in a table of
@@ -433,8 +435,10 @@ def interleave(cfg: Config, systems: dict[str, System], blocks: int = 8
     environments from round 0 (its actions follow its own observations).  Per system:
     ``calls_per_s`` over its blocks' wall time, ``block_calls_per_s`` (each block),
     ``rounds``, ``wall_s``, ``last_obs``."""
+    if blocks < 1 or not systems:
+        raise ValueError(f"interleave() needs systems and at least one block, not {blocks}")
     names = list(systems)
-    per = max(1, cfg.rounds // max(1, blocks))
+    per = max(1, cfg.rounds // blocks)
     actions = {n: initial_actions(cfg.agents) for n in names}
     done = dict.fromkeys(names, 0)
     wall = dict.fromkeys(names, 0.0)

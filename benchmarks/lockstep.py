@@ -67,7 +67,7 @@ def _warm(ex: cf.Executor, workers: int) -> cf.Executor:
 
 def run_config(cfg: L.Config, workers: int, blocks: int = 8) -> dict[str, Any]:
     """Every system on ``cfg``, side by side; each checked against the one-process run.
-    Then (``blocks`` > 0) stealer and the pipes interleaved (:func:`interleaved`)."""
+    Then (``blocks`` > 0) stealer and the pipes interleaved (L.stealer_vs_pipes)."""
     cal = L.calibrate(cfg.work_s)
     runs: dict[str, dict[str, Any]] = {}
     runs["one process"] = oracle = L.run_sequential(cfg, cal, workers)
@@ -92,28 +92,13 @@ def run_config(cfg: L.Config, workers: int, blocks: int = 8) -> dict[str, Any]:
         "systems": runs, "failed": failed,
         "stealer_vs_pipes": stealer_cps / runs["pipes (process per agent)"]["calls_per_s"],
     }
-    if blocks > 0:
-        out["interleaved"] = interleaved(cfg, cal, workers, blocks, failed)
+    if blocks > 0:  # stealer and the pipes again, both alive, taking turns by blocks
+        try:
+            out["interleaved"] = L.stealer_vs_pipes(
+                cfg, cal, lambda: _warm(stealer.Executor(workers), workers), blocks)
+        except RuntimeError as exc:
+            failed.append(str(exc))
     return out
-
-
-def interleaved(cfg: L.Config, cal: L.Calibration, workers: int, blocks: int,
-                failed: list[str]) -> dict[str, Any]:
-    """Stealer's agents and the pipes, both alive, taking turns block by block
-    (L.interleave); their last observations must agree (they stepped the same rounds)."""
-    with L.pipes_system(cfg, cal) as pipes, \
-            _warm(stealer.Executor(workers), workers) as ex, \
-            L.agents_system(ex, cfg, cal) as agents:  # (the pipes fork before the executor)
-        got = L.interleave(cfg, {"stealer": agents, "pipes": pipes}, blocks)
-    if got["stealer"]["last_obs"] != got["pipes"]["last_obs"]:
-        failed.append("interleaved: stealer's and the pipes' last observations differ")
-    pairs = [s / p for s, p in zip(got["stealer"]["block_calls_per_s"],
-                                   got["pipes"]["block_calls_per_s"])]
-    return {"blocks": blocks, "rounds": got["stealer"]["rounds"],
-            "stealer_calls_per_s": got["stealer"]["calls_per_s"],
-            "pipes_calls_per_s": got["pipes"]["calls_per_s"],
-            "stealer_vs_pipes": got["stealer"]["calls_per_s"] / got["pipes"]["calls_per_s"],
-            "block_ratios": pairs}
 
 
 def _fmt(value: Any, spec: str) -> str:

@@ -163,8 +163,9 @@ def test_interleave_takes_turns_block_by_block_and_steps_each_system_alike() -> 
 
 
 def test_the_benchmark_script_interleaves_stealer_and_the_pipes() -> None:
-    """benchmarks/lockstep.py's interleaved run, at the tiny size: both alive at once (the
-    pipes forked before the executor), the same rounds, a ratio and one per block."""
+    """benchmarks/lockstep.py's interleaved run (L.stealer_vs_pipes), at the tiny size:
+    both alive at once (the pipes forked before the executor), the same rounds, a ratio
+    and one per block."""
     import importlib.util
 
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "lockstep.py"
@@ -173,10 +174,9 @@ def test_the_benchmark_script_interleaves_stealer_and_the_pipes() -> None:
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     cfg = CONFIGS[0]
-    failed: list[str] = []
-    got = script.interleaved(cfg, L.Calibration(cfg.work_s, 1, cfg.work_s), WORKERS, 2,
-                             failed)
-    assert failed == []
+    res = script.run_config(cfg, WORKERS, blocks=2)
+    assert res["failed"] == []
+    got = res["interleaved"]
     assert got["rounds"] == cfg.rounds // 2 * 2 and len(got["block_ratios"]) == 2
     assert got["stealer_vs_pipes"] == pytest.approx(
         got["stealer_calls_per_s"] / got["pipes_calls_per_s"])

@@ -100,6 +100,7 @@ __all__ = [
     "next_actions",
     "drive",
     "interleave",
+    "stealer_vs_pipes",
     "pipes_system",
     "agents_system",
     "stealer_round",
@@ -760,26 +761,35 @@ def run(system: Any, workers: int, size: str, opener: Callable[..., tuple[Any, f
             out.update(_flat(prefix + "seq_", oracle, PEER_FIELDS))
             out.update(_flat(prefix + "pipes_", pipes, PEER_FIELDS))
             out[prefix + "vs_pipes"] = res["calls_per_s"] / pipes["calls_per_s"]
-            out[prefix + "vs_pipes_il"] = _vs_pipes_interleaved(system, workers, opener, cfg,
-                                                                cal)
+            il = stealer_vs_pipes(cfg, cal, lambda: opener(system, workers)[0], IL_BLOCKS,
+                                  f"{system.name} ({cfg.label})")
+            out[prefix + "vs_pipes_il"] = il["stealer_vs_pipes"]
     return out
 
 
-def _vs_pipes_interleaved(system: Any, workers: int, opener: Callable[..., tuple[Any, float]],
-                          cfg: Config, cal: Calibration) -> float:
-    """stealer's agents / the pipes, calls/s over the same stretch of time
-    (:func:`interleave`); the pipes fork before the executor starts."""
+def stealer_vs_pipes(cfg: Config, cal: Calibration, open_executor: Callable[[], Any],
+                     blocks: int, name: str = "stealer") -> dict[str, Any]:
+    """Stealer's agents (on the executor ``open_executor()`` returns, shut down after) and
+    the pipes, both alive, calls/s over the same stretch of time (:func:`interleave`); the
+    pipes fork before the executor starts.  RuntimeError if their last observations differ
+    (they stepped the same rounds).  ``stealer_vs_pipes``: the ratio; ``block_ratios``:
+    each block's."""
     with pipes_system(cfg, cal) as pipes:
-        ex, _ready = opener(system, workers)
+        ex = open_executor()
         try:
             with agents_system(ex, cfg, cal) as agents:
-                got = interleave(cfg, {"stealer": agents, "pipes": pipes}, IL_BLOCKS)
+                got = interleave(cfg, {"stealer": agents, "pipes": pipes}, blocks)
         finally:
             ex.shutdown(wait=True)
-    if got["stealer"]["last_obs"] != got["pipes"]["last_obs"]:
-        raise RuntimeError(f"{system.name} ({cfg.label}), interleaved with the pipes: the "
-                           "last observations differ (a call was lost, repeated or misrouted)")
-    return got["stealer"]["calls_per_s"] / got["pipes"]["calls_per_s"]
+    s, p = got["stealer"], got["pipes"]
+    if s["last_obs"] != p["last_obs"]:
+        raise RuntimeError(f"{name}, interleaved with the pipes: the last observations "
+                           "differ (a call was lost, repeated or misrouted)")
+    return {"blocks": blocks, "rounds": s["rounds"],
+            "stealer_calls_per_s": s["calls_per_s"], "pipes_calls_per_s": p["calls_per_s"],
+            "stealer_vs_pipes": s["calls_per_s"] / p["calls_per_s"],
+            "block_ratios": [a / b for a, b in zip(s["block_calls_per_s"],
+                                                   p["block_calls_per_s"])]}
 
 
 def _children() -> list[int]:

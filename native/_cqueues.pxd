@@ -69,6 +69,66 @@ cdef class SPSCRing(_Ring):
     cdef int c_peek(self, uint64_t *out) noexcept nogil
 
 
+cdef class Entry:
+    # A worker's agent entry (stealer/worker/agents/entry.py's _Entry, whose base this is
+    # where the extension is built): the fields a turn reads and writes, at fixed offsets,
+    # so Turns and HotPath.c_serve reach them without an attribute lookup.  Python code
+    # reaches them through member descriptors (ENTRY_FIELDS, installed at import), as it
+    # reaches a __slots__ class's; the counters, times and states are 64-bit ints (a turn
+    # adds to them without making int objects), the rest objects.  Owned by the worker's
+    # main thread only (not shared memory).
+    cdef public object applied
+    cdef public object arrived
+    cdef public object blocked
+    cdef public int64_t ckpt_ns
+    cdef public int64_t ckpt_time
+    cdef public object cls
+    cdef public int64_t cpu_ns
+    cdef public object ctx
+    cdef public object cur
+    cdef public object deadline
+    cdef public object deadline_ns
+    cdef public int64_t events
+    cdef public object frame
+    cdef public object gen
+    cdef public object h
+    cdef public int64_t handled
+    cdef public object it
+    cdef public object it_msg
+    cdef public object jacked
+    cdef public object jreplies
+    cdef public object jseen
+    cdef public object jsent
+    cdef public object jspawned
+    cdef public object last_ckpt
+    cdef public object link
+    cdef public int64_t msgs
+    cdef public object obj
+    cdef public object opts
+    cdef public object outbox
+    cdef public object pending
+    cdef public object pinned
+    cdef public object queued
+    cdef public object rcache
+    cdef public int64_t ready_at
+    cdef public object replay
+    cdef public object restarts
+    cdef public object seen
+    cdef public object spawn_args
+    cdef public int64_t state
+    cdef public int64_t steps
+    cdef public object stop
+    cdef public int64_t tier
+    cdef public int64_t turn_ns
+    cdef public object uid
+    cdef public object ver
+    cdef public object waiting
+    cdef public object wake_at
+    cdef public object want_step
+    cdef public int64_t win_cpu
+    cdef public int64_t win_start
+
+
 cdef class HotPath:
     cdef Region region
     cdef char *rec_base      # records: 128 bytes each, fields in stealer/shared/arena.py
@@ -100,7 +160,7 @@ cdef class HotPath:
     cdef int _check_handle(self, uint64_t h) except -1
     cdef object c_read_inline(self, uint64_t h)
     cdef list c_take_chain(self, char *e, uint64_t seen, uint64_t *head_out)
-    cdef tuple c_serve(self, e, Py_ssize_t ent, SPSCRing completions, uint64_t who,
+    cdef tuple c_serve(self, Entry e, Py_ssize_t ent, SPSCRing completions, uint64_t who,
                        list counters, Py_ssize_t c_msgs, w, rq, inbox, int64_t start_ns,
                        int64_t slice_ns, int batch, dumps)
     cdef int64_t c_fresh(self, uint32_t kind, uint64_t link, const char *data,

@@ -803,6 +803,138 @@ cdef inline void _hand_over(char *park) noexcept nogil:
         st_store_seqcst_u32(park + CLIENT_MOVED_AT, 1)
 
 
+# -- an agent's entry ---------------------------------------------------------------------
+cdef extern from *:
+    """
+    #include <structmember.h>
+    /* Replace a type's attribute descriptors (Cython makes getset properties for public
+       fields) by member descriptors at the same offsets (``ints``: 64-bit int fields),
+       found by storing a sentinel through each property and looking for it in the
+       instance (a word-aligned field of 8 bytes: objects and int64_t): CPython 3.11 specializes
+       attribute access to member descriptors (as for a __slots__ class), not to
+       properties, and the Host's Python code reads and writes entries on every turn it
+       runs (a property costs about twice as much there). */
+    static int st_members_as_slots(PyTypeObject *tp, PyObject *inst, PyObject *names,
+                                   PyObject *ints, PyObject *sentinel) {
+        Py_ssize_t n = PyTuple_GET_SIZE(names);
+        Py_ssize_t words = tp->tp_basicsize / 8;
+        const int64_t mark = (int64_t)0x5A17C0DE5A17C0DELL;
+        PyObject *mark_obj = PyLong_FromLongLong(mark);
+        PyObject *zero = PyLong_FromLong(0);
+        int rc = -1;
+        /* kept for the type's life (a module's type is never freed) */
+        PyMemberDef *defs = (PyMemberDef *)PyMem_Calloc((size_t)n + 1, sizeof(PyMemberDef));
+        if (!defs || !mark_obj || !zero) { if (!defs) PyErr_NoMemory(); goto done; }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *name = PyTuple_GET_ITEM(names, i);
+            int is_int = PySequence_Contains(ints, name);
+            if (is_int < 0) goto done;
+            if (PyObject_SetAttr(inst, name, is_int ? mark_obj : sentinel) < 0) goto done;
+            Py_ssize_t at = -1;
+            for (Py_ssize_t k = (Py_ssize_t)(sizeof(PyObject) / 8); k < words; k++) {
+                int hit = is_int ? ((int64_t *)inst)[k] == mark : ((PyObject **)inst)[k] == sentinel;
+                if (hit) {
+                    if (at >= 0) { PyErr_Format(PyExc_RuntimeError, "field %R found twice", name); goto done; }
+                    at = k;
+                }
+            }
+            if (PyObject_SetAttr(inst, name, is_int ? zero : Py_None) < 0) goto done;
+            if (at < 0) { PyErr_Format(PyExc_RuntimeError, "field %R not found", name); goto done; }
+            defs[i].name = PyUnicode_AsUTF8(name);  /* the names tuple lives in the module */
+            if (!defs[i].name) goto done;
+            defs[i].type = is_int ? T_LONGLONG : T_OBJECT_EX;
+            defs[i].offset = at * 8;
+            defs[i].flags = 0;
+            PyObject *d = PyDescr_NewMember(tp, &defs[i]);
+            if (!d) goto done;
+            int set = PyDict_SetItem(tp->tp_dict, name, d);
+            Py_DECREF(d);
+            if (set < 0) goto done;
+        }
+        PyType_Modified(tp);
+        rc = 0;
+    done:
+        Py_XDECREF(mark_obj);
+        Py_XDECREF(zero);
+        return rc;
+    }
+    """
+    int st_members_as_slots(type tp, object inst, tuple names, tuple ints,
+                            object sentinel) except -1
+
+
+# The fields of Entry (declared in _cqueues.pxd): the names of entry.py's _Entry slots.
+ENTRY_FIELDS = (
+    "applied",
+    "arrived",
+    "blocked",
+    "ckpt_ns",
+    "ckpt_time",
+    "cls",
+    "cpu_ns",
+    "ctx",
+    "cur",
+    "deadline",
+    "deadline_ns",
+    "events",
+    "frame",
+    "gen",
+    "h",
+    "handled",
+    "it",
+    "it_msg",
+    "jacked",
+    "jreplies",
+    "jseen",
+    "jsent",
+    "jspawned",
+    "last_ckpt",
+    "link",
+    "msgs",
+    "obj",
+    "opts",
+    "outbox",
+    "pending",
+    "pinned",
+    "queued",
+    "rcache",
+    "ready_at",
+    "replay",
+    "restarts",
+    "seen",
+    "spawn_args",
+    "state",
+    "steps",
+    "stop",
+    "tier",
+    "turn_ns",
+    "uid",
+    "ver",
+    "waiting",
+    "wake_at",
+    "want_step",
+    "win_cpu",
+    "win_start",
+)
+
+
+cdef class Entry:
+    """The base of stealer/worker/agents/entry.py's ``_Entry`` where the extension is built:
+    an agent's entry with its fields at fixed offsets (declared in _cqueues.pxd), so the
+    native turn (Turns, HotPath.c_serve) reads and writes them as C struct fields instead
+    of through attribute lookups; Python code sees them as it sees a ``__slots__`` class's
+    (member descriptors: st_members_as_slots).  No field may be deleted: that leaves NULL
+    there, which the native turn does not expect (nothing deletes one)."""
+
+
+# its 64-bit int fields (declared int64_t in _cqueues.pxd): what Python writes there must be
+# an int (entry.py writes only ints to them)
+ENTRY_INTS = ("handled", "events", "msgs", "steps", "cpu_ns", "win_cpu", "turn_ns", "ready_at",
+              "win_start", "ckpt_time", "ckpt_ns", "state", "tier")
+
+st_members_as_slots(Entry, Entry.__new__(Entry), ENTRY_FIELDS, ENTRY_INTS, object())
+
+
 cdef class HotPath:
     """The per-task record operations, one native call each (see stealer/shared/arena.py).
 
@@ -1377,7 +1509,7 @@ cdef class HotPath:
         return self.c_serve(e, ent, completions, who, counters, c_msgs, w, rq, inbox,
                             start_ns, slice_ns, batch, dumps)
 
-    cdef tuple c_serve(self, e, Py_ssize_t ent, SPSCRing completions, uint64_t who,
+    cdef tuple c_serve(self, Entry e, Py_ssize_t ent, SPSCRing completions, uint64_t who,
                        list counters, Py_ssize_t c_msgs, w, rq, inbox, int64_t start_ns,
                        int64_t slice_ns, int batch, dumps):
         """Worker ``who - 1``: the turn's messages of agent ``e`` (a worker/agents _Entry
@@ -1920,7 +2052,7 @@ cdef class Turns:
         if not rq.n:
             return
         cdef int t
-        e = None
+        cdef Entry e = None
         for t in range(3):  # NTIERS
             if rq.edf[t]:
                 e = rq.pop()  # an agent with a deadline: its heap (runqueue.py)
@@ -1963,12 +2095,12 @@ cdef class Turns:
         if not self.c_turn(e):
             host.turn(e)
 
-    def turn(self, e):
+    def turn(self, Entry e not None):
         """Agent ``e``'s turn (a worker/agents _Entry just popped from the run queue), if
         it is a plain one: True; False (nothing done) if Host.turn must run it."""
         return self.c_turn(e)
 
-    cdef bint c_turn(self, e) except -1:
+    cdef bint c_turn(self, Entry e) except -1:
         if e.stop or e.deadline is not None or e.state > _WAITING or e.blocked or e.replay:
             return False
         pending = e.pending
@@ -2051,7 +2183,7 @@ cdef class Turns:
         twin of both) handles it."""
         if (h & 0xFFFFFFFF) >= self.nrecords:
             return False
-        e = self.agents.get(h)
+        cdef Entry e = self.agents.get(h)
         cdef char *ep = self.region.base + self.dir_base + DIR_BYTES * <Py_ssize_t>(h & 0xFFFFFFFF)
         if e is None:
             return self.arrive(h, ep)
@@ -2101,7 +2233,7 @@ cdef class Turns:
             self.w.execute(h)
         return True
 
-    cdef int schedule(self, e, uint64_t now) except -1:
+    cdef int schedule(self, Entry e, uint64_t now) except -1:
         """Host.schedule (Adoption.schedule and RunQueue.push, their twin): an agent with
         no deadline and no CPU share to the back of its tier's FIFO; the others to it."""
         if e.queued or e.state == _FINISHED or (e.blocked and not e.stop):
@@ -2119,7 +2251,7 @@ cdef class Turns:
             rq.n0 += 1
         return 0
 
-    cdef int after(self, e, char *ep, uint64_t now) except -1:
+    cdef int after(self, Entry e, char *ep, uint64_t now) except -1:
         """Host.after_turn, its plain case here; the others go to it."""
         if <int64_t>(now - <uint64_t>e.win_start) > self.throttle_ns:
             e.win_start = now
@@ -2148,7 +2280,7 @@ cdef class Turns:
         self.publish(e, ep)
         return 0
 
-    cdef inline void publish(self, e, char *ep):
+    cdef inline void publish(self, Entry e, char *ep):
         # Host.publish_stats: stats only (single writer, this worker; read by collect)
         st_store_release_u64(ep + D_CPU_NS, <uint64_t>e.cpu_ns)
         st_store_seqcst_u32(ep + D_STEPS, <uint32_t>(<uint64_t>e.steps & 0xFFFFFFFF))

@@ -158,3 +158,37 @@ def test_the_native_loop_does_what_the_python_loop_does():
     assert fast["stepper"] == [30, True]
     # the native turn ran (most of the rounds' turns), the Python run had none
     assert fast["native_turns"][0] > 60 and slow["native_turns"] == [-1]
+
+
+def test_an_entry_keeps_its_fields_where_the_native_turn_reads_them():
+    """_Entry's base is the extension's Entry: the same field names as entry.py's list, each
+    a member descriptor (as a __slots__ class's: CPython specializes access to those, not to
+    the properties Cython makes), no __dict__, every field at its own offset.  (The native
+    turn's reads of what Python wrote are the test above: a loop that read the wrong field
+    would not give the Python loop's replies.)"""
+    from stealer import _cqueues
+    from stealer.worker.agents import entry
+
+    assert entry._Entry.__mro__[1] is _cqueues.Entry
+    assert _cqueues.ENTRY_FIELDS == entry.ENTRY_FIELDS
+    slot_kind = type(type("S", (), {"__slots__": ("x",)}).__dict__["x"])
+    for name in entry.ENTRY_FIELDS:
+        assert type(_cqueues.Entry.__dict__[name]) is slot_kind, name
+    e = entry._Entry(7, 3)
+    assert not hasattr(e, "__dict__")
+    with pytest.raises(AttributeError):
+        e.not_a_field = 1
+    # every field at its own offset: distinct values written, each read back (the 64-bit
+    # int fields hold ints, the full range; the others any object)
+    ints = set(_cqueues.ENTRY_INTS)
+    assert ints < set(entry.ENTRY_FIELDS)
+
+    def value(i: int, name: str) -> object:
+        return (-1) ** i * ((1 << 62) + i) if name in ints else ("v", i)
+
+    for i, name in enumerate(entry.ENTRY_FIELDS):
+        setattr(e, name, value(i, name))
+    assert [getattr(e, name) for name in entry.ENTRY_FIELDS] == [
+        value(i, name) for i, name in enumerate(entry.ENTRY_FIELDS)]
+    with pytest.raises(TypeError):
+        e.cpu_ns = None

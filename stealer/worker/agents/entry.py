@@ -9,6 +9,7 @@ outside them (dormant.py gets ``_Entry`` passed in, as before).
 from __future__ import annotations
 
 import collections
+import os
 import struct
 import time
 from typing import Any
@@ -28,66 +29,78 @@ C_PREEMPT, C_INLINE = _C["preempt_publishes"], _C["inline_controls"]
 # what an entry is doing
 RUNNABLE, WAITING, SLEEPING, SUSPENDED, FINISHED = range(5)
 
+# An entry's fields.  Where the extension is built they live in its Entry (declared in
+# native/_cqueues.pxd, the same names: tests/test_fast_turn.py checks), the base of _Entry,
+# so the native turn reaches them as C struct fields; else _Entry holds them as __slots__.
+ENTRY_FIELDS = (
+    "applied",
+    "arrived",
+    "blocked",
+    "ckpt_ns",
+    "ckpt_time",
+    "cls",
+    "cpu_ns",
+    "ctx",
+    "cur",
+    "deadline",
+    "deadline_ns",
+    "events",
+    "frame",
+    "gen",
+    "h",
+    "handled",
+    "it",
+    "it_msg",
+    "jacked",
+    "jreplies",
+    "jseen",
+    "jsent",
+    "jspawned",
+    "last_ckpt",
+    "link",
+    "msgs",
+    "obj",
+    "opts",
+    "outbox",
+    "pending",
+    "pinned",
+    "queued",
+    "rcache",
+    "ready_at",
+    "replay",
+    "restarts",
+    "seen",
+    "spawn_args",
+    "state",
+    "steps",
+    "stop",
+    "tier",
+    "turn_ns",
+    "uid",
+    "ver",
+    "waiting",
+    "wake_at",
+    "want_step",
+    "win_cpu",
+    "win_start",
+)
 
-class _Entry:
+_Base: type = object
+if os.environ.get("STEALER_NO_EXTENSIONS", "") in ("", "0"):
+    try:
+        from stealer._cqueues import Entry as _Base  # type: ignore[no-redef]
+    except ImportError:  # not built: the reference queues say so (queues.py)
+        pass
+
+
+class _Entry(_Base):
     """One agent living in this worker's heap."""
 
     # (its states, for dormant.py, which cannot import this module)
     RUNNABLE = RUNNABLE
     WAITING = WAITING
 
-    __slots__ = (
-        "applied",
-        "arrived",
-        "blocked",
-        "ckpt_ns",
-        "ckpt_time",
-        "cls",
-        "cpu_ns",
-        "ctx",
-        "cur",
-        "deadline",
-        "deadline_ns",
-        "events",
-        "frame",
-        "gen",
-        "h",
-        "handled",
-        "it",
-        "it_msg",
-        "jacked",
-        "jreplies",
-        "jseen",
-        "jsent",
-        "jspawned",
-        "last_ckpt",
-        "link",
-        "msgs",
-        "obj",
-        "opts",
-        "outbox",
-        "pending",
-        "pinned",
-        "queued",
-        "rcache",
-        "ready_at",
-        "replay",
-        "restarts",
-        "seen",
-        "spawn_args",
-        "state",
-        "steps",
-        "stop",
-        "tier",
-        "turn_ns",
-        "uid",
-        "ver",
-        "waiting",
-        "wake_at",
-        "want_step",
-        "win_cpu",
-        "win_start",
-    )
+    __slots__ = ENTRY_FIELDS if _Base is object else ()
 
     def __init__(self, h: int, link: int) -> None:
         self.h = h

@@ -91,20 +91,25 @@ def set_slice(ns: int, policy: int | None = None) -> bool:
     thread's nice value is kept.  A short slice is not inherited (``SCHED_FLAG_RESET_ON_FORK``:
     a thread or process the caller starts gets the default one).  False if the system has no
     such call or refused it."""
+    global _syscall
     nr = _SETATTR_NR.get(platform.machine())
     if nr is None or not sys.platform.startswith("linux"):
         return False
     try:
         import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
+        if _syscall is None:  # (loading libc's handle cost more than the call itself)
+            _syscall = ctypes.CDLL(None, use_errno=True).syscall
         nice = os.getpriority(os.PRIO_PROCESS, 0)  # the calling thread's (Linux: per thread)
         attr = ctypes.create_string_buffer(_SCHED_ATTR.pack(
             _SCHED_ATTR.size, os.SCHED_OTHER if policy is None else policy,
             _RESET_ON_FORK if ns else 0, nice, 0, ns, 0, 0), _SCHED_ATTR.size)
-        return bool(libc.syscall(nr, 0, attr, 0) == 0)
+        return bool(_syscall(nr, 0, attr, 0) == 0)
     except (OSError, AttributeError):  # no libc symbol, a seccomp filter...
         return False
+
+
+_syscall: Any = None  # libc's syscall(2), once set_slice first needs it
 
 
 class Idle:

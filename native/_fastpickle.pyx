@@ -30,6 +30,8 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes
 from cpython.dict cimport PyDict_Next
 from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.object cimport PyObject
+from cpython.ref cimport Py_INCREF
+from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
 from libc.stdint cimport int64_t, uint64_t
 from libc.string cimport memcpy
 
@@ -322,6 +324,54 @@ cdef bint _value(Out *o, object x, int depth):
 
 
 cdef object _ndarray = None
+
+
+# -- the array pickler's reducer (serialize._ArrayPickler) ------------------------------------
+# A Pickler's reducer_override is called for every array (and every other object not of a
+# built-in type) it meets: serialize's Python one read the array's nbytes, flags, dtype, its
+# kind and str, its shape and tobytes() (0.66 µs an array; an agent's checkpoint holding
+# five small arrays spent 3.3 µs there).  This one reads the buffer (0.1-0.2 µs).
+
+cdef object _small_array_fn = None
+
+
+def set_small_array(fn):
+    """serialize._small_array: the constructor :func:`reduce_array` names (serialize.py)."""
+    global _small_array_fn
+    _small_array_fn = fn
+
+
+def reduce_array(self, obj):
+    """``serialize._ArrayPickler.reducer_override`` (its Python twin): for an array of
+    exactly type ``ndarray``, C-contiguous, of a plain kind and at most ``ARRAY_MAX`` bytes,
+    ``(_small_array, (data, dtype.str, shape))``; anything else NotImplemented (pickle's
+    own way: a large array goes out of band)."""
+    cdef Py_buffer view
+    cdef Py_ssize_t i
+    if type(obj) is not _ndarray or _ndarray is None or _small_array_fn is None:
+        return NotImplemented
+    try:
+        PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
+    except Exception:  # not C-contiguous, or a dtype that exports no buffer
+        return NotImplemented
+    try:
+        if view.len > ARRAY_MAX:
+            return NotImplemented
+        key = _format_key(view.format, view.itemsize)
+        if key == 0:
+            return NotImplemented
+        dts = _dtype_str(obj, key)
+        if dts is None:
+            return NotImplemented
+        shape = PyTuple_New(view.ndim)
+        for i in range(view.ndim):
+            dim = view.shape[i]
+            Py_INCREF(dim)
+            PyTuple_SET_ITEM(shape, i, dim)
+        data = PyBytes_FromStringAndSize(<const char *>view.buf, view.len)
+    finally:
+        PyBuffer_Release(&view)
+    return _small_array_fn, (data, dts, shape)
 
 
 def set_ndarray(nd):

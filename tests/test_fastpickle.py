@@ -221,3 +221,50 @@ def test_serialize_dumps_takes_it_and_a_call_message_fits_inline():
     assert not bufs and data == fp.dumps(v)
     msg, bufs = encode_message(5, "act", (np.array([0.1, 0.2], dtype=np.float32),), {}, 7, None)
     assert not bufs and len(msg) <= INLINE
+
+
+# -- the array pickler's native reducer (reduce_array) against its Python twin --------------
+
+REDUCE_CASES = [
+    np.zeros(0), np.array(True), np.arange(6, dtype=np.int64).reshape(2, 3),
+    np.array([1 + 2j]), np.arange(8, dtype=np.float32), np.arange(16, dtype=np.int16).reshape(2, 2, 2, 2),
+    np.arange(4, dtype=np.float16), np.arange(4, dtype=">f4"), np.zeros((1, 1, 1, 1, 2)),
+    np.frombuffer(b"\x01\x02\x03\x04", dtype=np.uint8), np.asfortranarray(np.arange(3.0)),
+    np.zeros(256),                                   # exactly INBAND_MAX bytes
+    # refused by both: too large, not C-contiguous, not a plain kind, a subclass
+    np.zeros(257), np.zeros((4, 4))[:, 1], np.array(["a"]), np.array([object()]),
+    np.zeros(2, dtype=[("a", "<f4")]), np.zeros(2, dtype="M8[s]"),
+    np.asfortranarray(np.zeros((2, 3))), np.zeros(4).view(np.matrix),
+    np.float64(1.0), 3, "x", (1, 2), None,
+]
+
+
+@pytest.mark.parametrize("x", REDUCE_CASES, ids=lambda x: f"{type(x).__name__}-{getattr(x, 'dtype', '')}-{getattr(x, 'shape', '')}")
+def test_the_native_reducer_reduces_as_the_python_one(x):
+    if serialize._Pickler is serialize._ArrayPickler:
+        pytest.skip("the native reducer is off in this build")
+    serialize._found_numpy(np)
+    want = serialize._ArrayPickler.reducer_override(None, x)
+    got = fp.reduce_array(None, x)
+    if want is NotImplemented:
+        assert got is NotImplemented
+        return
+    assert got[0] is want[0] is serialize._small_array
+    assert got[1] == want[1] and type(got[1][2]) is tuple
+
+
+@settings(max_examples=200, deadline=None)
+@given(values)
+def test_an_agent_state_pickled_with_the_array_pickler_loads_back_the_same(v):
+    """serialize.dumps(arrays=True), an agent's checkpoint: arrays at any depth, inside an
+    object too, read back equal and writable."""
+    box = Box(v)
+    data, bufs = serialize.dumps((box, [box.v], {"k": v}), "agent state", arrays=True)
+    back = pickle.loads(data, buffers=bufs)
+    assert same(back[0].v, v) and same(back[1][0], v) and same(back[2]["k"], v)
+    assert back[1][0] is back[0].v or not isinstance(v, (list, dict, np.ndarray))
+
+
+class Box:
+    def __init__(self, v: object) -> None:
+        self.v = v

@@ -152,6 +152,18 @@ class _ArrayPickler(pickle.Pickler):
         return NotImplemented
 
 
+# The same pickler with the native reducer (_fastpickle.reduce_array, the twin of the
+# method above: 0.1-0.2 µs an array instead of 0.66), where the fast writer is on.
+_Pickler: type[pickle.Pickler] = _ArrayPickler
+if _fast is not None and hasattr(_fastpickle, "reduce_array"):
+    _fastpickle.set_small_array(_small_array)
+
+    class _NativeArrayPickler(pickle.Pickler):
+        reducer_override = _fastpickle.reduce_array  # (a method: Cython functions bind)
+
+    _Pickler = _NativeArrayPickler
+
+
 def _has_arrays(obj: Any) -> bool:
     """Is there an ndarray in ``obj``'s first two levels (short tuples and lists)?"""
     nd = _ndarray
@@ -175,6 +187,17 @@ def _has_arrays(obj: Any) -> bool:
     return False
 
 
+def _numpy_loaded() -> bool:
+    """Is numpy imported (then known to the array pickler)?"""
+    if _ndarray is not None:
+        return True
+    np = sys.modules.get("numpy")
+    if np is None:
+        return False
+    _found_numpy(np)
+    return True
+
+
 def _found_numpy(np: Any) -> Any:
     global _ndarray
     _ndarray = np.ndarray
@@ -183,10 +206,12 @@ def _found_numpy(np: Any) -> Any:
     return _ndarray
 
 
-def dumps(obj: Any, what: str = "object",
-          fast: bool = True) -> tuple[bytes, list[pickle.PickleBuffer]]:
+def dumps(obj: Any, what: str = "object", fast: bool = True,
+          arrays: bool = False) -> tuple[bytes, list[pickle.PickleBuffer]]:
     """Pickle ``obj``; returns the pickle and its out-of-band buffers (those larger than
-    :data:`INBAND_MAX` bytes).  ``fast`` False: the native writer already refused it."""
+    :data:`INBAND_MAX` bytes).  ``fast`` False: the native writer already refused it.
+    ``arrays``: small arrays may lie anywhere in it (an agent's state), not only in its
+    first two levels: the array pickler is used whenever numpy is loaded."""
     if fast and _fast is not None:
         if _ndarray is None and "numpy" in sys.modules:
             _found_numpy(sys.modules["numpy"])
@@ -196,9 +221,9 @@ def dumps(obj: Any, what: str = "object",
     bufs: list[pickle.PickleBuffer] = []
     oob = keep_large(bufs)
     try:
-        if _has_arrays(obj):
+        if (arrays and _numpy_loaded()) or _has_arrays(obj):
             f = io.BytesIO()
-            _ArrayPickler(f, _PROTO, buffer_callback=oob).dump(obj)
+            _Pickler(f, _PROTO, buffer_callback=oob).dump(obj)
             return f.getvalue(), bufs
         return pickle.dumps(obj, _PROTO, buffer_callback=oob), bufs
     except Exception:

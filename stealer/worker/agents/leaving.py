@@ -235,7 +235,7 @@ class Leaving:
                 t0 = time.monotonic_ns()
                 state = serialize.dumps((e.obj, e.gen, e.steps, e.msgs, self.tries(e.h),
                                          (e.state, e.want_step, e.wake_at), jstate),
-                                        "agent state")
+                                        "agent state", arrays=True)
                 e.ckpt_ns = time.monotonic_ns() - t0  # what a move costs (placement.py)
             except BaseException as exc:
                 if j is not None:  # a journaled agent must pickle: it fails, saying why

@@ -348,6 +348,7 @@ def reduce_array(self, obj):
     own way: a large array goes out of band)."""
     cdef Py_buffer view
     cdef Py_ssize_t i
+    cdef object dim  # (an object: SET_ITEM steals the reference taken for it)
     if type(obj) is not _ndarray or _ndarray is None or _small_array_fn is None:
         return NotImplemented
     try:
@@ -410,7 +411,9 @@ def dumps(obj):
 
 import sys
 
+from cpython.bytearray cimport PyByteArray_FromStringAndSize
 from cpython.unicode cimport PyUnicode_DecodeUTF8
+from libc.string cimport memcmp
 from libc.stdint cimport int32_t, uint32_t
 
 DEF MAXMARKS = 32
@@ -461,6 +464,144 @@ cdef object _small_array_of(object args):
         if len(_dtypes_by_str) < 64:
             _dtypes_by_str[dts] = dt
     return nd(shape, dt, bytearray(data))
+
+
+# dtype.str -> dtype of the arrays read back, keyed by the str's UTF-8 bytes as they lie in
+# the pickle: no str made and no dict looked up per array (the dtypes stay alive in
+# _dtype_objs).  Filled once per dtype, as _dtype_keys.
+DEF NREAD_DTYPES = 16
+DEF DTYPE_KEY = 15
+cdef int _rd_lens[NREAD_DTYPES]
+cdef char _rd_keys[NREAD_DTYPES][DTYPE_KEY]
+cdef PyObject *_rd_vals[NREAD_DTYPES]
+cdef int _nrd = 0
+_dtype_objs = []
+
+
+cdef object _read_dtype(const unsigned char *s, Py_ssize_t m, object nd):
+    """The dtype whose str is ``s[:m]`` (UTF-8)."""
+    global _nrd
+    cdef int j
+    for j in range(_nrd):
+        if _rd_lens[j] == m and memcmp(_rd_keys[j], s, m) == 0:
+            return <object>_rd_vals[j]
+    dts = PyUnicode_DecodeUTF8(<const char *>s, m, "surrogatepass")
+    dt = _dtypes_by_str.get(dts)
+    if dt is None:
+        dt = nd((0,), dts).dtype
+        if len(_dtypes_by_str) < 64:
+            _dtypes_by_str[dts] = dt
+    if _nrd < NREAD_DTYPES and m <= DTYPE_KEY:
+        _dtype_objs.append(dt)
+        memcpy(_rd_keys[_nrd], s, m)
+        _rd_lens[_nrd] = <int>m
+        _rd_vals[_nrd] = <PyObject *>dt
+        _nrd += 1
+    return dt
+
+
+cdef bint _fast_arrays = True
+
+
+def set_fast_arrays(bint on):
+    """Read arrays in one go (:func:`_fast_array`, the default) or one opcode at a time, as
+    any other value (tests compare the two)."""
+    global _fast_arrays
+    _fast_arrays = on
+
+
+cdef object _fast_array(const unsigned char *p, Py_ssize_t i, Py_ssize_t n, Py_ssize_t *end):
+    """The array :func:`_array` wrote from ``p[i]`` on (after its EXT1 code) through its
+    REDUCE, read in one go: ``end[0]`` is then the position after the REDUCE.  None (and
+    nothing consumed) when the bytes are not exactly that, or building it raised: the
+    stack machine then reads them one opcode at a time (and fails as it would)."""
+    cdef unsigned char op
+    cdef Py_ssize_t dlen, slen, ndim = 0, k
+    cdef const unsigned char *dptr
+    cdef const unsigned char *sptr
+    cdef Py_ssize_t dims[32]
+    cdef bint marked = False
+    cdef int64_t d
+    cdef object dim  # (an object: SET_ITEM steals the reference taken for it)
+    if i + 2 > n:
+        return None
+    op = p[i]
+    k = 1 if op == 0x43 else (4 if op == 0x42 else 0)  # SHORT_BINBYTES / BINBYTES
+    if k == 0 or i + 1 + k > n:
+        return None
+    dlen = <Py_ssize_t>_rd_le(p + i + 1, k)
+    i += 1 + k
+    if dlen > n - i:
+        return None
+    dptr = p + i
+    i += dlen
+    if i + 2 > n:
+        return None
+    op = p[i]
+    k = 1 if op == 0x8C else (4 if op == 0x58 else 0)  # SHORT_BINUNICODE / BINUNICODE
+    if k == 0 or i + 1 + k > n:
+        return None
+    slen = <Py_ssize_t>_rd_le(p + i + 1, k)
+    i += 1 + k
+    if slen > n - i:
+        return None
+    sptr = p + i
+    i += slen
+    if i >= n:
+        return None
+    if p[i] == 0x29:  # EMPTY_TUPLE: a 0-d array
+        i += 1
+    else:
+        if p[i] == 0x28:  # MARK: more than 3 dimensions
+            marked = True
+            i += 1
+        while i < n and ndim < 32:
+            op = p[i]
+            if op == 0x4B and i + 2 <= n:  # BININT1
+                d = p[i + 1]
+                i += 2
+            elif op == 0x4D and i + 3 <= n:  # BININT2
+                d = <int64_t>_rd_le(p + i + 1, 2)
+                i += 3
+            elif op == 0x4A and i + 5 <= n:  # BININT: signed, a dimension is not negative
+                d = <int32_t>(<uint32_t>_rd_le(p + i + 1, 4))
+                if d < 0:
+                    return None
+                i += 5
+            else:
+                break
+            dims[ndim] = <Py_ssize_t>d
+            ndim += 1
+        if i >= n or ndim == 0:
+            return None
+        op = p[i]
+        if marked:
+            if op != 0x74 or ndim <= 3:  # TUPLE (the writer marks only past 3)
+                return None
+        elif ndim > 3 or op != 0x84 + ndim:  # TUPLE1/2/3
+            return None
+        i += 1
+    if i + 2 > n or p[i] != 0x87 or p[i + 1] != 0x52:  # TUPLE3 (the arguments), REDUCE
+        return None
+    nd = _ndarray
+    if nd is None:
+        np = sys.modules.get("numpy")
+        if np is None:
+            return None
+        set_ndarray(np.ndarray)
+        nd = _ndarray
+    try:
+        dt = _read_dtype(sptr, slen, nd)
+        shape = PyTuple_New(ndim)
+        for k in range(ndim):
+            dim = dims[k]
+            Py_INCREF(dim)
+            PyTuple_SET_ITEM(shape, k, dim)
+        v = nd(shape, dt, PyByteArray_FromStringAndSize(<const char *>dptr, dlen))
+    except Exception:
+        return None
+    end[0] = i + 2
+    return v
 
 
 cdef bint _marked(list stack, Py_ssize_t start):
@@ -588,6 +729,12 @@ cdef object _read(const unsigned char *p, Py_ssize_t n):
         elif op == 0x82:  # EXT1: only the array's code
             if i + 1 > n or p[i] != EXT:
                 return _NOT_MINE
+            # the whole array at once, as _array wrote it
+            v = _fast_array(p, i + 1, n, &m) if _fast_arrays else None
+            if v is not None:
+                stack.append(v)
+                i = m
+                continue
             stack.append(_EXT_MARK)
             ext_open += 1
             i += 1

@@ -231,6 +231,7 @@ REDUCE_CASES = [
     np.arange(4, dtype=np.float16), np.arange(4, dtype=">f4"), np.zeros((1, 1, 1, 1, 2)),
     np.frombuffer(b"\x01\x02\x03\x04", dtype=np.uint8), np.asfortranarray(np.arange(3.0)),
     np.zeros(256),                                   # exactly INBAND_MAX bytes
+    np.zeros(300, np.float32), np.zeros((0, 70000)),  # dimensions past the cached small ints
     # refused by both: too large, not C-contiguous, not a plain kind, a subclass
     np.zeros(257), np.zeros((4, 4))[:, 1], np.array(["a"]), np.array([object()]),
     np.zeros(2, dtype=[("a", "<f4")]), np.zeros(2, dtype="M8[s]"),
@@ -251,6 +252,8 @@ def test_the_native_reducer_reduces_as_the_python_one(x):
         return
     assert got[0] is want[0] is serialize._small_array
     assert got[1] == want[1] and type(got[1][2]) is tuple
+    del want, got
+    assert same(pickle.loads(serialize.dumps([x, x.shape], arrays=True)[0]), [x, x.shape])
 
 
 @settings(max_examples=200, deadline=None)
@@ -268,3 +271,31 @@ def test_an_agent_state_pickled_with_the_array_pickler_loads_back_the_same(v):
 class Box:
     def __init__(self, v: object) -> None:
         self.v = v
+
+
+array_shapes = st.lists(st.sampled_from([0, 1, 2, 3, 255, 256, 70000]), max_size=6).filter(
+    lambda sh: (int(np.prod(sh)) * 16 <= 2048 or 0 in sh)
+    and math.prod(d for d in sh if d) < 2**40).map(tuple)  # (numpy's size limit, with a 0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(dtypes, array_shapes, st.integers(0, 2**32 - 1))
+def test_an_array_read_in_one_go_is_the_one_read_opcode_by_opcode(dt, shape, seed):
+    """_fast_array (the whole array at once) against the reader's stack machine and
+    pickle.loads: 0-d arrays, up to 3 dimensions (TUPLE1-3), more (MARK ... TUPLE),
+    dimensions written as BININT1, BININT2 and BININT, empty arrays."""
+    v = (np.random.default_rng(seed).integers(0, 100, shape).astype(dt), [shape])
+    data = fp.dumps(v)
+    if data is None:  # too large for the writer
+        return
+    s = Spy()
+    fp.set_loads(s)
+    try:
+        fast = fp.loads(data)
+        fp.set_fast_arrays(False)
+        slow = fp.loads(data)
+    finally:
+        fp.set_fast_arrays(True)
+        fp.set_loads(pickle.loads)
+    assert not s.handed
+    assert same(fast, v) and same(slow, v) and same(fast, pickle.loads(data))

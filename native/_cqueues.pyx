@@ -1184,6 +1184,65 @@ cdef class HotPath:
             raise IndexError("corrupt free ring: record index out of range")
         return h
 
+    def calls(self, dumps, pool, future_cls, ids, dict futures, targets, str method,
+              arglists, kw, call_py, post_call, defer):
+        """Client: ``stealer.client.agents.AgentClient.calls`` (the reference, whose loop
+        the pure-Python build and a journaled client run) in one native call, for a
+        method the caller checked: per target ``(h, uid, deadline)`` with its arguments,
+        a future (``future_cls(pool, fid, method)``), its reply slot (:meth:`reply_slot`),
+        the future registered in ``futures``, the message written by ``dumps``
+        (_fastpickle.dumps) and posted (:meth:`post_msg`).  A post that needs nobody woken
+        (POST_QUIET), or only an owner already in ``defer`` (woken once for the batch by
+        the caller), ends the call here; anything else goes to the reference's own steps
+        from the same point: ``call_py(f, h, method, args, kwargs, deadline, uid, defer)``
+        without a reply slot (a bad handle, no free record), ``post_call(f, h, method,
+        args, kw, deadline, rh, defer, data, r)`` after one (a message ``dumps`` refuses
+        or too large, a full mailbox, a stopped agent, a worker to wake, a full inbox).
+        Returns the futures in order."""
+        cdef Py_ssize_t n = len(targets), i
+        cdef int64_t rh
+        cdef uint64_t fid
+        cdef object r
+        cdef long code
+        if len(arglists) != n:
+            raise ValueError("one argument tuple per target")
+        cdef list out = []
+        kwargs = kw if kw is not None else {}
+        for i in range(n):
+            h, uid, deadline = targets[i]
+            args = arglists[i]
+            fobj = next(ids)
+            f = future_cls(pool, fobj, method)
+            if h < 0:
+                out.append(call_py(f, h, method, args, kwargs, deadline, uid, defer))
+                continue
+            fid = <uint64_t>fobj
+            rh = self.c_fresh(K_ROOT, fid, NULL, 0, 0)   # reply_slot's
+            if rh == CORRUPT_FREE_RING:
+                raise IndexError("corrupt free ring: record index out of range")
+            if rh < 0:  # no free record: the reference waits for one
+                out.append(call_py(f, h, method, args, kwargs, deadline, uid, defer))
+                continue
+            f._st_handle = rh  # cancel() withdraws it (the agent then drops the reply)
+            futures[fobj] = f
+            data = dumps((h, method, args, kw, rh, deadline, None, 0, 0))
+            if data is None or PyBytes_GET_SIZE(data) > INLINE:
+                out.append(post_call(f, h, method, args, kw, deadline, rh, defer, None, None))
+                continue
+            try:
+                r = self.post_msg(h, data)
+            except Exception:  # (raised before it did anything) the reference posts again
+                out.append(post_call(f, h, method, args, kw, deadline, rh, defer, data, None))
+                continue
+            code = <long>r
+            if code == C_POST_QUIET or (
+                    code >= 0 and not (code & C_POST_CONTROL) and defer is not None
+                    and code in <set>defer):
+                out.append(f)
+                continue
+            out.append(post_call(f, h, method, args, kw, deadline, rh, defer, data, r))
+        return out
+
     def post_msg(self, uint64_t h, bytes data not None, bint reserved=False):
         """Client: message ``data`` (an inline payload, ``len <= INLINE``) into agent
         ``h``'s mailbox, as ``AgentClient._check`` + ``Directory.reserve`` + a K_MSG record

@@ -500,6 +500,24 @@ cdef object _read_dtype(const unsigned char *s, Py_ssize_t m, object nd):
     return dt
 
 
+cdef inline Py_ssize_t _rd_blob(const unsigned char *p, Py_ssize_t i, Py_ssize_t n,
+                                unsigned char short_op, unsigned char long_op,
+                                const unsigned char **at, Py_ssize_t *m) noexcept:
+    """The blob (``short_op``: 1-byte length, ``long_op``: 4-byte) at ``p[i]``: its bytes
+    in ``at``/``m``; the position after it, or -1 if ``p[i]`` is not one or it overruns."""
+    if i + 2 > n:
+        return -1
+    cdef int k = 1 if p[i] == short_op else (4 if p[i] == long_op else 0)
+    if k == 0 or i + 1 + k > n:
+        return -1
+    m[0] = <Py_ssize_t>_rd_le(p + i + 1, k)
+    i += 1 + k
+    if m[0] > n - i:
+        return -1
+    at[0] = p + i
+    return i + m[0]
+
+
 cdef bint _fast_arrays = True
 
 
@@ -516,38 +534,18 @@ cdef object _fast_array(const unsigned char *p, Py_ssize_t i, Py_ssize_t n, Py_s
     nothing consumed) when the bytes are not exactly that, or building it raised: the
     stack machine then reads them one opcode at a time (and fails as it would)."""
     cdef unsigned char op
-    cdef Py_ssize_t dlen, slen, ndim = 0, k
-    cdef const unsigned char *dptr
-    cdef const unsigned char *sptr
+    cdef Py_ssize_t dlen = 0, slen = 0, ndim = 0, k
+    cdef const unsigned char *dptr = NULL
+    cdef const unsigned char *sptr = NULL
     cdef Py_ssize_t dims[32]
     cdef bint marked = False
     cdef int64_t d
     cdef object dim  # (an object: SET_ITEM steals the reference taken for it)
-    if i + 2 > n:
+    i = _rd_blob(p, i, n, 0x43, 0x42, &dptr, &dlen)  # SHORT_BINBYTES / BINBYTES: the data
+    if i < 0:
         return None
-    op = p[i]
-    k = 1 if op == 0x43 else (4 if op == 0x42 else 0)  # SHORT_BINBYTES / BINBYTES
-    if k == 0 or i + 1 + k > n:
-        return None
-    dlen = <Py_ssize_t>_rd_le(p + i + 1, k)
-    i += 1 + k
-    if dlen > n - i:
-        return None
-    dptr = p + i
-    i += dlen
-    if i + 2 > n:
-        return None
-    op = p[i]
-    k = 1 if op == 0x8C else (4 if op == 0x58 else 0)  # SHORT_BINUNICODE / BINUNICODE
-    if k == 0 or i + 1 + k > n:
-        return None
-    slen = <Py_ssize_t>_rd_le(p + i + 1, k)
-    i += 1 + k
-    if slen > n - i:
-        return None
-    sptr = p + i
-    i += slen
-    if i >= n:
+    i = _rd_blob(p, i, n, 0x8C, 0x58, &sptr, &slen)  # SHORT_BINUNICODE / BINUNICODE: dtype.str
+    if i < 0 or i >= n:
         return None
     if p[i] == 0x29:  # EMPTY_TUPLE: a 0-d array
         i += 1

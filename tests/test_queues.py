@@ -1050,3 +1050,38 @@ def test_deque_interoperates_on_one_buffer():
                 assert owner.pop() == expected.pop()
             assert owner.pop() == -1 and thief.steal() == -1
             assert len(dn) == len(dp) == 0
+
+
+@needs_native
+def test_the_native_spin_returns_as_soon_as_a_look_finds_something():
+    """_cqueues.spin (Worker.search's spin rounds): all ``n`` rounds when nothing shows; the
+    round it shows in when the inbox, the injector or a victim's deque holds an item, or a
+    stop word is set; nothing taken."""
+    impl = _cqueues
+    nd, nm, ns = (getattr(impl, k).nbytes(8) for k in ALL_KINDS)
+    words = 2 * LINE
+    region = impl.Region(bytearray(2 * nd + nm + ns + words))
+    d1 = impl.Deque(region, 0, 8)
+    d2 = impl.Deque(region, nd, 8)
+    inj = impl.MPMCRing(region, 2 * nd, 8)
+    inbox = impl.SPSCRing(region, 2 * nd + nm, 8)
+    for q in (d1, d2, inj, inbox):
+        q.init()
+    stop, shut = 2 * nd + nm + ns, 2 * nd + nm + ns + LINE
+
+    def spin(n: int) -> int:
+        return impl.spin(n, inbox, inj, [d1, d2], region, stop, shut)
+
+    assert spin(5) == 5 and spin(1) == 1
+    for push, take in ((inbox.push, inbox.pop), (inj.push, inj.pop), (d2.push, d2.pop)):
+        assert push(7)
+        assert spin(5) == 1
+        assert take() == 7  # nothing was taken by the spin
+        assert spin(5) == 5
+    for off in (stop, shut):
+        region.store32(off, 1)
+        assert spin(5) == 1
+        region.store32(off, 0)
+    assert spin(3) == 3
+    with pytest.raises(IndexError):  # a word outside the region
+        impl.spin(1, inbox, inj, [], region, 1 << 30, shut)

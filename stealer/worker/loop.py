@@ -300,6 +300,9 @@ class Worker(ForkJoinHandling, PingHandling):
         # execute's start natively where the Host's turn is native (Turns.start; None: the
         # Python start, its twin)
         self.quick_start: Any = self.host.quick.start if self.host.quick is not None else None
+        # search's spin rounds natively (_cqueues.spin; None: the reference queues, whose
+        # rings are Python)
+        self.quick_spin: Any = getattr(Q, "spin", None) if Q.NATIVE else None
 
     # (status, pickle, buffers) of an outcome, for the agents' journal (host.py)
     encode_result = staticmethod(encode_result)
@@ -403,6 +406,7 @@ class Worker(ForkJoinHandling, PingHandling):
         """Injector, then peers; spin briefly, then park. None means shut down."""
         idle = self.idle
         r = self.r
+        spin = self.quick_spin
         self.flush_client()
         self.host.went_idle()  # idle from now on: our busy share (agents/placement.py)
         searching = idle.try_search(self.k)
@@ -432,7 +436,13 @@ class Worker(ForkJoinHandling, PingHandling):
             if rounds < self.spin_limit:
                 # Yield every round: on a machine with few cores the client (or another
                 # worker) may be waiting for this CPU; a pure spin would take half of it.
-                os.sched_yield()
+                if spin is not None and not host.timers:
+                    # the rounds' cheap looks natively (_cqueues.spin), then this full
+                    # round again once something shows or they run out
+                    rounds += spin(self.spin_limit - rounds, self.inbox, self.injector,
+                                   self.victims, r, H_STOP_AGENTS, H_SHUTDOWN) - 1
+                else:
+                    os.sched_yield()
                 continue
             if searching:
                 idle.stop_search(self.k, False)

@@ -522,8 +522,9 @@ def spin(int n, _Ring inbox not None, _Ring injector not None, list victims,
     region._check(shutdown_off, 4)
     for i in range(n):
         sched_yield()
-        # acquire loads in the order of the rings' and deques' __len__ (consumer first: the
-        # producer read after it is never behind it); approximate, a hint
+        # acquire loads of each ring's positions, consumer first as _Ring.__len__ (the
+        # producer's read after it is never behind it): they pair with the pushers' and
+        # poppers' seq_cst/release updates of prod_p and cons_p; a hint, re-read by the pop
         c = st_load_acquire_u64(inbox.cons_p)
         if st_load_acquire_u64(inbox.prod_p) > c:
             return i + 1
@@ -531,7 +532,9 @@ def spin(int n, _Ring inbox not None, _Ring injector not None, list victims,
         if st_load_acquire_u64(injector.prod_p) > c:
             return i + 1
         for d in victims:
-            b = <int64_t>st_load_acquire_u64(d.bottom_p)  # as Deque.__len__
+            # acquire loads, as Deque.__len__: pair with the owner's store of bottom (push)
+            # and the thieves' CAS of top (steal); a hint, re-read by the steal
+            b = <int64_t>st_load_acquire_u64(d.bottom_p)
             t = <int64_t>st_load_acquire_u64(d.top_p)
             if b > t:
                 return i + 1

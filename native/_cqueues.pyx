@@ -901,59 +901,6 @@ cdef extern from *:
                             object sentinel) except -1
 
 
-# The fields of Entry (declared in _cqueues.pxd): the names of entry.py's _Entry slots.
-ENTRY_FIELDS = (
-    "applied",
-    "arrived",
-    "blocked",
-    "ckpt_ns",
-    "ckpt_time",
-    "cls",
-    "cpu_ns",
-    "ctx",
-    "cur",
-    "deadline",
-    "deadline_ns",
-    "events",
-    "frame",
-    "gen",
-    "h",
-    "handled",
-    "it",
-    "it_msg",
-    "jacked",
-    "jreplies",
-    "jseen",
-    "jsent",
-    "jspawned",
-    "last_ckpt",
-    "link",
-    "msgs",
-    "obj",
-    "opts",
-    "outbox",
-    "pending",
-    "pinned",
-    "queued",
-    "rcache",
-    "ready_at",
-    "replay",
-    "restarts",
-    "seen",
-    "spawn_args",
-    "state",
-    "steps",
-    "stop",
-    "tier",
-    "turn_ns",
-    "uid",
-    "ver",
-    "waiting",
-    "wake_at",
-    "want_step",
-    "win_cpu",
-    "win_start",
-)
 
 
 cdef class Entry:
@@ -965,11 +912,27 @@ cdef class Entry:
     there, which the native turn does not expect (nothing deletes one)."""
 
 
-# its 64-bit int fields (declared int64_t in _cqueues.pxd): what Python writes there must be
-# an int (entry.py writes only ints to them)
-ENTRY_INTS = ("handled", "events", "msgs", "steps", "cpu_ns", "win_cpu", "turn_ns", "ready_at",
-              "win_start", "ckpt_time", "ckpt_ns", "state", "tier")
+def _declared_fields(tp):
+    """The fields declared public for ``tp`` in _cqueues.pxd (those Cython made properties
+    for), sorted, and those of them that are 64-bit ints (they refuse None): read off the
+    type, so the declaration is their only list here (entry.py keeps the reference
+    build's; tests/test_fast_turn.py compares the two)."""
+    from types import GetSetDescriptorType
 
+    probe = tp.__new__(tp)
+    names = sorted(k for k, v in tp.__dict__.items()
+                   if type(v) is GetSetDescriptorType and not k.startswith("__"))
+    ints = []
+    for k in names:
+        try:
+            setattr(probe, k, None)
+        except TypeError:
+            ints.append(k)
+    return tuple(names), tuple(ints)
+
+
+# Entry's fields and its 64-bit int fields (what Python writes to those must be an int)
+ENTRY_FIELDS, ENTRY_INTS = _declared_fields(Entry)
 st_members_as_slots(Entry, Entry.__new__(Entry), ENTRY_FIELDS, ENTRY_INTS, object())
 
 

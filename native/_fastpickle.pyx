@@ -208,6 +208,38 @@ cdef object _dtype_str(object x, uint64_t key):
     return s
 
 
+cdef object _plain_buffer(object x, Py_buffer *view):
+    """``x.dtype.str`` with ``x``'s buffer taken into ``view`` (the caller releases it) when
+    it is C-contiguous, of a plain kind and at most ``ARRAY_MAX`` bytes; else None, with no
+    buffer held (not C-contiguous, a dtype that exports no buffer, too large...)."""
+    try:
+        PyObject_GetBuffer(x, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
+    except Exception:
+        return None
+    dts = None
+    try:
+        if view.len <= ARRAY_MAX:
+            key = _format_key(view.format, view.itemsize)
+            if key != 0:
+                dts = _dtype_str(x, key)
+    finally:
+        if dts is None:
+            PyBuffer_Release(view)
+    return dts
+
+
+cdef tuple _shape(const Py_ssize_t *dims, Py_ssize_t ndim):
+    """The shape tuple of ``dims[:ndim]``."""
+    cdef Py_ssize_t k
+    cdef object dim  # (an object: SET_ITEM steals the reference Py_INCREF takes for it)
+    shape = PyTuple_New(ndim)
+    for k in range(ndim):
+        dim = dims[k]
+        Py_INCREF(dim)
+        PyTuple_SET_ITEM(shape, k, dim)
+    return shape
+
+
 cdef bint _array(Out *o, object x):
     """``_small_array(data, dtype.str, shape)`` under the extension code, from the array's
     buffer (C-contiguous, or refused)."""
@@ -216,18 +248,11 @@ cdef bint _array(Out *o, object x):
     cdef const char *s
     if not _remember(o, x):
         return False
-    try:
-        PyObject_GetBuffer(x, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
-    except Exception:  # not C-contiguous, or a dtype that exports no buffer: pickle's way
+    dts = _plain_buffer(x, &view)
+    if dts is None:  # pickle's way
         return False
     try:
-        if view.len > ARRAY_MAX or view.ndim > 32:
-            return False
-        key = _format_key(view.format, view.itemsize)
-        if key == 0:
-            return False
-        dts = _dtype_str(x, key)
-        if dts is None:
+        if view.ndim > 32:
             return False
         o.items += view.ndim + 2
         if o.items > MAXITEMS or not _room(o, 2):
@@ -347,28 +372,13 @@ def reduce_array(self, obj):
     ``(_small_array, (data, dtype.str, shape))``; anything else NotImplemented (pickle's
     own way: a large array goes out of band)."""
     cdef Py_buffer view
-    cdef Py_ssize_t i
-    cdef object dim  # (an object: SET_ITEM steals the reference taken for it)
     if type(obj) is not _ndarray or _ndarray is None or _small_array_fn is None:
         return NotImplemented
-    try:
-        PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
-    except Exception:  # not C-contiguous, or a dtype that exports no buffer
+    dts = _plain_buffer(obj, &view)
+    if dts is None:
         return NotImplemented
     try:
-        if view.len > ARRAY_MAX:
-            return NotImplemented
-        key = _format_key(view.format, view.itemsize)
-        if key == 0:
-            return NotImplemented
-        dts = _dtype_str(obj, key)
-        if dts is None:
-            return NotImplemented
-        shape = PyTuple_New(view.ndim)
-        for i in range(view.ndim):
-            dim = view.shape[i]
-            Py_INCREF(dim)
-            PyTuple_SET_ITEM(shape, i, dim)
+        shape = _shape(view.shape, view.ndim)
         data = PyBytes_FromStringAndSize(<const char *>view.buf, view.len)
     finally:
         PyBuffer_Release(&view)
@@ -445,25 +455,37 @@ cdef inline uint64_t _rd_le(const unsigned char *p, int k):
     return v
 
 
+cdef object _reader_ndarray():
+    """numpy.ndarray for the reader, or None: numpy not met by dumps yet is looked up (it is
+    loaded if such a reply came), never imported here."""
+    if _ndarray is None:
+        np = sys.modules.get("numpy")
+        if np is None:
+            return None
+        set_ndarray(np.ndarray)
+    return _ndarray
+
+
+cdef object _dtype_of(str dts, object nd):
+    """The dtype whose str is ``dts`` (kept in _dtypes_by_str)."""
+    dt = _dtypes_by_str.get(dts)
+    if dt is None:
+        dt = nd((0,), dts).dtype
+        if len(_dtypes_by_str) < 64:
+            _dtypes_by_str[dts] = dt
+    return dt
+
+
 cdef object _small_array_of(object args):
     if type(args) is not tuple or len(args) != 3:
         return _NOT_MINE
     data, dts, shape = args
     if type(data) is not bytes or type(dts) is not str or type(shape) is not tuple:
         return _NOT_MINE
-    nd = _ndarray
-    if nd is None:  # numpy was not met by dumps yet: it is loaded if such a reply came
-        np = sys.modules.get("numpy")
-        if np is None:
-            return _NOT_MINE
-        set_ndarray(np.ndarray)
-        nd = _ndarray
-    dt = _dtypes_by_str.get(dts)
-    if dt is None:
-        dt = nd((0,), dts).dtype
-        if len(_dtypes_by_str) < 64:
-            _dtypes_by_str[dts] = dt
-    return nd(shape, dt, bytearray(data))
+    nd = _reader_ndarray()
+    if nd is None:
+        return _NOT_MINE
+    return nd(shape, _dtype_of(dts, nd), bytearray(data))
 
 
 # dtype.str -> dtype of the arrays read back, keyed by the str's UTF-8 bytes as they lie in
@@ -485,12 +507,7 @@ cdef object _read_dtype(const unsigned char *s, Py_ssize_t m, object nd):
     for j in range(_nrd):
         if _rd_lens[j] == m and memcmp(_rd_keys[j], s, m) == 0:
             return <object>_rd_vals[j]
-    dts = PyUnicode_DecodeUTF8(<const char *>s, m, "surrogatepass")
-    dt = _dtypes_by_str.get(dts)
-    if dt is None:
-        dt = nd((0,), dts).dtype
-        if len(_dtypes_by_str) < 64:
-            _dtypes_by_str[dts] = dt
+    dt = _dtype_of(PyUnicode_DecodeUTF8(<const char *>s, m, "surrogatepass"), nd)
     if _nrd < NREAD_DTYPES and m <= DTYPE_KEY:
         _dtype_objs.append(dt)
         memcpy(_rd_keys[_nrd], s, m)
@@ -540,7 +557,6 @@ cdef object _fast_array(const unsigned char *p, Py_ssize_t i, Py_ssize_t n, Py_s
     cdef Py_ssize_t dims[32]
     cdef bint marked = False
     cdef int64_t d
-    cdef object dim  # (an object: SET_ITEM steals the reference taken for it)
     i = _rd_blob(p, i, n, 0x43, 0x42, &dptr, &dlen)  # SHORT_BINBYTES / BINBYTES: the data
     if i < 0:
         return None
@@ -581,21 +597,11 @@ cdef object _fast_array(const unsigned char *p, Py_ssize_t i, Py_ssize_t n, Py_s
         i += 1
     if i + 2 > n or p[i] != 0x87 or p[i + 1] != 0x52:  # TUPLE3 (the arguments), REDUCE
         return None
-    nd = _ndarray
+    nd = _reader_ndarray()
     if nd is None:
-        np = sys.modules.get("numpy")
-        if np is None:
-            return None
-        set_ndarray(np.ndarray)
-        nd = _ndarray
+        return None
     try:
-        dt = _read_dtype(sptr, slen, nd)
-        shape = PyTuple_New(ndim)
-        for k in range(ndim):
-            dim = dims[k]
-            Py_INCREF(dim)
-            PyTuple_SET_ITEM(shape, k, dim)
-        v = nd(shape, dt, PyByteArray_FromStringAndSize(<const char *>dptr, dlen))
+        v = nd(_shape(dims, ndim), _read_dtype(sptr, slen, nd), PyByteArray_FromStringAndSize(<const char *>dptr, dlen))
     except Exception:
         return None
     end[0] = i + 2

@@ -166,12 +166,9 @@ if _fast is not None and hasattr(_fastpickle, "reduce_array"):
 
 def _has_arrays(obj: Any) -> bool:
     """Is there an ndarray in ``obj``'s first two levels (short tuples and lists)?"""
+    if not _numpy_loaded():
+        return False
     nd = _ndarray
-    if nd is None:
-        np = sys.modules.get("numpy")
-        if np is None:
-            return False
-        nd = _found_numpy(np)
     t = type(obj)
     if t is nd:
         return True
@@ -213,8 +210,8 @@ def dumps(obj: Any, what: str = "object", fast: bool = True,
     ``arrays``: small arrays may lie anywhere in it (an agent's state), not only in its
     first two levels: the array pickler is used whenever numpy is loaded."""
     if fast and _fast is not None:
-        if _ndarray is None and "numpy" in sys.modules:
-            _found_numpy(sys.modules["numpy"])
+        if _ndarray is None:  # (the writer learns numpy.ndarray once it is loaded)
+            _numpy_loaded()
         data = _fast(obj)
         if data is not None:
             return data, []

@@ -155,6 +155,13 @@ cdef class HotPath:
     cdef list inboxes
     cdef char *rec(self, uint64_t h) noexcept nogil
     cdef int c_notify_one(self) noexcept nogil
+    cdef inline char *_park_word(self, int k) noexcept nogil
+    cdef inline char *_set_word(self, Py_ssize_t set_off, int k) noexcept nogil
+    cdef int _check_worker(self, int k) except -1
+    cdef bint c_wake_parked(self, char *word) noexcept nogil
+    cdef void c_flush_client(self) noexcept nogil
+    cdef bint c_try_search(self, int k) noexcept nogil
+    cdef void c_stop_search(self, int k, bint found_work) noexcept nogil
     cdef void c_free(self, uint64_t h) noexcept nogil
     cdef void _give_back(self, char *e) noexcept nogil
     cdef int _check_handle(self, uint64_t h) except -1

@@ -131,6 +131,19 @@ cdef class Region:
         # acquire on the final decrement) and the overflow-file counter
         return <int64_t>st_fetch_add_acqrel_u64(self.at(off), <uint64_t>delta)
 
+    def store_u64s(self, Py_ssize_t off, list values not None):
+        """Store ``values`` (ints) as consecutive native u64 words from ``off`` (relaxed:
+        a single writer's counters, Worker.flush; readers take each word as it is)."""
+        cdef Py_ssize_t n = len(values), i
+        if n == 0:
+            return
+        self._check(off, 8)
+        self._check(off + 8 * (n - 1), 8)
+        cdef uint64_t v
+        for i in range(n):
+            v = values[i]
+            st_store_relaxed_u64(self.at(off + 8 * i), v)  # relaxed: read by stats()/top
+
     def fence(self):
         st_fence_seqcst()
 
@@ -506,6 +519,37 @@ cdef class _Ring:
         return <Py_ssize_t>(p - c) if p > c else 0
 
 
+cdef inline bint _something_shows(_Ring inbox, _Ring injector, list victims) noexcept:
+    # The cheap looks of Worker.search's round: its inbox, the injector, each victim's
+    # deque (a lock-free hint only: nothing is taken; the caller's pop or steal re-reads).
+    cdef Deque d
+    cdef int64_t b, t
+    cdef uint64_t c
+    # acquire loads of each ring's positions, consumer first as _Ring.__len__ (the
+    # producer's read after it is never behind it): they pair with the pushers' and
+    # poppers' seq_cst/release updates of prod_p and cons_p
+    c = st_load_acquire_u64(inbox.cons_p)
+    if st_load_acquire_u64(inbox.prod_p) > c:
+        return True
+    c = st_load_acquire_u64(injector.cons_p)
+    if st_load_acquire_u64(injector.prod_p) > c:
+        return True
+    for d in victims:
+        # acquire loads, as Deque.__len__: pair with the owner's store of bottom (push)
+        # and the thieves' CAS of top (steal)
+        b = <int64_t>st_load_acquire_u64(d.bottom_p)
+        t = <int64_t>st_load_acquire_u64(d.top_p)
+        if b > t:
+            return True
+    return False
+
+
+def something_shows(_Ring inbox not None, _Ring injector not None, list victims not None):
+    """Worker.search's cheap looks once (see :func:`spin`): True if its inbox, the
+    injector or a victim's deque holds something (a hint: nothing is taken)."""
+    return _something_shows(inbox, injector, victims)
+
+
 def spin(int n, _Ring inbox not None, _Ring injector not None, list victims,
          Region region not None, Py_ssize_t stop_off, Py_ssize_t shutdown_off):
     """Worker.search's spin rounds without their Python: up to ``n`` times, yield the CPU
@@ -515,33 +559,110 @@ def spin(int n, _Ring inbox not None, _Ring injector not None, list victims,
     round then finds it (a lock-free hint only: nothing is taken here).  The Python round
     run once per round cost ~5 µs of a worker whose caches a handler had just emptied."""
     cdef int i
-    cdef Deque d
-    cdef int64_t b, t
-    cdef uint64_t c
     region._check(stop_off, 4)
     region._check(shutdown_off, 4)
     for i in range(n):
         sched_yield()
-        # acquire loads of each ring's positions, consumer first as _Ring.__len__ (the
-        # producer's read after it is never behind it): they pair with the pushers' and
-        # poppers' seq_cst/release updates of prod_p and cons_p; a hint, re-read by the pop
-        c = st_load_acquire_u64(inbox.cons_p)
-        if st_load_acquire_u64(inbox.prod_p) > c:
+        if _something_shows(inbox, injector, victims):
             return i + 1
-        c = st_load_acquire_u64(injector.cons_p)
-        if st_load_acquire_u64(injector.prod_p) > c:
-            return i + 1
-        for d in victims:
-            # acquire loads, as Deque.__len__: pair with the owner's store of bottom (push)
-            # and the thieves' CAS of top (steal); a hint, re-read by the steal
-            b = <int64_t>st_load_acquire_u64(d.bottom_p)
-            t = <int64_t>st_load_acquire_u64(d.top_p)
-            if b > t:
-                return i + 1
         # acquire loads, as Region.load32 (pair with the client's seq_cst stores)
         if st_load_acquire_u32(region.at(stop_off)) or st_load_acquire_u32(region.at(shutdown_off)):
             return i + 1
     return n
+
+
+def peers_to_poke(Region region not None, Py_ssize_t base0, Py_ssize_t stride, int n, int k,
+                  Py_ssize_t runnable_at, Py_ssize_t in_step_at, Py_ssize_t state_at,
+                  uint32_t ready):
+    """Host.poke_peers' first look, natively: is there a peer of worker ``k`` (of ``n``,
+    worker j's words at ``base0 + j * stride``) with agents runnable behind a running step,
+    in state ``ready``?  Only then does the Python look at each one (and its last poke)."""
+    cdef int j
+    cdef char *b
+    if n > 0:
+        region._check(base0, 4)
+        region._check(base0 + stride * (n - 1) + max(runnable_at, in_step_at, state_at), 4)
+    for j in range(n):
+        if j == k:
+            continue
+        b = <char *>region.at(base0 + stride * j)
+        # acquire loads, as Region.load32: pair with the peer's seq_cst stores of its
+        # W_RUNNABLE / W_IN_STEP / W_STATE (hints, re-read by poke_peers)
+        if (st_load_acquire_u32(b + runnable_at) and st_load_acquire_u32(b + in_step_at)
+                and st_load_acquire_u32(b + state_at) == ready):
+            return True
+    return False
+
+
+# -- a worker's busy share (stealer/worker/agents/placement.py BusyShare, the reference) ---
+from libc.math cimport exp as c_exp
+
+
+cdef class BusyShare:
+    """placement.BusyShare natively (the same fields, methods and arithmetic: libm's exp,
+    as math.exp), and Balancer.note_busy's publication of it (:meth:`note`) in one call:
+    the worker's busy/idle switches run at every idle transition, and their four Python
+    frames cost ~6 µs of a worker whose caches its handlers had just emptied."""
+    cdef public double avg      # the share at ``at``
+    cdef public int64_t at      # monotonic ns of the last update; 0: none yet
+    cdef public int64_t cur     # 1 busy, 0 idle, since ``at``
+    cdef double tau_ns          # placement.AVG_TAU_NS
+    cdef double scale           # shm.BUSY_SCALE, the published word's fixed point
+    cdef Region region          # where note() publishes (None: nowhere)
+    cdef Py_ssize_t avg_off     # this worker's W_BUSY_AVG
+    cdef Py_ssize_t at_off      # this worker's W_BUSY_AT
+
+    def __cinit__(self, double tau_ns, double scale=0.0, Region region=None,
+                  Py_ssize_t avg_off=0, Py_ssize_t at_off=0):
+        if tau_ns <= 0:
+            raise ValueError("tau_ns must be > 0")
+        if region is not None:
+            region._check(avg_off, 8)
+            region._check(at_off, 8)
+        self.tau_ns = tau_ns
+        self.scale = scale
+        self.region = region
+        self.avg_off = avg_off
+        self.at_off = at_off
+
+    cdef inline double _decayed(self, int64_t now_ns) noexcept:
+        # placement.decayed(avg, at, now, cur)
+        cdef int64_t dt = now_ns - self.at
+        if dt <= 0:
+            return self.avg
+        return self.avg + (1.0 - c_exp(-(<double>dt) / self.tau_ns)) * (self.cur - self.avg)
+
+    cpdef double update(self, int64_t now_ns, int64_t busy):
+        """Busy (1) or idle (0) from ``now_ns`` on; returns the share at ``now_ns``."""
+        self.avg = self._decayed(now_ns) if self.at else <double>busy
+        self.at = now_ns
+        self.cur = busy
+        return self.avg
+
+    cpdef double now(self, int64_t now_ns):
+        """The share at ``now_ns``."""
+        return self._decayed(now_ns) if self.at else 0.0
+
+    def take(self, int64_t now_ns, double share):
+        """Take ``share`` off (agents that carried it left)."""
+        self.avg = max(0.0, self.now(now_ns) - share)
+        if self.at:
+            self.at = now_ns
+
+    def note(self, int64_t busy):
+        """Busy (1) or idle (0) from now on (monotonic clock), published (Balancer.note_busy)."""
+        cdef int64_t t = <int64_t>_now_ns()
+        cdef double avg = self.update(t, busy)
+        if self.region is not None:
+            # relaxed: a hint for the peers (Balancer.peer_share), read with W_BUSY_AT
+            st_store_relaxed_u64(self.region.at(self.avg_off),
+                                 (<uint64_t>(avg * self.scale) << 1) | <uint64_t>busy)
+            st_store_relaxed_u64(self.region.at(self.at_off), <uint64_t>t)  # relaxed, likewise
+
+    def idle(self):
+        """The worker loop is about to search for work (Balancer.went_idle)."""
+        if self.cur:
+            self.note(0)
 
 
 # -- MPMC claims a dead process left half-done (stealer/client/ringfix.py repairs them) ----------
@@ -1054,6 +1175,134 @@ cdef class HotPath:
     def notify_one(self):
         """Wake one parked worker if nobody searches; the worker index woken, or -1."""
         return self.c_notify_one()
+
+    # -- a worker's idle transitions (Worker.search): Idle's flush_client, try_search,
+    #    stop_search and park natively, one call each; stealer/shared/idle.py is the
+    #    reference and says why each step is where it is.  The Python calls cost 30-40 µs
+    #    of CPU per search (~2 µs per call at 32 lockstep agents) in a worker whose caches
+    #    the handlers had just emptied.
+    cdef inline char *_park_word(self, int k) noexcept nogil:
+        return self.region.base + self.park_base + self.park_stride * k
+
+    cdef inline char *_set_word(self, Py_ssize_t set_off, int k) noexcept nogil:
+        return self.region.base + set_off + 8 * (k >> 6)
+
+    cdef int _check_worker(self, int k) except -1:
+        if self.nworkers <= 0:
+            raise RuntimeError("this HotPath was made without the worker sets")
+        if k < 0 or k >= self.nworkers:
+            raise IndexError(f"worker {k} out of range ({self.nworkers} workers)")
+        return 0
+
+    cdef bint c_wake_parked(self, char *word) noexcept nogil:
+        # Idle._wake_parked: the client thread parked (either mode) on ``word``.
+        # seq_cst load and CAS: pair with the parker's store of its state and its re-check
+        cdef uint32_t v = st_load_seqcst_u32(word)
+        if (v == PARKED or v == PARKED_BATCH) and st_cas_seqcst_u32(word, v, NOTIFIED):
+            st_futex_wake(word, 1)
+            return True
+        return False
+
+    cdef void c_flush_client(self) noexcept nogil:
+        # Idle.flush_client: the wakes owed for completions not announced (c_finish)
+        cdef char *w = self.region.base + self.client_park_off
+        st_fence_seqcst()   # the completion pushes before reading the park words; pairs
+                            # with the parkers' store of their state and re-check
+        # seq_cst load: pairs with the waiter's stores of its state (waiter_take/_park)
+        cdef uint32_t v = st_load_seqcst_u32(w + WAITER_PARK_AT)
+        if v == WAITER_AWAKE or v == NOTIFIED:
+            return          # it looks at the rings before it parks or leaves
+        if not self.c_wake_parked(w + WAITER_PARK_AT):
+            self.c_wake_parked(w)
+
+    cdef bint c_try_search(self, int k) noexcept nogil:
+        # Idle.try_search: a searcher unless half the workers already search
+        cdef int j, c = 0
+        if self.nworkers > 1:
+            for j in range(self.nwords):
+                # acquire: pairs with the set's or64/and64 RMWs (an advisory count)
+                c += wset_popcount(st_load_acquire_u64(
+                    self.region.base + self.searching_off + 8 * j))
+            if 2 * c >= self.nworkers:
+                return False
+        # seq_cst RMW, the whole transition: the notifiers' loads after their fence see the
+        # bit (and skip the wake) only if this worker scans the queues after their publication
+        wset_fetch_or_seqcst(self._set_word(self.searching_off, k), <uint64_t>1 << (k & 63))
+        return True
+
+    cdef void c_stop_search(self, int k, bint found_work) noexcept nogil:
+        # Idle.stop_search: the last searcher to find work wakes another
+        cdef uint64_t bit = <uint64_t>1 << (k & 63)
+        cdef int j
+        # seq_cst RMW, the whole transition; pairs with the notifiers' fence (try_search)
+        cdef uint64_t old = wset_fetch_and_seqcst(self._set_word(self.searching_off, k), ~bit)
+        if not found_work or old != bit:
+            return
+        for j in range(self.nwords):
+            # acquire: pairs with the set's RMWs (nobody else searching anywhere)
+            if st_load_acquire_u64(self.region.base + self.searching_off + 8 * j) != 0:
+                return
+        self.c_notify_one()
+
+    def idle_enter(self, int k, bint owed=False):
+        """Worker ``k`` runs out of work: pay the client wake it owes (``owed``, or this
+        HotPath's :attr:`owed`: Idle.flush_client), then try to become a searcher
+        (Idle.try_search).  True if it searches."""
+        self._check_worker(k)
+        if owed or self.owed:
+            self.owed = False
+            self.c_flush_client()
+        return self.c_try_search(k)
+
+    def try_search(self, int k):
+        """Idle.try_search natively."""
+        self._check_worker(k)
+        return self.c_try_search(k)
+
+    def stop_search(self, int k, bint found_work):
+        """Idle.stop_search natively."""
+        self._check_worker(k)
+        self.c_stop_search(k, found_work)
+
+    def flush_client(self):
+        """Idle.flush_client natively (clears :attr:`owed`)."""
+        self.owed = False
+        self.c_flush_client()
+
+    def park(self, int k, bint searching, _Ring inbox not None, _Ring injector not None,
+             Deque mine not None, list victims not None, double timeout):
+        """Worker ``k``: leave the searchers if ``searching`` (Idle.stop_search, no work
+        found), then Idle.park with its re-check made natively: ``mine`` (its deque),
+        ``inbox``, ``injector`` and the ``victims``' deques.  The caller looks at its
+        process-local work (runnable agents, held items) just before: only other processes
+        publish into these.  Returns False on timeout, True otherwise (woken, something
+        showed, or a signal: the caller re-checks)."""
+        self._check_worker(k)
+        if searching:
+            self.c_stop_search(k, False)
+        cdef char *w = self._park_word(k)
+        cdef char *set_w = self._set_word(self.parked_off, k)
+        cdef uint64_t bit = <uint64_t>1 << (k & 63)
+        cdef int64_t ns = <int64_t>(max(0.0, timeout) * 1e9)
+        cdef int rc = 0
+        cdef int64_t b, t
+        st_store_seqcst_u32(w, PARKED)   # read by the notifiers' CAS (PARKED -> NOTIFIED)
+        # seq_cst RMW (release): a notifier's acquire load that sees the bit sees PARKED above
+        wset_fetch_or_seqcst(set_w, bit)
+        st_fence_seqcst()   # the bit before the re-check; pairs with the notifier's fence
+        # relaxed: the owner's own bottom; acquire top: pairs with the thieves' CAS
+        b = <int64_t>st_load_relaxed_u64(mine.bottom_p)
+        t = <int64_t>st_load_acquire_u64(mine.top_p)
+        if b <= t and not _something_shows(inbox, injector, victims):
+            with nogil:
+                rc = st_futex_wait(w, PARKED, ns)
+        # seq_cst RMW: out of the set first, so a set bit means the worker is parked or
+        # dead (the client's forget clears it then)
+        wset_fetch_and_seqcst(set_w, ~bit)
+        st_store_seqcst_u32(w, 0)   # RUNNING (idle.py); overwrites NOTIFIED: notifiers' CAS fails
+        if rc < 0:
+            raise OSError(-rc, "futex wait failed")
+        return rc == 0
 
     cdef int64_t c_fresh(self, uint32_t kind, uint64_t link, const char *data,
                          Py_ssize_t n, uint32_t retries) noexcept nogil:

@@ -36,6 +36,7 @@ from stealer.shared.shm import (
     H_CLIENT_PARK,
     H_PARKED,
     H_SEARCHING,
+    H_WAITER_PARK,
     MAX_WORKERS,
     W_PARK,
     W_PID,
@@ -374,3 +375,132 @@ def test_the_spin_before_a_park_adapts_to_how_long_parks_last():
     assert limit == SPIN_ROUNDS
     assert next_spin(16, 100_000, 200_000) == 16  # neither: kept
     assert next_spin(SPIN_MIN, 1, 10**9) == SPIN_MIN and next_spin(SPIN_ROUNDS, 10, 1) == SPIN_ROUNDS
+
+
+# -- the native idle transitions (HotPath: Worker.search's flush, search and park) --------
+def _native_pair(n: int):
+    """The reference Idle on one copy of the state, HotPath on another; and the queues a
+    native park looks at (their own region: only their contents matter)."""
+    layout = small_layout(n)
+    regions = [_cqueues.Region(mmap.mmap(-1, layout.total)) for _ in range(2)]
+    idle = Idle(regions[0], layout)
+    ring = _cqueues.MPMCRing(regions[1], layout.offsets["injector"], layout.records)
+    hot = _cqueues.HotPath(regions[1], layout.offsets["records"], layout.records, ring, ring,
+                           H_CLIENT_PARK, H_SEARCHING, H_PARKED, layout.worker(0) + W_PARK,
+                           WORKER_BYTES, n)
+    nd, nm = _cqueues.Deque.nbytes(8), _cqueues.MPMCRing.nbytes(8)
+    qr = _cqueues.Region(bytearray(3 * nd + 2 * nm))
+    mine, peer, other = (_cqueues.Deque(qr, i * nd, 8) for i in range(3))
+    inbox = _cqueues.MPMCRing(qr, 3 * nd, 8)
+    injector = _cqueues.MPMCRing(qr, 3 * nd + nm, 8)
+    for q in (mine, peer, other, inbox, injector):
+        q.init()
+    return layout, regions, idle, hot, (inbox, injector, mine, [peer, other])
+
+
+def _words(r, layout, n: int) -> list[int]:
+    """Every word the idle transitions write: park words, both sets, the client's words."""
+    nw = (n + 63) // 64
+    return ([r.load32(layout.worker(k) + W_PARK) for k in range(n)]
+            + [r.load64(H_SEARCHING + 8 * j) for j in range(nw)]
+            + [r.load64(H_PARKED + 8 * j) for j in range(nw)]
+            + [r.load32(H_CLIENT_PARK), r.load32(H_WAITER_PARK)])
+
+
+@pytest.mark.skipif(_cqueues is None, reason="native extension not built")
+@pytest.mark.parametrize("n", [1, 2, 3, 65])
+def test_native_idle_transitions_match_the_reference(n):
+    """HotPath.try_search / stop_search / park / flush_client leave every word as Idle's do,
+    over a random sequence of transitions of random workers (a parked worker, by hand,
+    for the notifies of a last searcher that found work to pick)."""
+    import random
+
+    layout, regions, idle, hot, (inbox, injector, mine, victims) = _native_pair(n)
+    rnd = random.Random(n)
+    for step in range(400):
+        k = rnd.randrange(n)
+        op = rnd.randrange(6)
+        if op == 0:
+            assert idle.try_search(k) == hot.try_search(k), step
+        elif op == 1:
+            searchers = [j for j in range(n)
+                         if regions[0].load64(H_SEARCHING + 8 * (j // 64)) >> (j % 64) & 1]
+            if searchers:  # mostly a searcher's (a last one that found work notifies)
+                k = rnd.choice(searchers)
+            found = bool(rnd.randrange(2))
+            idle.stop_search(k, found)
+            hot.stop_search(k, found)
+        elif op == 2:  # work shows in a victim's deque: both parks return at once
+            assert victims[-1].push(5)
+            searching = bool(regions[0].load64(H_SEARCHING + 8 * (k // 64)) >> (k % 64) & 1)
+            if searching:
+                idle.stop_search(k, False)
+            assert idle.park(k, lambda: True, 60.0) is True
+            assert hot.park(k, searching, inbox, injector, mine, victims, 60.0) is True
+            assert victims[-1].pop() == 5
+        elif op == 3:  # nothing: both time out at once
+            assert idle.park(k, lambda: False, 0.0) is False
+            assert hot.park(k, False, inbox, injector, mine, victims, 0.0) is False
+        elif op == 4:  # a worker parked by hand (as if asleep), for the notifies
+            for r in regions:
+                r.store32(layout.worker(k) + W_PARK, PARKED)
+                r.or64(H_PARKED + 8 * (k // 64), 1 << (k % 64))
+        else:  # the client's words in some state, then a worker pays the wakes it owes
+            waiter, client = rnd.choice([0, 1, 2, 3, 4]), rnd.choice([0, 1, 2, 3])
+            for r in regions:
+                r.store32(H_WAITER_PARK, waiter)
+                r.store32(H_CLIENT_PARK, client)
+            idle.flush_client()
+            hot.flush_client()
+        assert _words(regions[0], layout, n) == _words(regions[1], layout, n), (step, op, k)
+
+
+@pytest.mark.skipif(_cqueues is None, reason="native extension not built")
+def test_the_native_park_sleeps_until_notified_and_rechecks_the_queues_first():
+    """A native park with nothing to do sleeps (futex) until the reference notify_one wakes
+    it; one with an item in its inbox, the injector, its own or a victim's deque returns
+    at once (the handshake's re-check) and takes nothing; a timeout returns False.  The
+    worker is out of both sets afterwards, its park word RUNNING."""
+    layout, regions, _idle, hot, (inbox, injector, mine, victims) = _native_pair(2)
+    r = regions[1]
+    notifier = Idle(r, layout)  # the client's side, on the native copy
+    for push, pop in ((inbox.push, inbox.pop), (injector.push, injector.pop),
+                      (mine.push, mine.pop), (victims[0].push, victims[0].pop)):
+        assert push(3)
+        t0 = time.monotonic()
+        assert hot.park(0, False, inbox, injector, mine, victims, 60.0) is True
+        assert time.monotonic() - t0 < 5 and pop() == 3
+    assert hot.park(0, False, inbox, injector, mine, victims, 0.01) is False
+    assert hot.try_search(0)
+    woke: list[bool] = []
+    t = threading.Thread(target=lambda: woke.append(
+        hot.park(0, True, inbox, injector, mine, victims, 60.0)), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while not r.load64(H_PARKED) & 1:
+        assert time.monotonic() < deadline, "the native park never entered the parked set"
+        time.sleep(0.001)
+    assert not r.load64(H_SEARCHING) & 1  # it stopped searching before it parked
+    assert notifier.notify_one()
+    t.join(30)
+    assert woke == [True]
+    assert r.load64(H_PARKED) == 0 and r.load32(layout.worker(0) + W_PARK) == RUNNING
+    with pytest.raises(IndexError):
+        hot.park(2, False, inbox, injector, mine, victims, 0.0)
+
+
+@pytest.mark.skipif(_cqueues is None, reason="native extension not built")
+def test_idle_enter_pays_an_owed_wake_once_then_searches():
+    """HotPath.idle_enter: a wake owed (its own ``owed`` or the caller's) wakes the waiter
+    parked for one record, then the worker tries to search (at most half the workers)."""
+    _layout, regions, _idle, hot, _ = _native_pair(4)
+    r = regions[1]
+    r.store32(H_WAITER_PARK, 3)  # PARKED_BATCH: a waiter parked for one record
+    assert hot.idle_enter(0) is True  # nothing owed: it stays parked
+    assert r.load32(H_WAITER_PARK) == 3
+    hot.owed = True
+    assert hot.idle_enter(1) is True  # owed: woken (NOTIFIED), the flag cleared
+    assert r.load32(H_WAITER_PARK) == NOTIFIED and hot.owed is False
+    r.store32(H_WAITER_PARK, 3)
+    assert hot.idle_enter(2, True) is False  # the caller's owed wake; two search already
+    assert r.load32(H_WAITER_PARK) == NOTIFIED

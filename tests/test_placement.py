@@ -316,3 +316,61 @@ def test_a_move_to_an_idle_peer_that_does_not_pay_is_not_weighed_again_for_a_whi
     bal.quiet_until -= 2 * QUIET_NS
     assert bal.pays_to_idle(e, idle=0b01) == 0  # a long backlog pays: peer 0 gets one
 
+
+
+def _native():
+    from stealer.shared import queues
+
+    return getattr(queues.load(), "BusyShare", None)
+
+
+@pytest.mark.skipif(_native() is None, reason="native extension not built")
+@given(st.lists(st.tuples(st.sampled_from(["update", "now", "take"]), st.integers(0, 1),
+                          st.integers(-5 * MS, 300 * MS), st.floats(0.0, 1.0)),
+                min_size=1, max_size=60))
+def test_the_native_busy_share_computes_what_the_reference_does(steps):
+    """_cqueues.BusyShare (the worker's busy share where the queues are native) against
+    placement.BusyShare: the same value from every method, the same fields after each,
+    to the last bit (the same arithmetic, libm's exp as math.exp); time may go back."""
+    a, b = _native()(P.AVG_TAU_NS), P.BusyShare()
+    t = 10**9
+    for op, busy, dt, share in steps:
+        t += dt
+        if op == "update":
+            assert a.update(t, busy) == b.update(t, busy)
+        elif op == "now":
+            assert a.now(t) == b.now(t)
+        else:
+            a.take(t, share)
+            b.take(t, share)
+        assert (a.avg, a.at, a.cur) == (b.avg, b.at, b.cur)
+
+
+@pytest.mark.skipif(_native() is None, reason="native extension not built")
+def test_the_native_busy_share_publishes_what_note_busy_did():
+    """BusyShare.note (Balancer.note_busy natively): the share, fixed point with the busy
+    bit, and the time, in the two words the peers read (relaxed hints); idle() notes only
+    a change from busy."""
+    import time
+
+    from stealer.shared import queues
+    from stealer.shared.shm import BUSY_SCALE
+
+    Q = queues.load()
+    r = Q.Region(bytearray(64))
+    a = Q.BusyShare(P.AVG_TAU_NS, BUSY_SCALE, r, 16, 24)
+    t0 = time.monotonic_ns()
+    a.note(1)
+    t1 = time.monotonic_ns()
+    assert t0 <= r.load64(24) == a.at <= t1
+    assert r.load64(16) == int(1.0 * BUSY_SCALE) << 1 | 1 and a.cur == 1
+    a.idle()
+    v = r.load64(16)
+    assert v & 1 == 0 and v >> 1 == int(a.avg * BUSY_SCALE) and a.cur == 0
+    at = r.load64(24)
+    a.idle()  # already idle: nothing noted
+    assert r.load64(24) == at and r.load64(16) == v
+    with pytest.raises(IndexError):
+        Q.BusyShare(P.AVG_TAU_NS, BUSY_SCALE, r, 64, 0)  # a word outside the region
+    with pytest.raises(ValueError):
+        Q.BusyShare(0)

@@ -1072,12 +1072,17 @@ def test_the_native_spin_returns_as_soon_as_a_look_finds_something():
     def spin(n: int) -> int:
         return impl.spin(n, inbox, inj, [d1, d2], region, stop, shut)
 
-    assert spin(5) == 5 and spin(1) == 1
+    def shows() -> bool:  # the same looks once, without the yield or the stop words
+        return impl.something_shows(inbox, inj, [d1, d2])
+
+    assert spin(5) == 5 and spin(1) == 1 and not shows()
     for push, take in ((inbox.push, inbox.pop), (inj.push, inj.pop), (d2.push, d2.pop)):
         assert push(7)
-        assert spin(5) == 1
-        assert take() == 7  # nothing was taken by the spin
-        assert spin(5) == 5
+        assert spin(5) == 1 and shows()
+        assert take() == 7  # nothing was taken by the spin or the look
+        assert spin(5) == 5 and not shows()
+    assert d2.push(9) and not impl.something_shows(inbox, inj, [d1])  # only the victims'
+    assert d2.pop() == 9
     for off in (stop, shut):
         region.store32(off, 1)
         assert spin(5) == 1
@@ -1085,3 +1090,54 @@ def test_the_native_spin_returns_as_soon_as_a_look_finds_something():
     assert spin(3) == 3
     with pytest.raises(IndexError):  # a word outside the region
         impl.spin(1, inbox, inj, [], region, 1 << 30, shut)
+
+
+@needs_native
+def test_store_u64s_writes_what_struct_packs_and_refuses_words_outside():
+    """Region.store_u64s (Worker.flush's counters): the bytes struct.pack_into wrote
+    before, and an error (nothing written) for a row that does not fit or a bad value."""
+    import struct
+
+    buf = bytearray(64)
+    region = _cqueues.Region(buf)
+    vals = [0, 1, 2**63 + 5, 2**64 - 1, 12345]
+    region.store_u64s(8, vals)
+    want = bytearray(64)
+    struct.pack_into("=5Q", want, 8, *vals)
+    assert buf == want
+    region.store_u64s(0, [])  # nothing to store: nothing checked either
+    for off, row in ((32, [1] * 5), (4, [1]), (-8, [1])):
+        with pytest.raises(IndexError):
+            region.store_u64s(off, row)
+    assert buf == want
+    with pytest.raises(OverflowError):
+        region.store_u64s(0, [-1])
+
+
+@needs_native
+def test_peers_to_poke_finds_a_ready_peer_with_agents_behind_a_step():
+    """_cqueues.peers_to_poke (Host.poke_peers' first look): True only for a peer other than
+    the caller with W_RUNNABLE and W_IN_STEP set and W_STATE ready; every other mix, and
+    the caller's own words, say no; a layout past the region is refused."""
+    import itertools
+
+    from stealer.shared.shm import STATE_READY, W_IN_STEP, W_RUNNABLE, W_STATE, WORKER_BYTES
+
+    n, base0 = 3, 64
+    region = _cqueues.Region(bytearray(base0 + n * WORKER_BYTES))
+
+    def look(k: int) -> bool:
+        return _cqueues.peers_to_poke(region, base0, WORKER_BYTES, n, k, W_RUNNABLE,
+                                      W_IN_STEP, W_STATE, STATE_READY)
+
+    for runnable, in_step, state in itertools.product((0, 2), (0, 1), (STATE_READY, 2)):
+        b = base0 + WORKER_BYTES * 1
+        region.store32(b + W_RUNNABLE, runnable)
+        region.store32(b + W_IN_STEP, in_step)
+        region.store32(b + W_STATE, state)
+        want = bool(runnable and in_step and state == STATE_READY)
+        assert look(0) is want and look(2) is want
+        assert look(1) is False  # its own words never count
+    with pytest.raises(IndexError):
+        _cqueues.peers_to_poke(region, base0, WORKER_BYTES, n + 1, 0, W_RUNNABLE, W_IN_STEP,
+                               W_STATE, STATE_READY)

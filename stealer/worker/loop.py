@@ -203,6 +203,7 @@ class Worker(ForkJoinHandling, PingHandling):
             raise RuntimeError("this worker could not load the native queues its client uses")
         self.RETRY = Q.RETRY
         self.native = Q.NATIVE
+        self.Q = Q  # the queues' implementation (its native twins: Balancer's BusyShare)
         self.k = a.index
         self.who = a.index + 1  # our holder id in record state words
         self.incarnation = a.incarnation
@@ -303,6 +304,13 @@ class Worker(ForkJoinHandling, PingHandling):
         # search's spin rounds natively (_cqueues.spin; None: the reference queues, whose
         # rings are Python)
         self.quick_spin: Any = getattr(Q, "spin", None) if Q.NATIVE else None
+        self.quick_look: Any = getattr(Q, "something_shows", None) if Q.NATIVE else None
+        # search's idle transitions natively (HotPath: Idle's flush_client, try_search,
+        # stop_search and park; None: Idle's, the reference)
+        self.quick_idle: Any = self.arena.hot if Q.NATIVE else None
+        bal = self.host.bal
+        # (the native busy share's own went_idle where the Balancer has one: no frames)
+        self.went_idle: Any = bal.busy.idle if bal.quick else self.host.went_idle
 
     # (status, pickle, buffers) of an outcome, for the agents' journal (host.py)
     encode_result = staticmethod(encode_result)
@@ -406,31 +414,46 @@ class Worker(ForkJoinHandling, PingHandling):
         """Injector, then peers; spin briefly, then park. None means shut down."""
         idle = self.idle
         r = self.r
+        k = self.k
         spin = self.quick_spin
-        self.flush_client()
-        self.host.went_idle()  # idle from now on: our busy share (agents/placement.py)
-        searching = idle.try_search(self.k)
+        look = self.quick_look
+        quick = self.quick_idle
+        if quick is not None:  # Idle's transitions natively (HotPath: flush, search, park)
+            try_search, stop_search = quick.try_search, quick.stop_search
+            owed = idle.owed  # a wake owed by the Python finish (Idle.wake_client)
+            if owed:
+                idle.owed = False
+            self.went_idle()  # idle from now on: our busy share (agents/placement.py)
+            searching = quick.idle_enter(k, owed)  # flush_client, then try_search
+        else:
+            try_search, stop_search = idle.try_search, idle.stop_search
+            self.flush_client()
+            self.went_idle()
+            searching = try_search(k)
         rounds = 0
         spun_from = time.monotonic_ns()
         while True:
             host = self.host
             if len(self.inbox) or host.has_work() or self.held or self.orphans:
                 if searching:
-                    idle.stop_search(self.k, False)
+                    stop_search(k, False)
                 return -1
-            h = self.take_injector()
-            if h < 0:
-                h = self.steal()
-            if h >= 0:
-                if searching:
-                    idle.stop_search(self.k, True)
-                return h
+            # (natively first, where built: nothing shows in the injector or a victim's
+            # deque, so neither Python look would take anything)
+            if look is None or look(self.inbox, self.injector, self.victims):
+                h = self.take_injector()
+                if h < 0:
+                    h = self.steal()
+                if h >= 0:
+                    if searching:
+                        stop_search(k, True)
+                    return h
             if (host.agents or host.dormant) and not host.stopping and r.load32(H_STOP_AGENTS):
                 host.stop_all()  # shutdown: agents stop at their next step boundary
                 continue
             if r.load32(H_SHUTDOWN) and not self.conts and not host.agents and not host.dormant:
                 if searching:
-                    idle.stop_search(self.k, False)
+                    stop_search(k, False)
                 return None
             rounds += 1
             if rounds < self.spin_limit:
@@ -444,8 +467,8 @@ class Worker(ForkJoinHandling, PingHandling):
                 else:
                     os.sched_yield()
                 continue
-            if searching:
-                idle.stop_search(self.k, False)
+            if searching and quick is None:
+                stop_search(k, False)  # (the native park stops searching first)
                 searching = False
             poked = host.poke_peers()  # agents waiting behind a peer's long step: ask for one
             self.c[C_PARKS] += 1
@@ -458,7 +481,16 @@ class Worker(ForkJoinHandling, PingHandling):
                 # peer's inbox (mailbox.py deliver_held)
                 timeout = min(timeout, 0.001)
             parked = time.monotonic_ns()
-            woke = idle.park(self.k, self.has_work, timeout)
+            if quick is None:
+                woke = idle.park(k, self.has_work, timeout)
+            elif self.held or self.orphans or host.has_work():  # ours: no other process adds
+                if searching:
+                    stop_search(k, False)
+                woke = True
+            else:  # has_work's other looks made natively after the park handshake's fence
+                woke = quick.park(k, searching, self.inbox, self.injector, self.deque,
+                                  self.victims, timeout)
+            searching = False
             t = time.monotonic_ns()
             self.spin_limit = next_spin(self.spin_limit, parked - spun_from, t - parked)
             spun_from = t
@@ -471,7 +503,7 @@ class Worker(ForkJoinHandling, PingHandling):
             if not woke and self.client.gone():  # the client itself, not our parent (forkserver)
                 self.orphaned()
             rounds = 0
-            searching = idle.try_search(self.k)
+            searching = try_search(k)
 
     def flush_client(self) -> None:
         """Completions published in the client's throughput mode and not announced
@@ -486,9 +518,13 @@ class Worker(ForkJoinHandling, PingHandling):
     def flush(self) -> None:
         """Publish the local counters to this worker's metrics block (single writer)."""
         if self.metrics_on:
-            _COUNTERS.pack_into(self.seg.mm, self.mbase, *self.c)
-            self._steals_row.pack_into(self.seg.mm, self.mbase + metrics.STEALS_FROM_OFF,
-                                       *self.steals_from)
+            if self.native:  # the same words, one native call each (Region.store_u64s)
+                self.r.store_u64s(self.mbase, self.c)
+                self.r.store_u64s(self.mbase + metrics.STEALS_FROM_OFF, self.steals_from)
+            else:
+                _COUNTERS.pack_into(self.seg.mm, self.mbase, *self.c)
+                self._steals_row.pack_into(self.seg.mm, self.mbase + metrics.STEALS_FROM_OFF,
+                                           *self.steals_from)
             self.flushed_ns = time.monotonic_ns()
 
     def orphaned(self) -> None:

@@ -27,6 +27,7 @@ from stealer.shared.shm import (
 )
 from stealer.worker.agents.entry import _Entry
 from stealer.worker.agents.placement import (
+    AVG_TAU_NS,
     IDLE_SHARE,
     REVERSE_NS,
     BusyShare,
@@ -71,12 +72,16 @@ class Balancer:
         self.host = host
         self.w = w
         self.r = host.r
-        self.busy = BusyShare()
+        self.avg_off = w.wbase + W_BUSY_AVG
+        self.at_off = w.wbase + W_BUSY_AT
+        # the native twin where the queues are native (_cqueues.BusyShare: note() publishes)
+        native = getattr(w, "native", False) and getattr(getattr(w, "Q", None), "BusyShare", None)
+        self.busy: Any = (native(AVG_TAU_NS, BUSY_SCALE, self.r, self.avg_off, self.at_off)
+                          if native else BusyShare())
+        self.quick = bool(native)
         self.gifts: dict[int, tuple[float, int]] = {}
         self.budget = MoveBudget()
         self.prev = -1
-        self.avg_off = w.wbase + W_BUSY_AVG
-        self.at_off = w.wbase + W_BUSY_AT
         self.on = w.n > 1  # nothing to balance with one worker
         self.quiet_until = 0  # monotonic ns before which pays_to_idle says no at once
         self.came = 0  # monotonic ns an agent last arrived here by migration (0: never)
@@ -85,6 +90,9 @@ class Balancer:
     def note_busy(self, busy: int) -> None:
         """Busy (1: a turn runs) or idle (0: the loop searches for work) from now on:
         folded into our busy share and published for the peers (W_BUSY_AVG)."""
+        if self.quick:
+            self.busy.note(busy)  # the same, natively (_cqueues.BusyShare)
+            return
         now = time.monotonic_ns()
         avg = self.busy.update(now, busy)
         r = self.r

@@ -75,6 +75,7 @@ from stealer.shared.shm import (
     W_RUNNABLE,
     W_STATE,
     W_STEP_DEADLINE,
+    WORKER_BYTES,
 )
 from stealer.worker.agents import inline
 from stealer.worker.agents.adopt import Adoption
@@ -165,6 +166,8 @@ class Host(Adoption, Messages, Generators, Calls, Leaving):
         # An idle peer asks (SIGUSR1) for one of the agents waiting behind our long step;
         # only with the native queues: the reference queues' lock is not reentrant.
         self.preempt = w.native
+        # poke_peers' first look natively (_cqueues.peers_to_poke; None: the Python looks)
+        self.quick_poke: Any = getattr(getattr(w, "Q", None), "peers_to_poke", None) if w.native else None
         self.bal = Balancer(self)  # our busy share and the moves to peers (balance.py)
         self.journal: Any = getattr(w, "journal", None)  # journal.WorkerJournal or None
         # A turn's plain calls in one native call each (HotPath.serve, messages.py), with
@@ -486,6 +489,10 @@ class Host(Adoption, Messages, Generators, Calls, Leaving):
             return False
         w = self.w
         r = self.r
+        look = self.quick_poke
+        if look is not None and not look(r, w.seg.layout.worker(0), WORKER_BYTES, w.n, w.k,
+                                         W_RUNNABLE, W_IN_STEP, W_STATE, STATE_READY):
+            return False  # (the looks below, natively: nobody to ask)
         now = time.monotonic_ns()
         asked = False
         for j in range(w.n):

@@ -2392,7 +2392,10 @@ cdef class Turns:
             # thief's own steal)
             idle = ((st_load_acquire_u64(base + self.searching_off)
                      | st_load_acquire_u64(base + self.parked_off)) & self.peers_mask)
-            if idle:
+            bal = self.bal
+            # (Balancer.pays_to_idle's first test here: told "no" less than 1 ms ago, it
+            # says no again; a lockstep round's end asked it at every turn)
+            if idle and <int64_t>_now_ns() >= <int64_t>bal.quiet_until:
                 host.offer(e, idle)
         bal = self.bal
         if bal.on and not bal.busy.cur:

@@ -2157,6 +2157,11 @@ cdef class Turns:
     cdef public object got       # start: adopt's result for the agent it returned
     cdef Py_ssize_t runnable_off, searching_off, parked_off
     cdef uint64_t peers_mask
+    # Balancer.least_loaded natively (set_peers; nworkers 0: Balancer.balance runs it all)
+    cdef int nworkers, k
+    cdef Py_ssize_t workers_off, worker_bytes, state_at, peer_runnable_at
+    cdef uint32_t ready
+    cdef list inboxes
 
     def __init__(self, HotPath hot not None, host, w, Py_ssize_t dir_base, Py_ssize_t c_busy,
                  Py_ssize_t c_msgs, int64_t slice_ns, int batch, int64_t throttle_ns,
@@ -2198,6 +2203,64 @@ cdef class Turns:
         self.nrecords = hot.nrecords
         self.turns = 0
         self.cls_step = {}
+
+    def set_peers(self, Py_ssize_t workers_off, Py_ssize_t worker_bytes, int k,
+                  list inboxes not None, Py_ssize_t state_at, Py_ssize_t runnable_at,
+                  uint32_t ready):
+        """Where run_next's balance looks at the peers (Balancer.least_loaded's words):
+        worker j's W_STATE at ``workers_off + j * worker_bytes + state_at`` (``ready``: one
+        that takes agents), its W_RUNNABLE at ``runnable_at``, its inbox ``inboxes[j]``; we
+        are worker ``k``."""
+        cdef int n = len(inboxes)
+        if n < 1 or not 0 <= k < n:
+            raise ValueError("worker k out of range")
+        self.region._check(workers_off + state_at, 4)
+        self.region._check(workers_off + worker_bytes * (n - 1) + max(state_at, runnable_at), 4)
+        for q in inboxes:
+            if not isinstance(q, _Ring):
+                raise TypeError("inboxes must be native rings")
+        self.workers_off = workers_off
+        self.worker_bytes = worker_bytes
+        self.k = k
+        self.inboxes = inboxes
+        self.state_at = state_at
+        self.peer_runnable_at = runnable_at
+        self.ready = ready
+        self.nworkers = n
+
+    def least_loaded(self, Py_ssize_t mine):
+        """Balancer.least_loaded natively (after set_peers): ``(best, low)``."""
+        if self.nworkers <= 0:
+            raise RuntimeError("set_peers was not called")
+        cdef Py_ssize_t low = mine
+        cdef int best = self.c_least_loaded(&low)
+        return best, low
+
+    cdef int c_least_loaded(self, Py_ssize_t *low) noexcept:
+        cdef int j, best = -1
+        cdef Py_ssize_t v
+        cdef char *b
+        cdef _Ring q
+        cdef uint64_t c
+        for j in range(self.nworkers):
+            if j == self.k:
+                continue
+            b = self.region.base + self.workers_off + self.worker_bytes * j
+            # acquire loads, as Region.load32: pair with the peer's seq_cst stores of its
+            # W_STATE / W_RUNNABLE (hints, re-read at every check)
+            if st_load_acquire_u32(b + self.state_at) != self.ready:
+                continue
+            q = <_Ring>self.inboxes[j]
+            # acquire loads, as _Ring.__len__ (consumer first): pair with the ring's
+            # pushers' and popper's updates of prod_p / cons_p
+            c = st_load_acquire_u64(q.cons_p)
+            v = <Py_ssize_t>st_load_acquire_u32(b + self.peer_runnable_at)
+            c = st_load_acquire_u64(q.prod_p) - c
+            v += <Py_ssize_t>c if <int64_t>c > 0 else 0
+            if v < low[0]:
+                best = j
+                low[0] = v
+        return best
 
     def start(self, uint64_t h, Py_ssize_t current_off, Py_ssize_t wait_hist_off):
         """Worker.execute's start of record ``h`` (its twin: HotPath.start_task, then for an
@@ -2400,8 +2463,17 @@ cdef class Turns:
         bal = self.bal
         if bal.on and not bal.busy.cur:
             bal.note_busy(1)  # Balancer.turn: busy from now on
+        cdef Py_ssize_t mine, low
+        cdef int best
         if turns & 7 == 0 and rq.n >= 2 and bal.on:  # (after offer: it may have published)
-            bal.balance()
+            if self.nworkers > 0:  # Balancer.balance: its look here, the rest only if due
+                mine = rq.n + len(self.inbox)
+                low = mine
+                best = self.c_least_loaded(&low)
+                if best >= 0 or bal.prev >= 0:
+                    bal.balance_with(best, low, mine)
+            else:
+                bal.balance()
         if turns & 63 == 0:
             host.every_64_turns()
         if not self.c_turn(e):

@@ -111,3 +111,37 @@ class Stepper(stealer.Agent):
     def more(self, x: int) -> int:
         self.log.append(("more", x))
         return len(self.log)
+
+
+def least_loaded_twins() -> list[list[tuple[int, int]]] | None:
+    """In a worker (of 3): Balancer.least_loaded and its native twin (Turns.least_loaded)
+    for several loads of ours, with the peers' W_RUNNABLE / W_STATE words set to a series
+    of values (restored after; the peers run no agents, so nobody rewrites them
+    meanwhile).  None if the worker has no native turn."""
+    import gc
+
+    from stealer.shared.shm import STATE_READY, W_RUNNABLE, W_STATE
+    from stealer.worker.agents.host import Host
+
+    host = next(h for h in gc.get_objects() if type(h) is Host)
+    if host.quick is None:
+        return None
+    w, r = host.w, host.r
+    peers = [j for j in range(w.n) if j != w.k]
+    bases = {j: w.seg.layout.worker(j) for j in peers}
+    saved = {j: (r.load32(b + W_RUNNABLE), r.load32(b + W_STATE)) for j, b in bases.items()}
+    out = []
+    try:
+        for loads, states in (((0, 0), (STATE_READY, STATE_READY)), ((5, 2), (STATE_READY,) * 2),
+                              ((2, 5), (STATE_READY, STATE_READY)), ((1, 1), (STATE_READY, 2)),
+                              ((0, 3), (2, STATE_READY)), ((4, 4), (2, 2))):
+            for j, v, s in zip(peers, loads, states):
+                r.store32(bases[j] + W_RUNNABLE, v)
+                r.store32(bases[j] + W_STATE, s)
+            out.append([(tuple(host.bal.least_loaded(m)), tuple(host.quick.least_loaded(m)))
+                        for m in (0, 1, 3, 10)])
+    finally:
+        for j, (v, s) in saved.items():
+            r.store32(bases[j] + W_RUNNABLE, v)
+            r.store32(bases[j] + W_STATE, s)
+    return out

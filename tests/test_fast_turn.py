@@ -43,6 +43,8 @@ SCRIPT = textwrap.dedent("""
     import stealer
     import fast_turn_lib as L
 
+    import stealer
+
     def show(f):
         try:
             v = f.result(30)
@@ -192,3 +194,23 @@ def test_an_entry_keeps_its_fields_where_the_native_turn_reads_them():
         value(i, name) for i, name in enumerate(entry.ENTRY_FIELDS)]
     with pytest.raises(TypeError):
         e.cpu_ns = None
+
+
+def test_the_balancer_s_native_look_finds_the_peer_the_python_look_finds():
+    """Turns.least_loaded (run_next's balance, natively) against Balancer.least_loaded, in
+    a worker, over peers' loads and states that make each answer: none shorter, the
+    first, the second, a peer left out for not being ready."""
+    import fast_turn_lib as L
+
+    import stealer
+
+    with stealer.Executor(3) as ex:
+        got = ex.submit(L.least_loaded_twins).result(60)
+    if got is None:
+        pytest.skip("no native turn in this build (the Python look is the only one)")
+    answers = set()
+    for row in got:
+        for py, native in row:
+            assert tuple(native) == tuple(py), got
+            answers.add(py[0] >= 0)
+    assert answers == {True, False}  # both a peer found and none

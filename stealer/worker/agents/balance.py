@@ -157,11 +157,16 @@ class Balancer:
         adopted more agents at the start keeps a longer round-robin for good.  A peer's
         load is its runnable agents (W_RUNNABLE) plus the notifications in its inbox
         (calls on their way to its agents); it must be the shortest at two checks in a
-        row."""
-        host = self.host
+        row.  (Turns.run_next makes the look natively, then calls :meth:`balance_with`.)"""
+        mine = self.host.rq.n + len(self.w.inbox)
+        best, low = self.least_loaded(mine)
+        self.balance_with(best, low, mine)
+
+    def least_loaded(self, mine: int) -> tuple[int, int]:
+        """The ready peer with the least load (runnable agents plus notifications on their
+        way), and that load, if less than ``mine``; else ``(-1, mine)``."""
         w = self.w
         r = self.r
-        mine = host.rq.n + len(w.inbox)
         best, low = -1, mine
         for j in range(w.n):
             if j == w.k:
@@ -173,6 +178,12 @@ class Balancer:
             v = r.load32(base + W_RUNNABLE) + len(w.inboxes[j])
             if v < low:
                 best, low = j, v
+        return best, low
+
+    def balance_with(self, best: int, low: int, mine: int) -> None:
+        """:meth:`balance` after its look: ``best`` (-1: none) the shortest peer now, with
+        load ``low`` against our ``mine``."""
+        host = self.host
         prev, self.prev = self.prev, best
         if best < 0 or best != prev:
             return

@@ -190,6 +190,9 @@ class Host(Adoption, Messages, Generators, Calls, Leaving):
                                MSG_BATCH, THROTTLE_WINDOW_NS, TURN_FLUSH_NS, self.fast_dumps,
                                H_SEARCHING, H_PARKED)
             self.quick_ping = self.quick.ping
+            if w.native:  # the balancer's look at the peers natively (Balancer.least_loaded)
+                self.quick.set_peers(w.seg.layout.worker(0), WORKER_BYTES, w.k, w.inboxes,
+                                     W_STATE, W_RUNNABLE, STATE_READY)
             self.run_next = self.quick.run_next  # type: ignore[method-assign]
         if self.journal is not None:
             api._remap.append(self._remap)

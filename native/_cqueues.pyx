@@ -653,6 +653,8 @@ cdef class BusyShare:
         """Busy (1) or idle (0) from now on (monotonic clock), published (Balancer.note_busy)."""
         cdef int64_t t = <int64_t>_now_ns()
         cdef double avg = self.update(t, busy)
+        if avg < 0.0:   # (never: the share stays in [0, 1]; a negative double's cast is UB)
+            avg = 0.0
         if self.region is not None:
             # relaxed: a hint for the peers (Balancer.peer_share), read with W_BUSY_AT
             st_store_relaxed_u64(self.region.at(self.avg_off),

@@ -2451,18 +2451,17 @@ cdef class Turns:
         # seq_cst store (Region.store32's): read by idle peers (Host.poke_peers)
         st_store_seqcst_u32(base + self.runnable_off, <uint32_t>n)
         cdef uint64_t idle
+        bal = self.bal
         if n:
             # a peer searching or parked (first 64 workers; acquire loads, as Region.load64:
             # pair with the peers' seq_cst or64 of their bits; a hint, re-checked by the
             # thief's own steal)
             idle = ((st_load_acquire_u64(base + self.searching_off)
                      | st_load_acquire_u64(base + self.parked_off)) & self.peers_mask)
-            bal = self.bal
             # (Balancer.pays_to_idle's first test here: told "no" less than 1 ms ago, it
             # says no again; a lockstep round's end asked it at every turn)
             if idle and <int64_t>_now_ns() >= <int64_t>bal.quiet_until:
                 host.offer(e, idle)
-        bal = self.bal
         if bal.on and not bal.busy.cur:
             bal.note_busy(1)  # Balancer.turn: busy from now on
         cdef Py_ssize_t mine, low

@@ -49,6 +49,7 @@ A message's payload has one format, message.py's, which the client shares.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import os
 import signal
@@ -166,8 +167,14 @@ class Host(Adoption, Messages, Generators, Calls, Leaving):
         # An idle peer asks (SIGUSR1) for one of the agents waiting behind our long step;
         # only with the native queues: the reference queues' lock is not reentrant.
         self.preempt = w.native
-        # poke_peers' first look natively (_cqueues.peers_to_poke; None: the Python looks)
-        self.quick_poke: Any = getattr(getattr(w, "Q", None), "peers_to_poke", None) if w.native else None
+        # poke_peers' first look natively (_cqueues.peers_to_poke, its arguments bound
+        # here: the layout does not change; None: the Python looks)
+        self.quick_poke: Any = None
+        look = getattr(getattr(w, "Q", None), "peers_to_poke", None) if w.native else None
+        if look is not None:
+            self.quick_poke = functools.partial(
+                look, self.r, w.seg.layout.worker(0), WORKER_BYTES, w.n, w.k, W_RUNNABLE,
+                W_IN_STEP, W_STATE, STATE_READY)
         self.bal = Balancer(self)  # our busy share and the moves to peers (balance.py)
         self.journal: Any = getattr(w, "journal", None)  # journal.WorkerJournal or None
         # A turn's plain calls in one native call each (HotPath.serve, messages.py), with
@@ -493,8 +500,7 @@ class Host(Adoption, Messages, Generators, Calls, Leaving):
         w = self.w
         r = self.r
         look = self.quick_poke
-        if look is not None and not look(r, w.seg.layout.worker(0), WORKER_BYTES, w.n, w.k,
-                                         W_RUNNABLE, W_IN_STEP, W_STATE, STATE_READY):
+        if look is not None and not look():
             return False  # (the looks below, natively: nobody to ask)
         now = time.monotonic_ns()
         asked = False

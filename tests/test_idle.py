@@ -356,6 +356,42 @@ def test_kills_while_searching_leave_the_accounting_sound():
         assert [f.result(timeout=30) for f in fs] == [i * i for i in range(200)]
 
 
+@pytest.mark.skipif(not _queues.NATIVE, reason="the reference queues share one lock, which a "
+                    "worker SIGKILLed while holding it never releases")
+def test_kills_of_parked_workers_leave_the_accounting_sound():
+    """SIGKILL a worker while it sleeps in its park (HotPath.park where the extension is
+    built: PARKED stored, its bit in the parked set, in futex_wait: the longest window of
+    the idle transition), eight times in a row on alternating workers: after each, the
+    client's forget clears the dead worker's bit and park word (read while its replacement
+    still starts), the sets are exact again once the replacement parks, and a burst that
+    only a wake of a parked worker starts completes."""
+    n, rounds = 2, 8
+    with stealer.Executor(n) as ex:
+        pool = ex._pool
+        killed: set[int] = set()
+        checked = 0
+        for rnd in range(rounds):
+            victim = _ready_pid(ex, rnd % n, killed)
+            _wait_until(lambda: _sets(ex) == (0, n), f"both workers park (now {_sets(ex)})")
+            killed.add(victim)
+            os.kill(victim, signal.SIGKILL)
+            _wait_until(lambda rnd=rnd: pool.crashes == rnd + 1, "the kill was noticed")
+            # The dead worker's bit and park word, read before its replacement's state: set
+            # while that state is not READY yet, they are the dead one's (forget missed them)
+            k = rnd % n
+            base = pool.layout.worker(k)
+            bit = pool.region.load64(H_PARKED) >> k & 1
+            word = pool.region.load32(base + W_PARK)
+            if pool.region.load32(base + W_STATE) != STATE_READY:
+                assert bit == 0 and word == RUNNING, (rnd, bit, word)
+                checked += 1
+            _ready_pid(ex, k, killed)
+            _wait_until(lambda: _sets(ex) == (0, n), f"the idle sets settle (now {_sets(ex)})")
+            fs = [ex.submit(tasks.square, i) for i in range(100)]
+            assert [f.result(timeout=30) for f in fs] == [i * i for i in range(100)]
+        assert checked >= 1, "no replacement was still starting when its slot was read"
+
+
 def test_the_spin_before_a_park_adapts_to_how_long_parks_last():
     """Worker.search's spin (loop.next_spin): long parks after a spin halve it down to
     SPIN_MIN (a lockstep client's gaps: spinning there only burned the client's CPU),

@@ -13,8 +13,11 @@ Pickler's output, a truncated or altered pickle) to pickle.loads.
 
 from __future__ import annotations
 
+import copyreg
+import dataclasses
 import math
 import pickle
+import sys
 
 import numpy as np
 import pytest
@@ -39,11 +42,100 @@ def same(a: object, b: object) -> bool:
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     if isinstance(a, dict):
         return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if type(a).__module__ == __name__:  # an instance of a class below: its attributes
+        return same(vars(a), vars(b))
     if isinstance(a, float) and math.isnan(a):
         return math.isnan(b)
     if isinstance(a, float):
         return a == b and math.copysign(1, a) == math.copysign(1, b)
     return a == b
+
+
+# -- instances --------------------------------------------------------------------------------
+class Plain:
+    def __init__(self, **attrs: object) -> None:
+        self.__dict__.update(attrs)
+
+
+class Child(Plain):
+    pass
+
+
+@dataclasses.dataclass
+class Point:
+    x: float
+    y: float
+
+
+class Restores(Plain):
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, restored=True)
+
+
+# refused: each has a pickling hook of its own, another layout, or another metaclass
+class Reduces(Plain):
+    def __reduce__(self) -> tuple:
+        return (Plain, ())
+
+
+class ReducesEx(Plain):
+    def __reduce_ex__(self, proto: object) -> tuple:
+        return (Plain, ())
+
+
+class GetState(Plain):
+    def __getstate__(self) -> dict:
+        return {}
+
+
+class NewArgs(Plain):
+    def __getnewargs__(self) -> tuple:
+        return ()
+
+
+class Slotted:
+    __slots__ = ("a",)
+
+
+@dataclasses.dataclass(slots=True)
+class SlottedPoint:
+    x: float
+
+
+class MyList(list):
+    pass
+
+
+class MyError(Exception):
+    pass
+
+
+class Meta(type):
+    pass
+
+
+class WithMeta(metaclass=Meta):
+    pass
+
+
+class Redefined(Plain):
+    pass
+
+
+def _local_instance() -> object:
+    class Local:
+        pass
+
+    return Local()
+
+
+def _own_hook() -> object:
+    p = Plain()
+    p.__reduce_ex__ = lambda proto: (Plain, ())  # an instance's own hook comes first
+    return p
+
+
+shared_point = Point(1.0, 2.0)
 
 
 dtypes = st.sampled_from(["<f4", "<f8", ">f8", "<i8", "|u1", "<i2", "|b1", "<c16"])
@@ -59,6 +151,15 @@ values = st.recursive(
     max_leaves=20)
 
 
+values_and_objects = st.recursive(
+    atoms,
+    lambda kids: (st.lists(kids, max_size=5) | st.lists(kids, max_size=5).map(tuple)
+                  | st.dictionaries(st.text(max_size=5) | st.integers(), kids, max_size=4)
+                  | st.dictionaries(st.text(min_size=1, max_size=5), kids, max_size=4).map(
+                      lambda attrs: Plain(**attrs))
+                  | st.builds(Point, kids, kids)),
+    max_leaves=20)
+
 written: list[bool] = []
 
 
@@ -72,6 +173,20 @@ def test_what_it_writes_loads_back_as_pickle_would(v):
     written.append(True)
     assert same(pickle.loads(data), v)
     assert same(pickle.loads(data), pickle.loads(pickle.dumps(v, 5)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(values_and_objects)
+def test_objects_it_writes_load_back_as_pickle_would(v):
+    """Instances of plain classes anywhere in a value: what pickle.loads and the native
+    reader (which hands a pickle with a class in it to pickle.loads) read back equals the
+    value and what pickle's own pickle of it reads back."""
+    data = fp.dumps(v)
+    if data is None:
+        return
+    assert same(pickle.loads(data), v)
+    assert same(pickle.loads(data), pickle.loads(pickle.dumps(v, 5)))
+    assert same(fp.loads(data), v)
 
 
 class Spy:
@@ -167,15 +282,23 @@ def test_the_model_test_writes_most_of_its_examples():
     # a lockstep call's message and its reply
     (5, "act", (np.array([0.1, 0.2], dtype=np.float32),), None, 7, None, None, 0, 0),
     (np.arange(8, dtype=np.float32), 0.5),
+    [[[[[[1]]]]]],                           # as deep as it goes
+    # instances of plain classes: empty, with attributes, nested, a dataclass, a subclass,
+    # one whose class reads its state back itself (__setstate__)
+    Plain(), Plain(a=1, b=[2.5, "x"]), Plain(inner=Plain(arr=np.arange(3.0))), Point(1.0, 2.0),
+    Child(k={"x": None}), Restores(n=3), [Point(0.0, 1.0), Point(2.0, 3.0)],
 ])
 def test_the_shapes_it_writes(v):
     data = fp.dumps(v)
     assert data is not None, v
-    assert same(pickle.loads(data), v)
+    assert same(pickle.loads(data), pickle.loads(pickle.dumps(v, 5)))
+    assert same(pickle.loads(data), v) or type(v) is Restores  # (it marks what it reads)
 
 
 class Int(int):
     pass
+
+
 
 
 shared = [1]
@@ -195,12 +318,51 @@ cyclic.append(cyclic)
     np.asfortranarray(np.zeros((2, 3))),     # Fortran order only
     np.zeros(4).view(np.matrix),             # an ndarray subclass
     (shared, shared), cyclic,                # met twice: pickle keeps one object
-    [[[[[1]]]]],                             # too deep
-    b"x" * 5000, [1] * 300,                  # too large, too many items
+    [[[[[[[1]]]]]]],                         # too deep
+    b"x" * 9000, [1] * 300,                  # too large, too many items
     {1, 2}, object(), len,                   # other types
+    Reduces(), ReducesEx(), GetState(), NewArgs(), Slotted(), SlottedPoint(1.0),
+    MyList(), MyError("x"), WithMeta(), _local_instance(), _own_hook(),
+    (shared_point, shared_point),            # met twice
+    Plain(a=Plain(b=Plain(c=Plain(d=Plain(e=Plain(f=Plain())))))),  # too deep
+    Plain, Point,                            # classes themselves: pickle's way
 ])
 def test_what_it_refuses(v):
     assert fp.dumps(v) is None
+
+
+def test_an_instance_is_refused_once_its_class_is_not_what_its_module_names(monkeypatch):
+    """pickle's own check (its class is looked up by name on load): a class defined again
+    (a notebook cell run twice) or registered with copyreg is pickle's to decide."""
+    r = Redefined(a=1)
+    assert fp.dumps(r) is not None  # (and its answer is cached)
+    monkeypatch.setattr(sys.modules[__name__], "Redefined", type("Redefined", (Plain,), {}))
+    assert fp.dumps(r) is None
+    monkeypatch.undo()
+    assert fp.dumps(r) is not None
+    copyreg.pickle(Redefined, lambda x: (Redefined, ()))
+    try:
+        assert fp.dumps(r) is None
+    finally:
+        del copyreg.dispatch_table[Redefined]
+    assert same(pickle.loads(fp.dumps(r)), r)
+
+
+def test_an_agent_checkpoint_takes_the_native_writer():
+    """An agent's state (its object, a nested object, small arrays, a dict, a list) as the
+    host checkpoints it: written natively, and read back as pickle reads it."""
+    from stealer.bench.lockstep import LockstepAgent
+
+    if serialize._fast is None:
+        pytest.skip("the fast writer is off in this build (STEALER_NO_EXTENSIONS)")
+    agent = LockstepAgent(3, 0, 2)
+    agent.act(np.zeros(2, np.float32))
+    state = (agent, 1, 1, 1, 0, (1, False, 0.0), None)
+    data, bufs = serialize.dumps(state, "agent state", arrays=True)
+    assert not bufs and data == fp.dumps(state)
+    back = pickle.loads(data)
+    assert back[0].summary() == agent.summary() and back[0].env.info == agent.env.info
+    assert same(back[0].env.pos, agent.env.pos) and back[1:] == state[1:]
 
 
 def test_a_shared_array_stays_one_object_through_dumps():

@@ -12,7 +12,9 @@ health checks (the settings are printed), node k's executor pinned to CPU k.  On
 3. fork-join roots: 8 fib(30) trees (cutoff 18, children by stealer.spawn) on both nodes
    against the same on one node (``steal=None``, every tree submitted to one node); and
    one fib(33) tree at a time (the median of 5) submitted to one node of the two (its
-   children may be stolen across nodes) against the same on one node alone;
+   children may be stolen across nodes) against the same on one node alone, and (with
+   ``--forkjoin-only``) one UTS tree at a time likewise (UTS_QUICK: 21,201 nodes of
+   20 µs, unbalanced);
 4. node death: ``--death-tasks`` tasks of 20 ms, the second node removed mid-run; the time
    from the removal to the client's re-placing of that node's tasks, and a check that every
    result came back exactly once;
@@ -39,7 +41,16 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import stealer
 from stealer.bench.ideal import pareto_durations
-from stealer.bench.workloads import busy, fib, fib_seq, noop
+from stealer.bench.workloads import (
+    UTS_QUICK,
+    UTS_ROOT_SEED,
+    busy,
+    fib,
+    fib_seq,
+    noop,
+    uts,
+    uts_seq,
+)
 
 HEALTH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 200,
           "health_check_failure_threshold": 3, "health_check_timeout_ms": 200}
@@ -128,6 +139,22 @@ def one_tree(ex, node: str, n: int = 33, cutoff: int = 18, repeat: int = 5) -> f
     return statistics.median(times)
 
 
+def one_uts(ex, node: str, repeat: int = 5) -> float:
+    """The median seconds of ``repeat`` UTS trees (UTS_QUICK: 21,201 nodes of 20 µs, an
+    unbalanced binomial tree whose tasks split their frontier in two), one at a time,
+    each submitted to ``node`` (counts checked against the sequential one)."""
+    import statistics
+
+    want = uts_seq(UTS_ROOT_SEED, 0, UTS_QUICK)
+    times, got = [], []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        got.append(ex.submit_to(node, uts, UTS_ROOT_SEED, 0, UTS_QUICK).result())
+        times.append(time.perf_counter() - t)
+    assert got == [want] * repeat
+    return statistics.median(times)
+
+
 def forkjoin_only(out: dict, children: bool = True) -> None:
     """Section 3 alone: the fork-join rows, on a fresh cluster (already up).  ``children``
     False: no fork-join child moves between nodes (a tree stays on its node)."""
@@ -138,16 +165,20 @@ def forkjoin_only(out: dict, children: bool = True) -> None:
     ex.submit(fib, 20, 16).result()
     two = timed(lambda: [f.result() for f in [ex.submit(fib, 30, 18) for _ in range(8)]])
     tree_two = one_tree(ex, ex.nodes[0])
+    uts_two = one_uts(ex, ex.nodes[0])
     st = ex.stats()
     ex.shutdown()
     ex1, one_node, one = roots_on_one_node()
     tree_one = one_tree(ex1, one_node)
+    uts_one = one_uts(ex1, one_node)
     ex1.shutdown()
     out["forkjoin_roots"] = {"one_node_s": one, "two_nodes_s": two, "speedup": one / two}
     out["forkjoin_one_tree"] = {"one_node_s": tree_one, "two_nodes_s": tree_two,
                                 "speedup": tree_one / tree_two,
                                 "children": {n[:12]: v.get("children")
                                              for n, v in st.nodes.items()}}
+    out["forkjoin_one_uts"] = {"one_node_s": uts_one, "two_nodes_s": uts_two,
+                               "speedup": uts_one / uts_two}
 
 
 def skew_runs(ex, work: list[float], reps: int) -> list[dict]:

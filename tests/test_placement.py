@@ -318,6 +318,39 @@ def test_a_move_to_an_idle_peer_that_does_not_pay_is_not_weighed_again_for_a_whi
 
 
 
+def test_the_busy_shares_are_read_only_for_a_move_that_pays():
+    """Both decisions weigh the move itself (integers) before the peers' busy shares
+    (their words, an exp each): at a lockstep round's end, 256 agents of 50 us found a
+    shorter or idle peer at every few turns, where no move pays, and spent 8.6 us a look
+    on the shares.  The answers are those of the other order."""
+    from types import SimpleNamespace
+
+    bal, now = _balancer_with_peer_share(0.0, 16)
+    bal.busy.update(now, 1)
+    bal.busy.avg = 0.9
+    looked: list[int] = []
+    caps: list[int] = []
+    cap = bal.cap
+    bal.cap = lambda j, t: looked.append(j) or caps.append(cap(j, t)) or caps[-1]
+    short = SimpleNamespace(turn_ns=50 * US, ckpt_ns=20 * US)
+    bal.host.turn_avg = 50 * US
+    bal.host.rq = SimpleNamespace(n=30, candidate=lambda: short, last=lambda: short)
+    assert bal.pays_to_idle(SimpleNamespace(turn_ns=50 * US), idle=0b01) == -1
+    bal.balance_with(0, 0, 30)
+    bal.balance_with(0, 0, 30)  # (the shortest twice in a row: weighed)
+    assert looked == [] and bal.prev == 0
+    moved: list[int] = []
+    bal.host.publish_one = lambda to=-1: moved.append(to) or True
+    long = SimpleNamespace(turn_ns=500 * US, ckpt_ns=20 * US)
+    bal.host.turn_avg = 500 * US
+    bal.host.rq = SimpleNamespace(n=30, candidate=lambda: long, last=lambda: long)
+    bal.quiet_until = 0
+    assert bal.pays_to_idle(SimpleNamespace(turn_ns=500 * US), idle=0b01) == 0
+    assert looked == [0]
+    bal.balance_with(0, 0, 30)  # pays: the cap (the lasting gap) bounds the batch
+    assert looked == [0, 0] and 1 <= len(moved) == min(caps[-1], 15) < 15
+
+
 def _native():
     from stealer.shared import queues
 

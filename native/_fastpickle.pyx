@@ -531,7 +531,9 @@ def dumps(obj):
 
 # -- reading them back ------------------------------------------------------------------------
 # ``loads(data)`` reads a pickle made of the opcodes :func:`dumps` writes (no frames, no
-# memo, no globals but the array's extension code) without an Unpickler, and builds the
+# memo, no globals but the array's extension code and plain classes whose instances pickle
+# makes and fills with no code of theirs: no __setstate__, object's __new__; the reader may
+# give up after making one, and pickle.loads then reads it all again) without an Unpickler, and builds the
 # arrays without a Python call of serialize._small_array: a lockstep reply was read in
 # 3-5 µs on a client whose caches the workers had just cleared, two thirds of the time it
 # spent on a reply.  Anything else (a pickle from a Pickler starts with FRAME) goes to
@@ -561,6 +563,11 @@ cdef class _Ext:
 
 
 cdef _Ext _EXT_MARK = _Ext()
+
+
+cdef class _Cls:
+    """A class on the reader's stack (STACK_GLOBAL, before its NEWOBJ)."""
+    cdef object cls
 cdef object _NOT_MINE = object()
 
 
@@ -726,12 +733,44 @@ cdef object _fast_array(const unsigned char *p, Py_ssize_t i, Py_ssize_t n, Py_s
 
 
 cdef bint _marked(list stack, Py_ssize_t start):
-    """Is an EXT1's mark among ``stack[start:]`` (about to go into a value)?"""
+    """Is an EXT1's mark or a class among ``stack[start:]`` (about to go into a value)?"""
     cdef Py_ssize_t j
     for j in range(start, len(stack)):
-        if stack[j] is _EXT_MARK:
+        if stack[j] is _EXT_MARK or type(stack[j]) is _Cls:
             return True
     return False
+
+
+cdef dict _readable = {}  # class -> may the reader make and fill one itself
+
+
+cdef bint _readable_class(object cls) except -1:
+    """Does pickle make an instance of ``cls`` with no code of its own running: a plain
+    class (:func:`_plain_class_check`) whose ``__new__`` is object's and that has no
+    ``__setstate__``?  (The reader may still give up after it made one: pickle.loads then
+    reads the pickle again, so nothing it did may show.)"""
+    ok = _readable.get(cls)
+    if ok is None:
+        ok = (type(cls) is type and _plain_class_check(cls) is not None
+              and cls.__new__ is object.__new__ and getattr(cls, "__setstate__", None) is None)
+        if len(_readable) < MAX_TYPES:
+            _readable[cls] = ok
+    return ok
+
+
+cdef object _global(object module, object qualname):
+    """pickle's ``find_class(module, qualname)`` for a module already imported (else
+    None: pickle's way imports it), if what it finds is a class the reader may make."""
+    if type(module) is not str or type(qualname) is not str:
+        return None
+    obj = sys.modules.get(module)
+    if obj is None:
+        return None
+    for part in (<str>qualname).split("."):
+        obj = getattr(obj, part, None)
+    if obj is None or not _readable_class(obj):
+        return None
+    return obj
 
 
 cdef object _read(const unsigned char *p, Py_ssize_t n):
@@ -859,6 +898,37 @@ cdef object _read(const unsigned char *p, Py_ssize_t n):
             stack.append(_EXT_MARK)
             ext_open += 1
             i += 1
+        elif op == 0x93:  # STACK_GLOBAL: only a plain class, for the NEWOBJ that follows
+            if len(stack) - top < 2:
+                return _NOT_MINE
+            c = _global(stack[len(stack) - 2], stack[len(stack) - 1])
+            if c is None:
+                return _NOT_MINE
+            del stack[len(stack) - 1]
+            marker = _Cls()
+            marker.cls = c
+            stack[len(stack) - 1] = marker
+            ext_open += 1
+        elif op == 0x81:  # NEWOBJ: cls.__new__(cls), no arguments (object.__new__)
+            if (len(stack) - top < 2 or type(stack[len(stack) - 2]) is not _Cls
+                    or stack[len(stack) - 1] != ()):
+                return _NOT_MINE
+            del stack[len(stack) - 1]
+            stack[len(stack) - 1] = object.__new__((<_Cls>stack[len(stack) - 1]).cls)
+            ext_open -= 1
+        elif op == 0x62:  # BUILD: a dict of state into an instance the reader made
+            if len(stack) - top < 2:
+                return _NOT_MINE
+            state = stack[len(stack) - 1]
+            inst = stack[len(stack) - 2]
+            if type(state) is not dict or not _readable_class(type(inst)):
+                return _NOT_MINE
+            idict = inst.__dict__
+            for key, value in (<dict>state).items():  # (pickle's load_build: str keys
+                if type(key) is str:                   # interned, set in the dict itself)
+                    key = sys.intern(key)
+                idict[key] = value
+            del stack[len(stack) - 1]
         elif op == 0x52:  # REDUCE: only of the array's constructor
             if len(stack) - top < 2 or stack[len(stack) - 2] is not _EXT_MARK:
                 return _NOT_MINE

@@ -7,8 +7,9 @@ int past 64 bits, a lone surrogate, a big or non-contiguous array, too deep, too
 must refuse with None, and ``serialize.dumps`` then pickles it the usual way.
 
 Its reader, ``loads``, must read everything the writer writes itself (never handing it to
-pickle.loads), give what pickle.loads gives, and hand whatever else it is given (a
-Pickler's output, a truncated or altered pickle) to pickle.loads.
+pickle.loads; an instance whose class has a ``__setstate__`` excepted: its code runs on
+load), give what pickle.loads gives, and hand whatever else it is given (a Pickler's
+output, a truncated or altered pickle) to pickle.loads.
 """
 
 from __future__ import annotations
@@ -179,14 +180,37 @@ def test_what_it_writes_loads_back_as_pickle_would(v):
 @given(values_and_objects)
 def test_objects_it_writes_load_back_as_pickle_would(v):
     """Instances of plain classes anywhere in a value: what pickle.loads and the native
-    reader (which hands a pickle with a class in it to pickle.loads) read back equals the
-    value and what pickle's own pickle of it reads back."""
+    reader read back equals the value and what pickle's own pickle of it reads back; the
+    reader reads them itself (their classes have no ``__setstate__``)."""
     data = fp.dumps(v)
     if data is None:
         return
     assert same(pickle.loads(data), v)
     assert same(pickle.loads(data), pickle.loads(pickle.dumps(v, 5)))
-    assert same(fp.loads(data), v)
+    s = Spy()
+    fp.set_loads(s)
+    try:
+        assert same(fp.loads(data), v)
+        assert not s.handed
+    finally:
+        fp.set_loads(pickle.loads)
+
+
+def test_the_reader_hands_on_an_instance_whose_class_runs_code_of_its_own(spy):
+    """A class with ``__setstate__`` (its code runs on load), or one whose module is not
+    imported (pickle imports it): pickle.loads reads those, once.  A class the writer
+    would refuse, named in a Pickler's pickle, likewise."""
+    data = fp.dumps(Restores(n=3))
+    got = fp.loads(data)
+    assert spy.handed == [data] and got.restored is True and got.n == 3
+    spy.handed.clear()
+    gone = data.replace(b"test_fastpickle", b"test_fastpickl_")  # (same length)
+    with pytest.raises(ModuleNotFoundError):
+        fp.loads(gone)
+    assert spy.handed == [gone]
+    spy.handed.clear()
+    pk = pickle.dumps(NewArgs(a=1), 5)
+    assert fp.loads(pk).a == 1 and spy.handed == [pk]
 
 
 class Spy:
@@ -240,11 +264,12 @@ def test_a_truncated_or_altered_pickle_is_read_as_pickle_would(spy):
     """Every prefix and every one-byte change of a lockstep reply's pickle: the reader either
     hands it to pickle.loads, or reads it exactly as pickle.loads does (then it is made of
     the writer's opcodes only, so pickle.loads is safe to run on it here)."""
-    data = fp.dumps((np.arange(4, dtype=np.float32), 0.5, "ok", [1, {"k": None}], (1, 2, 3, 4)))
+    data = fp.dumps((np.arange(4, dtype=np.float32), 0.5, "ok", [1, {"k": None}], (1, 2, 3, 4),
+                     Plain(p=Point(1.0, 2.0), e=Plain())))
     variants = [data[:k] for k in range(len(data))]
     for i in range(2, len(data)):
-        for b in (0x00, 0x01, 0x28, 0x29, 0x2E, 0x52, 0x65, 0x74, 0x75, 0x82, 0x85, 0xF5,
-                  0xFF, data[i] ^ 0x01):
+        for b in (0x00, 0x01, 0x28, 0x29, 0x2E, 0x52, 0x62, 0x65, 0x74, 0x75, 0x81, 0x82,
+                  0x85, 0x93, 0xF5, 0xFF, data[i] ^ 0x01):
             variants.append(data[:i] + bytes([b]) + data[i + 1:])
     read = 0
     for x in variants:

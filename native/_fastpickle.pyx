@@ -374,6 +374,8 @@ cdef Py_ssize_t _PLAIN_DICT = _Plain.__dictoffset__     # weak references, nothi
 cdef object _NO_GETSTATE = getattr(object, "__getstate__", None)  # (3.11+; None before)
 cdef dict _plain_types = {}  # class -> (module, qualname, qualname's parts) or None
 DEF MAX_TYPES = 512
+cdef tuple _HOOKS = ("__reduce_ex__", "__reduce__", "__getstate__", "__getnewargs_ex__",
+                     "__getnewargs__")
 
 
 def _plain_class_check(t):
@@ -382,7 +384,9 @@ def _plain_class_check(t):
     ``t`` and its bases are class statements' classes (no built-in base but object, no
     metaclass, no ``__slots__``), with object's layout (a dict, nothing else), and none
     defines ``__reduce__``, ``__reduce_ex__``, ``__getstate__``, ``__getnewargs__`` or
-    ``__getnewargs_ex__``.  Looked at once per class (:func:`_plain_class`)."""
+    ``__getnewargs_ex__``.  Looked at once per class (:func:`_plain_class`): a hook set
+    on a class after one of its instances was written here is not seen (one registered
+    with ``copyreg.pickle`` is)."""
     if type(t) is not type or not (t.__flags__ & _HEAPTYPE):
         return None
     mro = t.__mro__
@@ -448,8 +452,11 @@ cdef bint _instance(Out *o, object x, object t, int depth):
     if info is None:
         return False
     d = x.__dict__
-    if type(d) is not dict or "__reduce_ex__" in d or "__reduce__" in d or "__getstate__" in d:
-        return False  # (an instance's own hook is looked up before its class's)
+    if type(d) is not dict:
+        return False
+    for hook in _HOOKS:  # an instance's own hook is looked up before its class's
+        if hook in <dict>d:
+            return False
     if not _remember(o, x):
         return False
     for name in ((<tuple>info)[0], (<tuple>info)[1]):
@@ -568,6 +575,8 @@ cdef _Ext _EXT_MARK = _Ext()
 cdef class _Cls:
     """A class on the reader's stack (STACK_GLOBAL, before its NEWOBJ)."""
     cdef object cls
+
+
 cdef object _NOT_MINE = object()
 
 
@@ -591,13 +600,32 @@ cdef object _reader_ndarray():
 
 
 cdef object _dtype_of(str dts, object nd):
-    """The dtype whose str is ``dts`` (kept in _dtypes_by_str)."""
+    """The dtype whose str is ``dts`` (kept in _dtypes_by_str); ValueError if ``dts`` is
+    not a dtype's own str (a subarray spec such as ``8f8`` makes a float64 array of one
+    more dimension here, where pickle's _small_array refuses the buffer: the reader gives
+    such a pickle to pickle.loads)."""
     dt = _dtypes_by_str.get(dts)
     if dt is None:
         dt = nd((0,), dts).dtype
+        if dt.str != dts:
+            raise ValueError(f"{dts!r} is not a dtype's str")
         if len(_dtypes_by_str) < 64:
             _dtypes_by_str[dts] = dt
     return dt
+
+
+cdef bint _fits(Py_ssize_t nbytes, object dt, const Py_ssize_t *dims, Py_ssize_t ndim) except -1:
+    """Does a buffer of ``nbytes`` hold exactly an array of ``dims`` of ``dt``?  (What the
+    writer wrote always does; numpy refusing a short one left a bytearray with an export.)"""
+    cdef Py_ssize_t k, want = dt.itemsize
+    for k in range(ndim):
+        if dims[k] == 0:
+            return nbytes == 0
+    for k in range(ndim):
+        if want > nbytes:
+            return False
+        want *= dims[k]
+    return want == nbytes
 
 
 cdef object _small_array_of(object args):
@@ -609,7 +637,19 @@ cdef object _small_array_of(object args):
     nd = _reader_ndarray()
     if nd is None:
         return _NOT_MINE
-    return nd(shape, _dtype_of(dts, nd), bytearray(data))
+    cdef Py_ssize_t dims[32]
+    cdef Py_ssize_t k, ndim = len(<tuple>shape)
+    if ndim > 32:
+        return _NOT_MINE
+    for k in range(ndim):
+        dim = (<tuple>shape)[k]
+        if type(dim) is not int or dim < 0:
+            return _NOT_MINE
+        dims[k] = dim
+    dt = _dtype_of(dts, nd)
+    if not _fits(len(<bytes>data), dt, dims, ndim):
+        return _NOT_MINE
+    return nd(shape, dt, bytearray(data))
 
 
 # dtype.str -> dtype of the arrays read back, keyed by the str's UTF-8 bytes as they lie in
@@ -725,7 +765,10 @@ cdef object _fast_array(const unsigned char *p, Py_ssize_t i, Py_ssize_t n, Py_s
     if nd is None:
         return None
     try:
-        v = nd(_shape(dims, ndim), _read_dtype(sptr, slen, nd), PyByteArray_FromStringAndSize(<const char *>dptr, dlen))
+        dt = _read_dtype(sptr, slen, nd)
+        if not _fits(dlen, dt, dims, ndim):
+            return None
+        v = nd(_shape(dims, ndim), dt, PyByteArray_FromStringAndSize(<const char *>dptr, dlen))
     except Exception:
         return None
     end[0] = i + 2
@@ -910,8 +953,10 @@ cdef object _read(const unsigned char *p, Py_ssize_t n):
             stack[len(stack) - 1] = marker
             ext_open += 1
         elif op == 0x81:  # NEWOBJ: cls.__new__(cls), no arguments (object.__new__)
-            if (len(stack) - top < 2 or type(stack[len(stack) - 2]) is not _Cls
-                    or stack[len(stack) - 1] != ()):
+            if len(stack) - top < 2 or type(stack[len(stack) - 2]) is not _Cls:
+                return _NOT_MINE  # (bounds first: this module's indexing is unchecked)
+            args = stack[len(stack) - 1]  # (no comparison with (): it could run an __eq__)
+            if type(args) is not tuple or len(<tuple>args):
                 return _NOT_MINE
             del stack[len(stack) - 1]
             stack[len(stack) - 1] = object.__new__((<_Cls>stack[len(stack) - 1]).cls)

@@ -130,9 +130,9 @@ def _local_instance() -> object:
     return Local()
 
 
-def _own_hook() -> object:
+def _own_hook(name: str = "__reduce_ex__") -> object:
     p = Plain()
-    p.__reduce_ex__ = lambda proto: (Plain, ())  # an instance's own hook comes first
+    setattr(p, name, lambda *a: (Plain, ()))  # an instance's own hook comes first
     return p
 
 
@@ -286,6 +286,31 @@ def test_a_truncated_or_altered_pickle_is_read_as_pickle_would(spy):
     assert read >= 20  # some altered ones are still the writer's opcodes (a changed number)
 
 
+@pytest.mark.parametrize("in_one_go", [True, False])
+def test_an_array_whose_dtype_or_size_was_altered_is_pickle_s_to_read(spy, in_one_go):
+    """Found by fuzzing the reader: a dtype str that is no dtype's own (``8f8``, a subarray
+    spec) made a float64 array natively where pickle's _small_array refuses the buffer;
+    a buffer larger than its shape needs (pickle reads it) or smaller (pickle refuses)
+    is pickle's to decide too."""
+    fp.set_fast_arrays(in_one_go)
+    try:
+        data = fp.dumps(np.arange(4.0))
+        assert b"<f8" in data and b"K\x04\x85" in data
+        for bad in (data.replace(b"<f8", b"8f8"), data.replace(b"K\x04\x85", b"K\x05\x85"),
+                    data.replace(b"K\x04\x85", b"K\x03\x85")):
+            spy.handed.clear()
+            try:
+                want = pickle.loads(bad)
+            except Exception as exc:
+                with pytest.raises(type(exc)):
+                    fp.loads(bad)
+            else:
+                assert same(fp.loads(bad), want)
+            assert spy.handed == [bad]
+    finally:
+        fp.set_fast_arrays(True)
+
+
 def test_the_model_test_writes_most_of_its_examples():
     """The model above is not a test of refusals: most of what it draws is written."""
     written.clear()
@@ -348,6 +373,7 @@ cyclic.append(cyclic)
     {1, 2}, object(), len,                   # other types
     Reduces(), ReducesEx(), GetState(), NewArgs(), Slotted(), SlottedPoint(1.0),
     MyList(), MyError("x"), WithMeta(), _local_instance(), _own_hook(),
+    _own_hook("__getstate__"), _own_hook("__getnewargs__"),
     (shared_point, shared_point),            # met twice
     Plain(a=Plain(b=Plain(c=Plain(d=Plain(e=Plain(f=Plain())))))),  # too deep
     Plain, Point,                            # classes themselves: pickle's way

@@ -190,7 +190,8 @@ class Balancer:
         c = host.rq.last()
         # whether a move pays first (integers); the busy-share cap (the peer's words and
         # an exp each) only then: 256 lockstep agents of 50 us found a shorter peer at
-        # about every eighth turn of a round's end, where no move pays (8.6 us a look)
+        # about every eighth turn of a round's end, where no move pays (8.6 us a look,
+        # thread-CPU stamps included, 5.5 looks a round)
         n = moves_to_busy(mine, low, host.turn_avg,
                           move_cost_ns(c.ckpt_ns if c is not None else 0))
         if n <= 0:

@@ -406,6 +406,9 @@ def _plain_class_check(t):
     module, qualname = t.__module__, t.__qualname__
     if type(module) is not str or type(qualname) is not str:
         return None
+    if module == "__main__" and getattr(sys.modules.get(module), "__file__", None) is None:
+        return None  # (python -c, a REPL, a notebook: no other process imports it; its
+                     # classes go by value: stealer.shared.serialize.main_by_value)
     return module, qualname, tuple(qualname.split("."))
 
 

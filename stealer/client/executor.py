@@ -41,6 +41,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import _base as _fbase
+from pickle import PicklingError as _PicklingError
 from pickle import dumps as _pickle_dumps
 from typing import Any
 
@@ -259,6 +260,8 @@ def _submit(pool: _Pool, retries: int, fn: Callable[..., Any], args: tuple,
     payload = (fref if fref >= 0 else fn, args, kwargs or None)
     bufs: list = []
     try:
+        if serialize.main_by_value():
+            raise _PicklingError  # (serialize.dumps: cloudpickle, __main__ by value)
         data = _pickle_dumps(payload, 5, buffer_callback=serialize.keep_large(bufs))
     except Exception:
         try:
@@ -509,7 +512,10 @@ class Executor(_fbase.Executor):
             self.__dict__.pop("submit", None)
             return
         Q = self._pool.seg.Q
-        self.submit = Q.ClientSubmit(hot, self._pool, _Future, _pickle_dumps,
+        # (where __main__ cannot be imported by the workers, the native path's stdlib
+        # pickle refuses at once: _submit then pickles with cloudpickle)
+        dumps = serialize.refuse_dumps if serialize.main_by_value() else _pickle_dumps
+        self.submit = Q.ClientSubmit(hot, self._pool, _Future, dumps,
                                      _submit, _submit_data, self._retries)
 
     def _refuse(self) -> None:

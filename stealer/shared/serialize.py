@@ -1,4 +1,5 @@
-"""Serialization: stdlib pickle first, cloudpickle when that fails, protocol 5.
+"""Serialization: stdlib pickle first, cloudpickle when that fails (or when ``__main__``
+is no file other processes can import: :func:`main_by_value`), protocol 5.
 
 Out-of-band buffers (numpy arrays and anything exposing ``PickleBuffer``, larger
 than :data:`INBAND_MAX` bytes: smaller ones stay in the pickle) are written straight
@@ -203,6 +204,22 @@ def _found_numpy(np: Any) -> Any:
     return _ndarray
 
 
+def main_by_value() -> bool:
+    """Is ``__main__`` a module other processes cannot import by its name (``python -c``,
+    a REPL, a notebook: it has no ``__file__``)?  stdlib pickle writes what it defines by
+    name all the same, and a worker then fails to find it (``Can't get attribute 'P' on
+    <module '__main__'>``), so :func:`dumps` goes to cloudpickle, which writes it by
+    value.  (A script's ``__main__`` has a file: a worker imports it as ``__mp_main__``.)"""
+    main = sys.modules.get("__main__")
+    return main is not None and getattr(main, "__file__", None) is None
+
+
+def refuse_dumps(*args: Any, **kwargs: Any) -> bytes:
+    """A ``pickle.dumps`` stand-in for a fast path that tries stdlib pickle first, where
+    :func:`main_by_value`: it refuses, so that path takes :func:`dumps` (cloudpickle)."""
+    raise pickle.PicklingError("__main__ cannot be imported by the workers: by value")
+
+
 def dumps(obj: Any, what: str = "object", fast: bool = True,
           arrays: bool = False) -> tuple[bytes, list[pickle.PickleBuffer]]:
     """Pickle ``obj``; returns the pickle and its out-of-band buffers (those larger than
@@ -218,6 +235,8 @@ def dumps(obj: Any, what: str = "object", fast: bool = True,
     bufs: list[pickle.PickleBuffer] = []
     oob = keep_large(bufs)
     try:
+        if main_by_value():
+            raise pickle.PicklingError  # (cloudpickle below: __main__'s classes by value)
         if (arrays and _numpy_loaded()) or _has_arrays(obj):
             f = io.BytesIO()
             _Pickler(f, _PROTO, buffer_callback=oob).dump(obj)
@@ -458,6 +477,8 @@ def safe_str(exc: BaseException) -> str:
 
 def _dumps_inband(obj: Any) -> bytes:
     try:
+        if main_by_value():
+            raise pickle.PicklingError  # (cloudpickle: see main_by_value)
         return pickle.dumps(obj, _PROTO)
     except Exception:
         return cloudpickle.dumps(obj, _PROTO)
@@ -575,10 +596,15 @@ class FunctionTable:
         try:
             fn = pickle.loads(self.mm[off : off + n])
         except Exception as exc:
+            main = "__main__" in str(exc) or "__mp_main__" in str(exc)
             raise SerializationError(
-                f"could not unpickle the task function in the worker ({type(exc).__name__}: "
-                f"{exc}). If it is defined in a module, that module must be importable in the "
-                "worker processes."
+                f"could not unpickle the task function or agent class in the worker "
+                f"({type(exc).__name__}: {exc}). "
+                + ("A worker imports your script, not what runs under its `if __name__ == "
+                   "'__main__':`: define functions and classes at the script's top level "
+                   "(or in a module)." if main else
+                   "If it is defined in a module, that module must be importable in the "
+                   "worker processes.")
             ) from exc
         self._fns[fid] = fn
         try:

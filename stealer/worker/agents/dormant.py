@@ -86,7 +86,10 @@ def adopt(host: Any, h: int, link: int, entry: Any, ent: int) -> tuple | None:
     if deadline_at is not None or (len(spawn) > 5 and spawn[5] is not None):
         return spawn
     if type(cls) is int:
-        cls = host.w.fns.get(cls)
+        try:
+            cls = host.w.fns.get(cls)
+        except BaseException:
+            return ()  # its class does not load here: Host.adopt fails the agent with that
     # seq_cst loads: the or64 of a stop, the CAS of a push (mailbox.py)
     # (a control-tier agent is never dormant: its owner handles its messages inside other
     # agents' steps, agents/inline.py, from Host.controls)

@@ -167,8 +167,12 @@ class Leaving:
             FP.hit("agent.finish_after_close")
         # Unhandled messages: the pending ones and any pushed since our last walk.
         new = d.older(head, e.seen) if head else []
-        stopped = AgentStopped(f"agent {h:#x} ({type(e.obj).__qualname__}) stopped before "
-                               "handling this message", h, e.gen)
+        name = (type(e.obj).__qualname__ if e.obj is not None
+                else getattr(getattr(e, "cls", None), "__qualname__", "never built"))
+        why = (f"failed ({type(value).__name__}: {value})"
+               if status == ST_ERROR and isinstance(value, BaseException) else "stopped")
+        stopped = AgentStopped(f"agent {h:#x} ({name}) {why} before handling this message",
+                               h, e.gen)
         for m in list(e.pending or ()) + new:
             try:
                 reply = message_reply(a.read_call(a.off(m)))

@@ -127,29 +127,27 @@ def ray_actors() -> list:
 
 def one_tree(ex, node: str, n: int = 33, cutoff: int = 18, repeat: int = 5) -> float:
     """The median seconds of ``repeat`` fib(n) trees, one at a time, each submitted to
-    ``node`` (results checked after: fib_seq(33) takes this process ~0.7 s)."""
-    import statistics
-
-    times, got = [], []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        got.append(ex.submit_to(node, fib, n, cutoff).result())
-        times.append(time.perf_counter() - t)
-    assert got == [fib_seq(n)] * repeat
-    return statistics.median(times)
+    ``node`` (results checked against fib_seq(n), computed before the first one)."""
+    return _median_tree(ex, node, repeat, fib_seq(n), fib, n, cutoff)
 
 
 def one_uts(ex, node: str, repeat: int = 5) -> float:
     """The median seconds of ``repeat`` UTS trees (UTS_QUICK: 21,201 nodes of 20 µs, an
     unbalanced binomial tree whose tasks split their frontier in two), one at a time,
     each submitted to ``node`` (counts checked against the sequential one)."""
+    return _median_tree(ex, node, repeat, uts_seq(UTS_ROOT_SEED, 0, UTS_QUICK),
+                        uts, UTS_ROOT_SEED, 0, UTS_QUICK)
+
+
+def _median_tree(ex, node: str, repeat: int, want, fn, *args) -> float:
+    """The median seconds of ``repeat`` runs of ``fn(*args)`` submitted to ``node`` one at
+    a time; every result must be ``want``."""
     import statistics
 
-    want = uts_seq(UTS_ROOT_SEED, 0, UTS_QUICK)
     times, got = [], []
     for _ in range(repeat):
         t = time.perf_counter()
-        got.append(ex.submit_to(node, uts, UTS_ROOT_SEED, 0, UTS_QUICK).result())
+        got.append(ex.submit_to(node, fn, *args).result())
         times.append(time.perf_counter() - t)
     assert got == [want] * repeat
     return statistics.median(times)

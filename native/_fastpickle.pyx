@@ -436,12 +436,18 @@ cdef object _plain_class(object t):
 
 cdef bint _named(object t, object module, tuple parts):
     """Is ``t`` what ``module`` (its name) and the parts of its qualified name find?"""
+    return _resolve(module, parts) is t
+
+
+cdef object _resolve(object module, tuple parts):
+    """What pickle's ``find_class`` finds for ``module`` and a qualified name's ``parts``,
+    if that module is imported already (else None; a missing attribute: None too)."""
     obj = sys.modules.get(module)
     if obj is None:
-        return False
+        return None
     for part in parts:
         obj = getattr(obj, part, None)
-    return obj is t
+    return obj
 
 
 cdef bint _instance(Out *o, object x, object t, int depth):
@@ -809,11 +815,7 @@ cdef object _global(object module, object qualname):
     None: pickle's way imports it), if what it finds is a class the reader may make."""
     if type(module) is not str or type(qualname) is not str:
         return None
-    obj = sys.modules.get(module)
-    if obj is None:
-        return None
-    for part in (<str>qualname).split("."):
-        obj = getattr(obj, part, None)
+    obj = _resolve(module, tuple((<str>qualname).split(".")))
     if obj is None or not _readable_class(obj):
         return None
     return obj

@@ -41,7 +41,6 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import _base as _fbase
-from pickle import PicklingError as _PicklingError
 from pickle import dumps as _pickle_dumps
 from typing import Any
 
@@ -259,11 +258,13 @@ def _submit(pool: _Pool, retries: int, fn: Callable[..., Any], args: tuple,
         fref = pool.fns.id_of(fn)
     payload = (fref if fref >= 0 else fn, args, kwargs or None)
     bufs: list = []
-    try:
-        if serialize.main_by_value():
-            raise _PicklingError  # (serialize.dumps: cloudpickle, __main__ by value)
-        data = _pickle_dumps(payload, 5, buffer_callback=serialize.keep_large(bufs))
-    except Exception:
+    data = None
+    if not serialize.main_by_value():  # (else serialize.dumps: cloudpickle, by value)
+        try:
+            data = _pickle_dumps(payload, 5, buffer_callback=serialize.keep_large(bufs))
+        except Exception:
+            pass
+    if data is None:
         try:
             data, bufs = serialize.dumps(payload, "task (function and arguments)")
         except SerializationError as exc:

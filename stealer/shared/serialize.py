@@ -234,16 +234,15 @@ def dumps(obj: Any, what: str = "object", fast: bool = True,
             return data, []
     bufs: list[pickle.PickleBuffer] = []
     oob = keep_large(bufs)
-    try:
-        if main_by_value():
-            raise pickle.PicklingError  # (cloudpickle below: __main__'s classes by value)
-        if (arrays and _numpy_loaded()) or _has_arrays(obj):
-            f = io.BytesIO()
-            _Pickler(f, _PROTO, buffer_callback=oob).dump(obj)
-            return f.getvalue(), bufs
-        return pickle.dumps(obj, _PROTO, buffer_callback=oob), bufs
-    except Exception:
-        bufs.clear()
+    if not main_by_value():  # (else cloudpickle below: __main__'s classes by value)
+        try:
+            if (arrays and _numpy_loaded()) or _has_arrays(obj):
+                f = io.BytesIO()
+                _Pickler(f, _PROTO, buffer_callback=oob).dump(obj)
+                return f.getvalue(), bufs
+            return pickle.dumps(obj, _PROTO, buffer_callback=oob), bufs
+        except Exception:
+            bufs.clear()
     try:
         return cloudpickle.dumps(obj, _PROTO, buffer_callback=oob), bufs
     except Exception as exc:
@@ -476,12 +475,12 @@ def safe_str(exc: BaseException) -> str:
 
 
 def _dumps_inband(obj: Any) -> bytes:
-    try:
-        if main_by_value():
-            raise pickle.PicklingError  # (cloudpickle: see main_by_value)
-        return pickle.dumps(obj, _PROTO)
-    except Exception:
-        return cloudpickle.dumps(obj, _PROTO)
+    if not main_by_value():  # (else cloudpickle: see main_by_value)
+        try:
+            return pickle.dumps(obj, _PROTO)
+        except Exception:
+            pass
+    return cloudpickle.dumps(obj, _PROTO)
 
 
 def _load_error(data: bytes | None, raw: bool, name: str, text: str, why: str,

@@ -14,7 +14,8 @@ health checks (the settings are printed), node k's executor pinned to CPU k.  On
    one fib(33) tree at a time (the median of 5) submitted to one node of the two (its
    children may be stolen across nodes) against the same on one node alone, and (with
    ``--forkjoin-only``) one UTS tree at a time likewise (UTS_QUICK: 21,201 nodes of
-   20 µs, unbalanced);
+   20 µs, unbalanced); ``--forkjoin-only`` alternates ``--blocks`` blocks of each side
+   (fresh executors: two nodes, one node, one node, two nodes...);
 4. node death: ``--death-tasks`` tasks of 20 ms, the second node removed mid-run; the time
    from the removal to the client's re-placing of that node's tasks, and a check that every
    result came back exactly once;
@@ -125,58 +126,85 @@ def ray_actors() -> list:
     return actors
 
 
-def one_tree(ex, node: str, n: int = 33, cutoff: int = 18, repeat: int = 5) -> float:
-    """The median seconds of ``repeat`` fib(n) trees, one at a time, each submitted to
-    ``node`` (results checked against fib_seq(n), computed before the first one)."""
-    return _median_tree(ex, node, repeat, fib_seq(n), fib, n, cutoff)
+def one_tree(ex, node: str, n: int = 33, cutoff: int = 18, repeat: int = 5) -> list[float]:
+    """The seconds of ``repeat`` fib(n) trees, one at a time, each submitted to ``node``
+    (results checked against fib_seq(n), computed before the first one)."""
+    return _tree_times(ex, node, repeat, fib_seq(n), fib, n, cutoff)
 
 
-def one_uts(ex, node: str, repeat: int = 5) -> float:
-    """The median seconds of ``repeat`` UTS trees (UTS_QUICK: 21,201 nodes of 20 µs, an
+def one_uts(ex, node: str, repeat: int = 5) -> list[float]:
+    """The seconds of ``repeat`` UTS trees (UTS_QUICK: 21,201 nodes of 20 µs, an
     unbalanced binomial tree whose tasks split their frontier in two), one at a time,
     each submitted to ``node`` (counts checked against the sequential one)."""
-    return _median_tree(ex, node, repeat, uts_seq(UTS_ROOT_SEED, 0, UTS_QUICK),
-                        uts, UTS_ROOT_SEED, 0, UTS_QUICK)
+    return _tree_times(ex, node, repeat, uts_seq(UTS_ROOT_SEED, 0, UTS_QUICK),
+                       uts, UTS_ROOT_SEED, 0, UTS_QUICK)
 
 
-def _median_tree(ex, node: str, repeat: int, want, fn, *args) -> float:
-    """The median seconds of ``repeat`` runs of ``fn(*args)`` submitted to ``node`` one at
-    a time; every result must be ``want``."""
-    import statistics
-
+def _tree_times(ex, node: str, repeat: int, want, fn, *args) -> list[float]:
+    """The seconds of ``repeat`` runs of ``fn(*args)`` submitted to ``node`` one at a
+    time; every result must be ``want``."""
     times, got = [], []
     for _ in range(repeat):
         t = time.perf_counter()
         got.append(ex.submit_to(node, fn, *args).result())
         times.append(time.perf_counter() - t)
     assert got == [want] * repeat
-    return statistics.median(times)
+    return times
 
 
-def forkjoin_only(out: dict, children: bool = True) -> None:
-    """Section 3 alone: the fork-join rows, on a fresh cluster (already up).  ``children``
-    False: no fork-join child moves between nodes (a tree stays on its node)."""
+def forkjoin_block(two: bool, children: bool, repeat: int) -> dict:
+    """One block of section 3 on a fresh executor: over both nodes (``two``: stealing on;
+    ``children``: fork-join children may move between nodes) or on the first node alone
+    (``steal=None``).  The seconds of the 8 fib(30) roots, and of ``repeat`` fib(33) trees
+    and ``repeat`` UTS trees one at a time, each submitted to the first node."""
     from stealer.cluster.policy import StealConfig
 
-    ex = stealer.Executor(cluster=True, seed=1, rebalance=None,
-                          steal=StealConfig(children=1 if children else 0))
-    ex.submit(fib, 20, 16).result()
-    two = timed(lambda: [f.result() for f in [ex.submit(fib, 30, 18) for _ in range(8)]])
-    tree_two = one_tree(ex, ex.nodes[0])
-    uts_two = one_uts(ex, ex.nodes[0])
-    st = ex.stats()
-    ex.shutdown()
-    ex1, one_node, one = roots_on_one_node()
-    tree_one = one_tree(ex1, one_node)
-    uts_one = one_uts(ex1, one_node)
-    ex1.shutdown()
-    out["forkjoin_roots"] = {"one_node_s": one, "two_nodes_s": two, "speedup": one / two}
-    out["forkjoin_one_tree"] = {"one_node_s": tree_one, "two_nodes_s": tree_two,
-                                "speedup": tree_one / tree_two,
-                                "children": {n[:12]: v.get("children")
-                                             for n, v in st.nodes.items()}}
-    out["forkjoin_one_uts"] = {"one_node_s": uts_one, "two_nodes_s": uts_two,
-                               "speedup": uts_one / uts_two}
+    if two:
+        ex = stealer.Executor(cluster=True, seed=1, rebalance=None,
+                              steal=StealConfig(children=1 if children else 0))
+        node = ex.nodes[0]
+        ex.submit(fib, 20, 16).result()
+        roots = timed(lambda: [f.result() for f in
+                               [ex.submit(fib, 30, 18) for _ in range(8)]])
+    else:
+        ex, node, roots = roots_on_one_node()
+    try:
+        out = {"roots": [roots], "fib": one_tree(ex, node, repeat=repeat),
+               "uts": one_uts(ex, node, repeat=repeat)}
+        if two:
+            out["children"] = {n[:12]: v.get("children") for n, v in ex.stats().nodes.items()}
+        return out
+    finally:
+        ex.shutdown()
+
+
+def forkjoin_only(out: dict, children: bool = True, blocks: int = 4, repeat: int = 3) -> None:
+    """Section 3 alone, on a fresh cluster (already up): ``blocks`` blocks on two nodes
+    and as many on one node, alternated (two, one, one, two, two, one...), so that a
+    slower spell of the shared machine weighs on both sides alike (one after the other,
+    the speedup of one fib tree read 1.90 in one run and 1.50-1.62 in others).  Each row: the
+    median seconds of its runs on each side and their ratio, and the range of the
+    ratios of the blocks paired in time (block k on two nodes beside block k on one).
+    ``children`` False: no fork-join child moves between nodes (a tree stays on its
+    node)."""
+    import statistics
+
+    sides: dict[bool, list[dict]] = {True: [], False: []}
+    for k in range(blocks):
+        for two in ((True, False) if k % 2 == 0 else (False, True)):
+            sides[two].append(forkjoin_block(two, children, repeat))
+    for row, key in (("forkjoin_roots", "roots"), ("forkjoin_one_tree", "fib"),
+                     ("forkjoin_one_uts", "uts")):
+        def runs(two: bool, key=key) -> list[float]:
+            return [t for b in sides[two] for t in b[key]]
+
+        one, two = statistics.median(runs(False)), statistics.median(runs(True))
+        paired = [statistics.median(b1[key]) / statistics.median(b2[key])
+                  for b1, b2 in zip(sides[False], sides[True])]
+        out[row] = {"one_node_s": round(one, 4), "two_nodes_s": round(two, 4),
+                    "speedup": round(one / two, 3), "runs_per_side": len(runs(True)),
+                    "paired_blocks": f"{min(paired):.2f}-{max(paired):.2f}"}
+    out["forkjoin_one_tree"]["children"] = sides[True][-1]["children"]
 
 
 def skew_runs(ex, work: list[float], reps: int) -> list[dict]:
@@ -276,6 +304,9 @@ def main() -> None:
     ap.add_argument("--forkjoin-only", action="store_true",
                     help="only the fork-join rows (8 trees over two nodes, one tree "
                          "started on one node), each beside one node alone")
+    ap.add_argument("--blocks", type=int, default=4,
+                    help="with --forkjoin-only: alternated blocks per side (3 trees "
+                         "of each kind a block)")
     a = ap.parse_args()
     env = lambda k: {"STEALER_NODE_CPUS": str(k)}  # noqa: E731
     c = Cluster(initialize_head=True, connect=True, head_node_args={
@@ -296,7 +327,7 @@ def main() -> None:
                 print(f"{k}: {v}")
             return
         if a.forkjoin_only:
-            forkjoin_only(out, not a.no_children)
+            forkjoin_only(out, not a.no_children, a.blocks)
             for k, v in out.items():
                 print(f"{k}: {v}")
             return

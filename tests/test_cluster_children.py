@@ -69,6 +69,36 @@ def test_a_lost_thief_gives_its_children_back_and_their_late_results_are_dropped
     assert t.claim(2) == ("done", True, "late but first")
 
 
+def test_only_children_pending_long_enough_ship_oldest_first():
+    # (the node agent's age rule: children exported at born_by or before may move)
+    t = ChildTable()
+    for i in range(4):
+        t.add(i, b"c%d" % i, now=10.0 + i)
+    assert t.pending() == 4 and t.pending(born_by=11.5) == 2 and t.pending(9.0) == 0
+    assert t.oldest_pending() == 10.0 and t.oldest_pending(after=11.5) == 12.0
+    assert t.ship("b", 5, born_by=9.0, now=20.0) == []
+    assert t.ship("b", 5, born_by=11.5, now=20.0) == [(0, b"c0"), (1, b"c1")]
+    assert t.sent_at(0) == 20.0 and t.sent_at(2) is None  # (2: pending, not shipped)
+    assert t.oldest_pending() == 12.0 and t.pending(born_by=11.5) == 0
+    assert t.claim(3) == ("run",)  # a young one its own proxy claims never ships
+    assert t.ship("b", 5, born_by=99.0, now=21.0) == [(2, b"c2")]
+    assert t.result(0, True, "v") is True and t.sent_at(0) is None  # (back: no trip left)
+    # a child given back keeps its age: it may ship again at once
+    assert t.unship([1], declined=True) == 1
+    assert t.pending(born_by=11.5) == 1 and t.ship("c", 1, born_by=11.5, now=22.0) == [(1, b"c1")]
+    assert t.sent_at(1) == 22.0
+
+
+def test_the_age_rule_is_validated():
+    from stealer.cluster.policy import StealConfig
+
+    with pytest.raises(ValueError, match="child_age_rtts"):
+        StealConfig(child_age_rtts=-1)
+    with pytest.raises(ValueError, match="child_age_rtts"):
+        StealConfig(child_age_rtts=float("nan"))
+    assert StealConfig(child_age_rtts=0).child_age_rtts == 0
+
+
 def test_a_claim_before_its_export_arrives_runs_it_and_the_export_is_ignored():
     t = ChildTable()
     assert t.claim("k") == ("run",)  # the export came on another worker's connection

@@ -189,6 +189,23 @@ def test_a_fork_join_tree_started_on_one_node_is_shared_with_the_other(ex):
     assert kids[first]["returned"] > 0 and kids[first]["waiting"] == 0
 
 
+def test_a_small_tree_s_children_stay_on_its_node(ex):
+    # children move only once they waited two of the measured round trips of a moved
+    # child: a tree of a few ms is claimed back by its own worker before then (with
+    # child_age_rtts=0 nearly every such tree sent a child to the idle node's lifeline)
+    first = ex.nodes[0]
+    home = ex.submit_to(first, ct.where).result(timeout=60)[0]
+    shipped0 = ex.stats().nodes[first]["children"]["shipped"]
+    away = []
+    for _ in range(10):
+        value, ran = ex.submit_to(first, ct.fib_where, 17).result(timeout=60)
+        assert value == ct.fib_seq(17)
+        away.append(ran != (home,))
+    shipped = ex.stats().nodes[first]["children"]["shipped"] - shipped0
+    # (a stall of the shared VM longer than the age may still move one)
+    assert sum(away) <= 2 and shipped <= 2, f"{sum(away)} trees ran away, {shipped} shipped"
+
+
 def test_a_skew_submitted_to_one_node_is_stolen_by_the_other(ex):
     first = ex.nodes[0]
     fs = [ex.submit_to(first, ct.spin, 0.01, i) for i in range(120)]  # 1.2 s on one core

@@ -67,7 +67,7 @@ import ray
 
 from stealer.agents.message import SET_STATE, STATE
 from stealer.cluster import children
-from stealer.cluster.policy import Load, StealConfig, Thief, Victim, linger_for
+from stealer.cluster.policy import Load, RoundTrip, StealConfig, Thief, Victim, linger_for
 from stealer.errors import NodeFencedError, RemoteError, RemoteTraceback
 
 __all__ = ["AgentOp", "NodeAgent", "node_cpus", "run_chunk"]
@@ -77,6 +77,7 @@ WINDOW_MIN, WINDOW_MAX = 8, 256  # tasks per worker in the local executor's wind
 BATCH_OUT = 512  # results that end a results() call's linger
 LIFELINE_POLL_S = 0.05  # an idle node on lifelines looks again this often
 LIFELINE_RENEW_S = 0.25  # and registers its lifelines again this often
+CHILD_RTT_S = 0.004  # a child's round trip to another node, until one was measured
 BUSY_TAU_S = 0.1  # the time constant of the occupied fraction a load report carries
 RESULT_POLL_S = 0.01  # the local executor's result thread, in throughput mode, looks this
 # often (the core's default, 2 ms, cost each node ~0.1 ms of CPU per 2 ms task: results
@@ -198,6 +199,11 @@ class NodeAgent:
         self.view_version = -1  # the client's last set of nodes applied (view())
         self.peer_loads: dict[str, Load] = {}
         self.thief = Thief(node_id, steal or StealConfig(), random.Random(seed))
+        # the round trip of a child moved to another node and back, less its time there
+        # (child_results' samples): children wait CHILD_AGE of them before they move
+        self.child_rtt = RoundTrip(CHILD_RTT_S)
+        self._kids_timer = False  # a look (_kids_changed) is due by timer (_recheck_at)
+        self.import_at: dict[tuple, float] = {}  # imported child -> when it came
         self.victim = Victim(node_id, steal or StealConfig())
         self.steals = {"asked": 0, "got": 0, "given": 0, "pushed": 0, "took": 0}
         self.ll_epochs: dict[str, int] = {}  # thief -> the epoch of its last (un)lifeline
@@ -333,6 +339,8 @@ class NodeAgent:
                 for n in gone:  # its children not back run again here (at-least-once)
                     self.kids.table.lost(n)
                     self.origins.pop(n, None)
+                    for ik in [ik for ik in self.import_at if ik[0] == n]:
+                        del self.import_at[ik]
                 self.kids.cv.notify_all()
 
     @ray.method(concurrency_group="health")
@@ -347,7 +355,9 @@ class NodeAgent:
                 "inflight": self.inflight, "done": self.done_n, "steals": dict(self.steals),
                 "agents": len(self.agents), "evicted": self.evicted, "polls": self.polls,
                 "reordered": self.reordered, "peers": sorted(self.peers),
-                "children": (dict(self.kids.table.n, waiting=self.kids.waiting)
+                "children": (dict(self.kids.table.n, waiting=self.kids.waiting,
+                                  rtt_ms=round(self.child_rtt.s * 1e3, 2),
+                                  rtt_samples=self.child_rtt.samples)
                              if self.kids is not None else None),
                 "worker_pids": [p for p in self.ex.worker_pids() if p] if not self.fenced else [],
                 "segment": self.ex.segment_name, "pid": os.getpid()}
@@ -370,9 +380,12 @@ class NodeAgent:
         self.steals["given"] += len(batch)
         kids: list[tuple] = []
         if not batch and self.kids is not None and free:
+            born_by = self._ripe_by()
             with self.kids.lock:
                 t = self.kids.table
-                kids = t.ship(thief, max(1, t.pending() // 2))
+                ripe = t.pending(born_by)
+                kids = (t.ship(thief, max(1, ripe // 2), born_by, time.monotonic())
+                        if ripe else [])
         return batch, self.load(), kids, self.me
 
     @ray.method(concurrency_group="steal")
@@ -397,14 +410,19 @@ class NodeAgent:
 
     @ray.method(concurrency_group="steal")
     def child_results(self, items: list[tuple]) -> None:
-        """Results of our exported children, (key, ok, value) each, from the node that
-        ran them; one for a child claimed again here (its node was thought lost), or
-        settled already, is dropped."""
+        """Results of our exported children, (key, ok, value, held_s) each, from the node
+        that ran them (``held_s``: from their arrival there to their result); one for a
+        child claimed again here (its node was thought lost), or settled already, is
+        dropped.  Each one returned is a sample of the children's round trip (the time
+        out less the time held there: the two calls and their hand-offs)."""
         if self.kids is None:
             return
+        now = time.monotonic()
         with self.kids.cv:
-            for key, ok, value in items:
-                self.kids.table.result(key, ok, value)
+            for key, ok, value, held_s in items:
+                sent = self.kids.table.sent_at(key)
+                if self.kids.table.result(key, ok, value) and sent is not None:
+                    self.child_rtt.add(now - sent - held_s)
             self.kids.cv.notify_all()
         self._kids_changed()
 
@@ -751,6 +769,7 @@ class NodeAgent:
         with self.lock:
             lines = [t for t in self.victim.lifelines if t in self.ll_free]
         cap = self.thief.cfg.children
+        born_by = self._ripe_by()
         with kids.lock:
             t = kids.table
             pending = t.pending()
@@ -762,7 +781,12 @@ class NodeAgent:
             node = next((n for n in lines if n in want), None)
             if not pending or node is None:
                 return
-            items = t.ship(node, min(pending, want[node]))
+            ripe = t.pending(born_by)
+            if ripe < min(pending, want[node]):  # young ones it could take later
+                self._recheck_at(t.oldest_pending(born_by))
+            if not ripe:
+                return
+            items = t.ship(node, min(ripe, want[node]), born_by, time.monotonic())
         if node in lines:
             with self.lock:
                 self.victim.forget(node)  # (it registers again if it runs dry again)
@@ -774,6 +798,29 @@ class NodeAgent:
         self.steals["pushed_children"] = self.steals.get("pushed_children", 0) + len(items)
         ref = handle.take_children.remote(items, self.node, self.me)
         ref.future().add_done_callback(functools.partial(self._children_pushed, items))
+
+    def _ripe_by(self) -> float:
+        """Children exported at this time or before may move to another node: those
+        pending for ``child_age`` round trips (StealConfig.child_age_rtts) of a child
+        moved, so a small tree's children are claimed back by its own workers before
+        they could pay for the trip (measured: see StealConfig.child_age_rtts)."""
+        return time.monotonic() - self.thief.cfg.child_age_rtts * self.child_rtt.s
+
+    def _recheck_at(self, born: float | None) -> None:
+        """Look again (``_kids_changed``) when the oldest pending child, exported at
+        ``born``, is old enough to move; one timer at a time."""
+        if born is None or self._kids_timer:
+            return
+        self._kids_timer = True
+        delay = max(0.0, born - self._ripe_by()) + 0.0005
+
+        def fire() -> None:
+            self._kids_timer = False
+            self._kids_changed()
+
+        timer = threading.Timer(delay, fire)
+        timer.daemon = True
+        timer.start()
 
     def _kids_hungry(self, node: str) -> None:
         """A proxy of ours waits on ``node`` with nothing to do: a lifeline there, so it
@@ -814,6 +861,9 @@ class NodeAgent:
             items = items[:free]
             if not items:
                 return
+        now = time.monotonic()
+        for key, _ in items:  # (before a waiting proxy may run one and report it)
+            self.import_at[(source, key)] = now
         with kids.cv:
             ikeys = kids.table.add_imports(source, items)
             kids.cv.notify_all()  # a waiting proxy may run one inline
@@ -857,7 +907,8 @@ class NodeAgent:
         handle = self.origins.get(origin)
         if handle is None or self.fenced:
             return  # its parent's node is gone: its root runs again elsewhere
-        ref = handle.child_results.remote([(key, ok, value)])
+        held_s = time.monotonic() - self.import_at.pop(ikey, time.monotonic())
+        ref = handle.child_results.remote([(key, ok, value, held_s)])
         ref.future().add_done_callback(functools.partial(self._back_done, ikey, ok, value, 0))
 
     def _back_done(self, ikey: tuple, ok: bool, value: Any, tries: int, f: Any) -> None:
@@ -875,7 +926,7 @@ class NodeAgent:
         handle = self.origins.get(ikey[0])
         if handle is None or self.fenced:
             return
-        ref = handle.child_results.remote([(ikey[1], ok, value)])
+        ref = handle.child_results.remote([(ikey[1], ok, value, math.inf)])  # (no sample)
         ref.future().add_done_callback(functools.partial(self._back_done, ikey, ok, value,
                                                          tries))
 

@@ -99,10 +99,18 @@ class StealConfig:
     # Deeper ones ran for 0.1-2 ms each in a fib(33) tree and cost round trips of 2-10 ms
     # to move (stealer/cluster/children.py: the trace and the measurements).
     want_depth: int | None = 5
+    # a pending child moves to a hungry node only once it waited this many of the measured
+    # round trips of a moved child (0: at once): a small tree's children are then claimed
+    # back by its own workers before they could pay for the trip (measured: one fib(20)
+    # tree, 1.2 ms of work, took 22 ms on a 2-node cluster with its children moving, 5.6 ms
+    # without; the figures of this rule are in README's cluster section)
+    child_age_rtts: float = 2.0
 
     def __post_init__(self) -> None:
         if self.child_depth < 0:
             raise ValueError(f"child_depth must be 0 or more, not {self.child_depth}")
+        if not self.child_age_rtts >= 0:
+            raise ValueError(f"child_age_rtts must be 0 or more, not {self.child_age_rtts}")
         if self.want_depth is not None and self.want_depth < self.child_depth:
             raise ValueError(f"want_depth must be child_depth ({self.child_depth}) or more, "
                              f"or None for any depth, not {self.want_depth}")

@@ -314,6 +314,25 @@ def test_a_transient_unavailable_node_is_retried_not_lost(ex, monkeypatch):
     assert st.resubmitted == before.resubmitted
 
 
+def test_a_lone_task_and_a_burst_s_tail_do_not_wait_for_the_batch_timer(cluster, own):
+    """A task goes to its node at once when no submit call to that node is out, and what
+    came while one was out goes when its answer comes: with batch_s=5, neither a lone
+    task nor the last partial batch of a burst waits 5 s (they did before)."""
+    e = stealer.Executor(cluster=True, seed=1, batch_s=5.0)
+    try:
+        node = e.nodes[0]
+        assert e.submit_to(node, ct.square, 3).result(timeout=60) == 9  # (warm)
+        t = time.monotonic()
+        assert e.submit_to(node, ct.square, 4).result(timeout=60) == 16
+        assert time.monotonic() - t < 2.5, "a lone task waited for batch_s"
+        t = time.monotonic()
+        fs = [e.submit(ct.square, i) for i in range(1000)]  # (256 a batch: a partial tail)
+        assert [f.result(timeout=60) for f in fs] == [i * i for i in range(1000)]
+        assert time.monotonic() - t < 2.5, "a burst's tail waited for batch_s"
+    finally:
+        e.shutdown()
+
+
 def test_submit_after_shutdown_is_refused(cluster, own):
     e = stealer.Executor(cluster=True)
     assert e.submit(ct.square, 3).result(timeout=30) == 9

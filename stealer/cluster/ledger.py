@@ -84,6 +84,7 @@ class NodeView:
         self.pending: list[tuple] = []  # (tid, fn, args, kwargs, hops) not sent yet
         self.pending_since = 0.0
         self.bseq = 0  # the last batch sent (the node runs them in this order, once each)
+        self.in_flight = 0  # submit calls to it not answered yet (0: a task goes at once)
         self.ready = False
         self.alive = True
         self.backoff = 0.0

@@ -61,7 +61,7 @@ class AgentMoves:
 
     def _deliver(self, a: AgentRecord, tid: int, t: Task) -> NodeView | None:
         """An agent operation to its node's batch, or held while the agent moves (under
-        the lock); the node if its batch is full now."""
+        the lock); the node if its batch is to go now (ClusterExecutor._enqueue)."""
         if a.moving is not None:
             t.node = None
             a.held.append(tid)

@@ -1883,7 +1883,7 @@ cdef class HotPath:
             target, method, args, kwargs, rep, deadline, sender, _seq, _ack = <tuple>msg
             if (sender is not None or deadline is not None or target != h
                     or type(method) is not str or type(args) is not tuple
-                    or method == "step" or method == "on_stop"):
+                    or method == "on_stop" or (method == "step" and _drives(obj))):
                 return SERVE_SLOW, None, None, None
             fn = getattr(obj, method, None)
             if fn is None or not callable(fn):
@@ -1928,7 +1928,7 @@ cdef class HotPath:
                                          PyBytes_GET_SIZE(data), completions, who)
                 if done != 1 and done != -1:
                     return SERVE_AFTER, reply, done, data
-            if e.state == _WAITING and e.want_step is False and hasattr(obj, "step"):
+            if e.state == _WAITING and e.want_step is False and _drives(obj):
                 e.want_step = True  # ctx.wait(): step again once a message was handled
 
     def read_inline(self, uint64_t h):
@@ -2115,6 +2115,27 @@ cdef class HotPath:
         return settled
 
 
+cdef dict _DRIVES = {}  # agent class -> self-driven (_drives); cleared at 1024 classes
+
+
+cdef bint _drives(object obj) except -1:
+    """Twin of stealer.agents.api.drives_itself: self-driven unless it has no ``step`` or
+    its class says ``self_driven = False``.  The class's answer is kept per class (a class
+    of a message-only agent has no ``step``: a miss raises and clears an AttributeError
+    inside, ~0.45 µs); an instance of a class that is not self-driven is asked itself (a
+    ``step`` attribute of its own), as hasattr(obj, "step") was before."""
+    cls = obj if isinstance(obj, type) else type(obj)
+    v = _DRIVES.get(cls)  # 1: self-driven; 0: says self_driven = False; 2: has no step
+    if v is None:
+        if len(_DRIVES) >= 1024:
+            _DRIVES.clear()
+        v = _DRIVES[cls] = (0 if getattr(cls, "self_driven", None) is False
+                            else 1 if hasattr(cls, "step") else 2)
+    if v != 2 or obj is cls:
+        return v == 1
+    return hasattr(obj, "step")
+
+
 cdef object _NO_VALUE = object()  # c_small_result: no small inline result there
 
 
@@ -2155,7 +2176,6 @@ cdef class Turns:
     cdef uint64_t nrecords
     cdef public uint64_t turns   # how many ran here (tests; stats)
     cdef object bal              # the Host's Balancer (worker/agents/balance.py)
-    cdef dict cls_step           # adopt: agent class -> has a step method
     cdef public object got       # start: adopt's result for the agent it returned
     cdef Py_ssize_t runnable_off, searching_off, parked_off
     cdef uint64_t peers_mask
@@ -2204,7 +2224,6 @@ cdef class Turns:
         self.ckpt_div = 2 * <Py_ssize_t>w.n
         self.nrecords = hot.nrecords
         self.turns = 0
-        self.cls_step = {}
 
     def set_peers(self, Py_ssize_t workers_off, Py_ssize_t worker_bytes, int k,
                   list inboxes not None, Py_ssize_t state_at, Py_ssize_t runnable_at,
@@ -2337,14 +2356,9 @@ cdef class Turns:
                 cls = self.w.fns.get(cls)
             except BaseException:
                 return 0                             # Host.adopt loads it again and fails it
-        # per class, hasattr(cls, "step"): a miss on a class raises and clears an
+        # per class (_drives): hasattr(cls, "step")'s miss raises and clears an
         # AttributeError inside (~0.45 µs, a sixth of an adoption)
-        stepper = self.cls_step.get(cls)
-        if stepper is None:
-            if len(self.cls_step) >= 1024:
-                self.cls_step.clear()
-            stepper = self.cls_step[cls] = hasattr(cls, "step")
-        if stepper:
+        if _drives(cls):
             return 0
         cdef uint32_t gen = (<uint32_t *>(self.hot.rec(h) + R_TRIES))[0]   # ours: RUNNING here
         args = spawn[1]
@@ -2360,7 +2374,7 @@ cdef class Turns:
         st_store_seqcst_u32(ep + D_GEN, gen)         # stats only: read by collect()
         host.dormant[h] = obj
         # seq_cst load: pairs with a sender's CAS of D_HEAD (a message pushed meanwhile)
-        if hasattr(obj, "step") or st_load_seqcst_u64(ep + D_HEAD):
+        if _drives(obj) or st_load_seqcst_u64(ep + D_HEAD):
             return 2
         return 1
 

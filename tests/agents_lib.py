@@ -452,3 +452,34 @@ class Where(stealer.Agent):
 
     def pid(self) -> int:
         return os.getpid()
+
+
+class GymEnv(stealer.Agent):
+    """A gymnasium-style environment: ``step(action)`` is a message handler its client
+    calls (``self_driven = False``), never the agent's own step."""
+
+    self_driven = False
+
+    def __init__(self) -> None:
+        self.t = 0
+        self.total = 0.0
+
+    def reset(self) -> int:
+        self.t, self.total = 0, 0.0
+        return 0
+
+    def step(self, action: float) -> tuple[float, int]:
+        self.t += 1
+        self.total += action
+        return self.total, self.t
+
+
+class GymEnvUnmarked(stealer.Agent):
+    """The same without ``self_driven = False``: its ``step`` is taken for the agent's
+    own, called by the worker with a Ctx, which it adds to a float."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+
+    def step(self, action: Any) -> None:
+        self.total = self.total + action

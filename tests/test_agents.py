@@ -103,6 +103,44 @@ def test_self_driven_agents_finish_with_their_value(ex):
     assert [r.result(T) for r in refs] == [(25, 25000.0, 0)] * 30
 
 
+def test_a_step_is_a_message_handler_when_the_class_says_self_driven_false(ex):
+    # the reinforcement-learning pattern: env.step(action) called by the client; such an
+    # agent is message-only (never stepped by the worker, dormant until a message)
+    refs = [ex.spawn_agent(L.GymEnv) for _ in range(40)]
+    time.sleep(0.2)  # (a self-driven agent would have stepped meanwhile)
+    for k in range(1, 4):
+        got = [f.result(T) for f in ex.call_all(refs, "step", [(1.0,)] * len(refs))]
+        assert got == [(float(k), k)] * len(refs)
+    assert refs[0].call("reset").result(T) == 0
+    refs[0].send("step", 2.5)
+    assert refs[0].call("step", 0.5).result(T) == (3.0, 2)
+    assert [r.call("step", 0.0).result(T)[1] for r in refs[1:]] == [4] * (len(refs) - 1)
+    assert stealer.Agent.self_driven is None and L.GymEnv.self_driven is False
+    for r in refs:
+        r.stop()
+    assert refs[1].result(T) is None
+
+
+def test_a_step_meant_as_a_handler_says_what_to_do(ex):
+    # without self_driven = False the worker calls step(ctx): the agent fails at once, and
+    # (3.11+) its error carries a note saying what to set
+    ref = ex.spawn_agent(L.GymEnvUnmarked)
+    with pytest.raises(TypeError, match="Ctx") as ei:
+        ref.result(T)
+    if hasattr(ei.value, "add_note"):
+        assert any("self_driven = False" in n for n in getattr(ei.value, "__notes__", ()))
+    with pytest.raises(stealer.AgentStopped, match="result"):
+        ref.call("step", 1.0).result(T)
+    # a self-driven agent's step is no message: the call says why and what to set
+    live = ex.spawn_agent(L.Stepper, 10**6, 0.0005)
+    with pytest.raises(AttributeError, match=r"own step.*self_driven = False"):
+        live.call("step", 1).result(T)
+    with pytest.raises(AttributeError, match="on_stop gives the value"):
+        live.call("on_stop").result(T)
+    live.stop()
+    live.result(T)
+
+
 def test_handler_exception_goes_to_the_caller_and_the_agent_lives(ex):
     ref = ex.spawn_agent(L.Counter, 1)
     with pytest.raises(ValueError, match="boom in a handler"):

@@ -7,6 +7,10 @@
         def step(self, ctx): ...               # optional: self-driven agents step until done
         def observe(self, k): return ...       # any public method is a message handler
 
+    class CartPole(stealer.Agent):
+        self_driven = False                    # its step(action) is a message handler
+        def step(self, action): return ...
+
     ref = ex.spawn_agent(Walker, 7, tier="interactive", mailbox=64)
     ref.call("observe", 3).result()            # request/reply: a concurrent.futures.Future
     ref.send("observe", 3)                     # one-way; blocks while the mailbox is full
@@ -31,7 +35,7 @@ from typing import Any
 from stealer.errors import NotInTaskError
 
 __all__ = ["Agent", "AgentRef", "Ctx", "TIERS", "Sleep", "Wait", "Done", "Pending", "PendingAll",
-           "call_all"]
+           "call_all", "drives_itself"]
 
 TIERS = {"control": 0, "interactive": 1, "bulk": 2}
 TIER_NAMES = {v: k for k, v in TIERS.items()}
@@ -46,7 +50,25 @@ class Agent:
     not starting with ``_``, other than ``step`` and ``on_stop``) are
     message handlers.  ``on_stop(self)``, if defined, gives the final value
     of an agent stopped by ``ref.stop()``.
+
+    ``step(self, ctx)``, if defined, makes the agent *self-driven*: the worker
+    calls it again and again while the agent runs.  A class whose ``step`` is
+    a message handler instead (a gymnasium-style environment, ``step(action)``
+    called by its client) says ``self_driven = False``: its ``step`` is then
+    called only by messages, like any other handler.
     """
+
+    #: None or True: a ``step`` method is the agent's own step (the worker calls
+    #: ``step(ctx)``); False: ``step`` is an ordinary message handler.
+    self_driven: bool | None = None
+
+
+def drives_itself(agent: Any) -> bool:
+    """Whether an agent (its class or an instance) is self-driven: it has a ``step`` and
+    its class does not say ``self_driven = False``.  The worker's checks (and their native
+    twins in ``native/_cqueues.pyx``, ``_drives``) follow this rule."""
+    cls = agent if isinstance(agent, type) else type(agent)
+    return getattr(cls, "self_driven", None) is not False and hasattr(agent, "step")
 
 
 class Sleep:

@@ -476,7 +476,7 @@ class AgentClient:
     @staticmethod
     def _stopped(h: int) -> AgentStopped:
         return AgentStopped(f"agent {h:#x} was stopped, finished or failed; it takes no more "
-                            "messages", h)
+                            "messages (its ref's result() says how it ended)", h)
 
     def _deliver(self, h: int, m: int, defer: set[int] | None = None) -> None:
         if not self.dir.push(h, m):

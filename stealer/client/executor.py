@@ -705,7 +705,8 @@ class Executor(_fbase.Executor):
         """Call ``method`` on every agent in ``refs``, the i-th with the i-th tuple of
         positional arguments (``None``: none): a list of Futures in the order of
         ``refs``, from one Python call, each worker woken once for the batch (the
-        lockstep pattern: ``futs = ex.call_all(envs, "step", [(a,) for a in actions])``).
+        lockstep pattern: ``futs = ex.call_all(envs, "step", [(a,) for a in actions])``,
+        with environments whose ``step`` is a handler: ``self_driven = False``, see Agent).
         Backpressure as ``ref.call``: a full mailbox blocks until it has room.  Inside an
         agent use :func:`stealer.call_all` and ``yield`` it."""
         from stealer.agents.api import call_all

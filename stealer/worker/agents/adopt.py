@@ -12,7 +12,7 @@ import collections
 import time
 from typing import Any
 
-from stealer.agents.api import Ctx
+from stealer.agents.api import Ctx, drives_itself
 from stealer.agents.options import DEFAULT_OPTIONS, AgentOptions
 from stealer.shared import failpoints as FP
 from stealer.shared._layout import (
@@ -153,7 +153,7 @@ class Adoption:
             if e.state == SLEEPING and (recovered or e.wake_at <= time.monotonic()):
                 e.state, e.want_step = RUNNABLE, True
         else:
-            e.want_step = hasattr(e.obj, "step")
+            e.want_step = drives_itself(e.obj)
             e.state = RUNNABLE if e.want_step else WAITING
         self.take(e)
         done = d.done_mark(h)

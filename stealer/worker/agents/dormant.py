@@ -38,6 +38,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
+from stealer.agents.api import drives_itself
 from stealer.agents.mailbox import CLOSED
 from stealer.shared import failpoints as FP
 from stealer.shared._layout import (
@@ -93,7 +94,7 @@ def adopt(host: Any, h: int, link: int, entry: Any, ent: int) -> tuple | None:
     # seq_cst loads: the or64 of a stop, the CAS of a push (mailbox.py)
     # (a control-tier agent is never dormant: its owner handles its messages inside other
     # agents' steps, agents/inline.py, from Host.controls)
-    if (hasattr(cls, "step") or r.load64(ent + D_FLAGS) & (AF_STOP | AF_CONTROL)
+    if (drives_itself(cls) or r.load64(ent + D_FLAGS) & (AF_STOP | AF_CONTROL)
             or r.load64(ent + D_HEAD)):
         return spawn
     gen = host.tries(h)  # re-run from the spawn after worker deaths: a generation each
@@ -110,7 +111,7 @@ def adopt(host: Any, h: int, link: int, entry: Any, ent: int) -> tuple | None:
         FP.hit("dormant.adopt_built")
     r.store32(ent + D_GEN, gen)  # stats only: read by collect()
     host.dormant[h] = obj
-    if hasattr(obj, "step") or r.load64(ent + D_HEAD):
+    if drives_itself(obj) or r.load64(ent + D_HEAD):
         built(host, h, entry)
     return None
 
@@ -132,7 +133,7 @@ def built(host: Any, h: int, entry: Any) -> None:
     and scheduled if its object has a ``step`` attribute of its own (the class had none)
     or a message was pushed while it was being built (seq_cst load: pairs with the
     push's CAS of D_HEAD)."""
-    step = hasattr(host.dormant[h], "step")
+    step = drives_itself(host.dormant[h])
     if step or host.r.load64(host.dir.entry(h) + D_HEAD):
         e = thaw(host, h, entry)
         if step:

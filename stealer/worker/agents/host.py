@@ -102,6 +102,13 @@ from stealer.worker.agents.runqueue import RunQueue
 
 __all__ = ["Host"]
 
+# added to the error of an agent whose first step raised about its Ctx: a class whose step
+# was meant as a message handler (a gymnasium-style env.step(action))
+CTX_HINT = ("{0}.step was called by the worker as the agent's own step, step(ctx): an "
+            "agent with a step method is self-driven. If step is a message handler (a "
+            "gymnasium-style env.step(action) its client calls), set `self_driven = False` "
+            "on {0}.")
+
 MSG_BATCH = 16  # messages an agent handles per turn before the others get theirs
 # ... or fewer: past this much time in its batch (a bulk step's length), or once an agent of
 # a higher tier is runnable, the batch ends at the next message boundary when another agent
@@ -451,6 +458,8 @@ class Host(Adoption, Messages, Generators, Calls, Leaving):
             r.store32(self.in_step_off, 0)
             if st is not None:
                 self.disarm()
+            if e.steps == 1 and "Ctx" in str(exc) and hasattr(exc, "add_note"):
+                exc.add_note(CTX_HINT.format(type(e.obj).__qualname__))  # (3.11+)
             self.failed(e, exc)
             return
         w.in_body = False

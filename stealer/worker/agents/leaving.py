@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any
 
-from stealer.agents.api import PendingAll
+from stealer.agents.api import PendingAll, drives_itself
 from stealer.agents.jblob import pack as journal_pack
 from stealer.agents.message import message_reply
 from stealer.errors import AgentStopped, JournalError, WorkerCrashedError
@@ -140,7 +140,7 @@ class Leaving:
                 e.it = None
                 e.waiting = None
                 e.state = RUNNABLE
-                e.want_step = hasattr(obj, "step")
+                e.want_step = drives_itself(obj)
                 if not e.want_step:
                     e.state = WAITING
                 print(f"stealer: agent {e.h:#x} ({type(obj).__qualname__}) failed with "

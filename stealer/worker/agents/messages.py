@@ -15,6 +15,7 @@ import time
 from types import GeneratorType
 from typing import Any
 
+from stealer.agents.api import drives_itself
 from stealer.agents.jblob import pack as journal_pack
 from stealer.agents.jblob import sender_is_agent
 from stealer.agents.message import (
@@ -34,6 +35,20 @@ from stealer.worker.outcome import encode_result
 # HotPath.serve's results (native/_cqueues.pyx; the same numbers without the extension)
 SERVE_EMPTY, SERVE_BREAK, SERVE_SLOW, SERVE_EXC, SERVE_GEN, SERVE_REPLY, SERVE_AFTER = range(7)
 
+
+
+def no_handler(obj: Any, method: str) -> str:
+    """The error text of a message to ``obj`` naming no handler of it."""
+    name = type(obj).__qualname__
+    if method == "step" and drives_itself(obj):
+        return (f"{name}.step is the agent's own step (the worker calls step(ctx) while "
+                "the agent runs: a self-driven agent), not a message handler; for a step "
+                "that messages call (a gymnasium-style env.step(action)), set "
+                "`self_driven = False` on the class")
+    if method == "on_stop":
+        return (f"{name}.on_stop gives the value of a stopped agent (ref.stop()); it is not "
+                "a message handler")
+    return f"{name} has no message handler {method!r} (handlers are its public methods)"
 
 class Messages:
     """A message handled (``deliver``, ``handled``), and its reply (``reply``), with the
@@ -98,14 +113,13 @@ class Messages:
             return
         if not replay:  # for an exact replay: how many steps came before this message
             _U64.pack_into(a.mm, a.off(m) + R_TSTART, e.steps)
-        fn = None if method in ("step", "on_stop") else getattr(e.obj, method, None)
+        hook = method == "on_stop" or (method == "step" and drives_itself(e.obj))
+        fn = None if hook else getattr(e.obj, method, None)
         if fn is None and method in (STATE, SET_STATE):  # every agent's two (message.py)
             fn = functools.partial(agent_state if method == STATE else set_agent_state, e.obj)
         if fn is None or not callable(fn):
             self.handled(e, m, replay)
-            self.reply(reply, ST_ERROR, AttributeError(
-                f"{type(e.obj).__qualname__} has no message handler {method!r} (handlers are "
-                "its public methods)"))
+            self.reply(reply, ST_ERROR, AttributeError(no_handler(e.obj, method)))
             return
         e.msgs += 1
         e.events += 1
@@ -130,7 +144,7 @@ class Messages:
         enc = (self.answered(e, sender, seq, call, reply, ST_OK, res)
                if sender is not None and self.journal is not None else None)
         self.reply(reply, ST_OK, res, enc)
-        if e.state == WAITING and e.want_step is False and hasattr(e.obj, "step"):
+        if e.state == WAITING and e.want_step is False and drives_itself(e.obj):
             e.want_step = True  # ctx.wait(): step again once a message was handled
 
     def served(self, e: _Entry, code: int, x: Any, y: Any, z: Any) -> None:
@@ -151,7 +165,7 @@ class Messages:
             self.reply(x, ST_OK, z, encode_result(ST_OK, z, fast=False))
         else:  # SERVE_AFTER (reply, reply_inline's result, data): handled and done
             self.after_inline(x, y, (ST_OK, z, []))
-        if e.state == WAITING and e.want_step is False and hasattr(e.obj, "step"):
+        if e.state == WAITING and e.want_step is False and drives_itself(e.obj):
             e.want_step = True  # ctx.wait(): step again once a message was handled
 
     def handled(self, e: _Entry, m: int, replay: bool) -> None:

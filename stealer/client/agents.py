@@ -31,6 +31,7 @@ from stealer.agents.options import DEFAULT_OPTIONS, AgentOptions
 from stealer.client.futures import _Future
 from stealer.errors import (
     AgentStopped,
+    BrokenExecutor,
     JournalError,
     MailboxFull,
     StealerError,
@@ -394,8 +395,6 @@ class AgentClient:
             self.pool.futures.pop(fid, None)
             self.pool.resolve(f, *got)
         elif self.pool.broken and self.pool.futures.pop(fid, None) is not None:
-            from stealer.errors import BrokenExecutor
-
             self.pool.resolve(f, 1, (BrokenExecutor(self.pool.broken), ""))
         return f
 
@@ -726,6 +725,8 @@ class AgentClient:
     def stop(self, h: int) -> None:
         from stealer.shared._layout import AF_STOP, D_FLAGS
 
+        if self.pool.forked:
+            raise BrokenExecutor(self.pool.broken)
         if h < 0 or self.a.tr.state(h) is None:
             return  # already finished
         self.pool.region.or64(self.dir.entry(h) + D_FLAGS, AF_STOP)  # seq_cst; read by the owner

@@ -288,6 +288,8 @@ class _Future(Future):
                 return False
             pool = self._st_pool
             h = self._st_handle
+            if pool is not None and pool.forked:
+                return False  # (a fork's copy: the task is its parent's)
             # In the client-side backlog: withdrawn here (drain_backlog skips it). Else a
             # generation-checked CAS on the record's state, pairs with the worker's start CAS.
             if h is None:

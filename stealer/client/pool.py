@@ -98,6 +98,27 @@ def _python_exit() -> None:
 atexit.register(_python_exit)
 
 
+def _forked_child() -> None:
+    """``os.register_at_fork(after_in_child=...)``: this process is a fork of one that made
+    executors.  Their copies here share that process's workers and shared memory, but
+    not its result thread: a result popped here would be lost to that process (seen: a
+    forked child's calls left the parent's 300 futures waiting forever), and a shutdown
+    here (a child leaving a ``with`` block, or its exit handlers) stopped the parent's
+    agents.  So each copy is marked: the API raises BrokenExecutor saying why, and its
+    shutdown, cancel and stop touch nothing shared."""
+    for pool in list(_live):
+        pool.forked = True
+        pool.broken = (f"this executor belongs to process {pool.owner}, and this process "
+                       f"({os.getpid()}) is a fork of it: a forked process cannot use its "
+                       "parent's executor (its workers, futures and agents answer that "
+                       "process). Make an Executor in this process, or send the work back "
+                       "to the parent")
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked_child)
+
+
 #: Imported by the forkserver that starts replacement workers, before it forks them.
 FORKSERVER_PRELOAD = ("stealer.worker.loop", "stealer.worker.agents.host")
 
@@ -237,6 +258,8 @@ class _Pool(Settling, WorkerDeaths):
         self.shutdown_lock = threading.Lock()
         self.shutdown = False
         self.broken: str | None = None
+        self.owner = os.getpid()  # the process that made it (the only one that may use it)
+        self.forked = False  # True in a fork of that process (_forked_child)
         self.incarnations = [0] * n
         self.early_deaths = [0] * n
         self.crashes = 0
@@ -404,7 +427,11 @@ class _Pool(Settling, WorkerDeaths):
         thread takes in ring order as before: callbacks still run there, and its
         recovery of a dead worker (drain, then read the worker's words) sees every
         other completion.  (HotPath.help_complete, one native call; its reference is
-        :meth:`help_complete`.)"""
+        :meth:`help_complete`.)  Never in a fork of the process that made the pool: the
+        completions are that process's (found: a forked child's ``cancel()`` of an
+        inherited future took one, and the parent's future waited forever)."""
+        if self.forked:
+            return
         self.help_complete(self.completions, self.futures)  # (cheap on empty rings)
 
     def help_complete(self, rings: list, futures: dict) -> int:
@@ -693,12 +720,16 @@ class _Pool(Settling, WorkerDeaths):
     def begin_shutdown(self) -> None:
         with self.shutdown_lock:
             self.shutdown = True
+        if self.forked:
+            return  # (the parent's workers and agents are not ours to stop)
         self.region.store32(H_STOP_AGENTS, 1)  # seq_cst: workers stop their agents
         self.idle.notify_all()
         self.wake()
 
     def wake(self) -> None:
         """Wake the result thread (from the API side: shutdown, backlog)."""
+        if self.forked:
+            return  # (that thread is the parent's)
         r = self.region
         r.store32(H_CLIENT_PARK, NOTIFIED)  # seq_cst; its park re-checks after storing PARKED
         r.futex_wake(H_CLIENT_PARK, 1)

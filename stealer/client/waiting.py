@@ -70,6 +70,8 @@ class Settling:
     idle: Any
     n: int
     closed: bool
+    forked: bool
+    broken: str | None
     thread: threading.Thread | None
 
     def complete_batch(self, hs: list[int]) -> None:  # (_Pool's, or its native twin)
@@ -184,6 +186,10 @@ class Settling:
         Returns the time left of ``timeout`` (None: no limit);
         the caller then waits as the stdlib does, which returns at once if ``f`` is
         settled.  Done callbacks still run in the result thread (:meth:`consume`)."""
+        if self.forked:  # (a pending future of the parent's: nothing here settles it)
+            from stealer.errors import BrokenExecutor
+
+            raise BrokenExecutor(self.broken)
         end = None if timeout is None else time.monotonic() + timeout
         if (self.closed or threading.current_thread() is self.thread
                 or not self.waiter_role.acquire(blocking=False)):

@@ -40,21 +40,23 @@ what is already out there), and only children that have been pending for
 them: each result's time out less the time its thief held it; ~3 ms on the 2-node test
 cluster), so a tree smaller than the trip is claimed back by its own workers first
 (measured: one fib(20) tree of 1.2 ms took 22 ms with its children moving at once, 8.8 ms
-with the rule, 5.6 ms with no stealing; fib(26), 17 ms of work: 45, 27 and 23 ms).  The want flag (deeper spawns exported too, down to
-``want_depth``, 5) is up while some peer has room by its load report or a lifeline, and
-this node has nothing queued.  The flag exported every spawn before: traced on one fib(33) tree (cutoff 18) over two 1-worker
+with the rule, 5.6 ms with no stealing; fib(26), 17 ms of work: 45, 27 and 23 ms).
+
+The want flag (deeper spawns exported too, down to ``want_depth``, 5) is up while some
+peer has room by its load report or a lifeline, and this node has nothing queued. The flag
+exported every spawn before: traced on one fib(33) tree (cutoff 18) over two 1-worker
 nodes, the last third of the run was then an exchange of ever smaller children
 (fib(17)-fib(23), 0.1-2 ms of work each) over round trips of 2-10 ms, each node's proxies
-waiting in turn on the other's; each node's worker was busy ~0.27 s of a 0.36-0.44 s
-tree.  Nine trees a run, the median (one node alone: ~0.50 s): every spawn 0.44 and
-0.39 s, down to depth 9 0.38 and 0.38 s, 7 0.36 and 0.34 s, 5 0.33 and 0.33 s, 3 (no
-deeper export) 0.33 and 0.34 s.  A limit found by timing each depth's children (the
-proxies that ran their call here reporting its run time) was tried and dropped: 0.37-0.41
-s, no better than none; likely (not traced) because a proxy's run time includes its waits
-on children moved away, so small ones measure large.  A busy
-cluster exports only the shallow spawns, claimed back by their own proxies (one round
-trip on the socket each), and the spawn path costs one flag read and a walk of at most
-``child_depth`` record links (``want_depth`` while the flag is up).
+waiting in turn on the other's; each node's worker was busy ~0.27 s of a 0.36-0.44 s tree.
+Nine trees a run, the median (one node alone: ~0.50 s): every spawn 0.44 and 0.39 s, down
+to depth 9 0.38 and 0.38 s, 7 0.36 and 0.34 s, 5 0.33 and 0.33 s, 3 (no deeper export)
+0.33 and 0.34 s. A limit found by timing each depth's children (the proxies that ran their
+call here reporting its run time) was tried and dropped: 0.37-0.41 s, no better than none;
+likely (not traced) because a proxy's run time includes its waits on children moved away,
+so small ones measure large. A busy cluster exports only the shallow spawns, claimed back
+by their own proxies (one round trip on the socket each), and the spawn path costs one
+flag read and a walk of at most ``child_depth`` record links (``want_depth`` while the
+flag is up).
 
 Limits: a proxy whose child is out holds its worker while it has nothing to help with
 (a worker cannot leave a task for other work of its deque without the core's join

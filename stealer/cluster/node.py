@@ -78,6 +78,8 @@ BATCH_OUT = 512  # results that end a results() call's linger
 LIFELINE_POLL_S = 0.05  # an idle node on lifelines looks again this often
 LIFELINE_RENEW_S = 0.25  # and registers its lifelines again this often
 CHILD_RTT_S = 0.004  # a child's round trip to another node, until one was measured
+CHILD_RTT_MAX_S = 0.025  # ... and at most, as the age rule reads it (a stall of the VM
+# or of Ray must not hold children back for long: the rule waits two of these)
 BUSY_TAU_S = 0.1  # the time constant of the occupied fraction a load report carries
 RESULT_POLL_S = 0.01  # the local executor's result thread, in throughput mode, looks this
 # often (the core's default, 2 ms, cost each node ~0.1 ms of CPU per 2 ms task: results
@@ -804,7 +806,8 @@ class NodeAgent:
         pending for ``child_age`` round trips (StealConfig.child_age_rtts) of a child
         moved, so a small tree's children are claimed back by its own workers before
         they could pay for the trip (measured: see StealConfig.child_age_rtts)."""
-        return time.monotonic() - self.thief.cfg.child_age_rtts * self.child_rtt.s
+        rtt = min(self.child_rtt.s, CHILD_RTT_MAX_S)
+        return time.monotonic() - self.thief.cfg.child_age_rtts * rtt
 
     def _recheck_at(self, born: float | None) -> None:
         """Look again (``_kids_changed``) when the oldest pending child, exported at

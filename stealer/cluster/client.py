@@ -132,8 +132,9 @@ class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, _fbase.Exec
     ``retries``: node losses (and worker deaths on a node) a task survives.  A task goes
     to its node at once when no submit call to that node is out; while one is, the tasks
     that come make a batch, which goes when that call's answer comes, when it has
-    ``batch_size`` tasks, or ``batch_s`` after its first.  ``linger_s``: a node holds results back up to that long to batch them while it
-    still runs work (never when it has nothing left).  ``fence_s``: a node agent that hears
+    ``batch_size`` tasks, or ``batch_s`` after its first.  ``linger_s``: a node holds
+    results back up to that long to batch them while it still runs work (never when it
+    has nothing left).  ``fence_s``: a node agent that hears
     nothing from this client for that long stops
     its workers.  ``steal``: the steal rules between nodes (a StealConfig; None: no stealing
     between nodes).  ``rebalance``: when agents move between live nodes (a BalanceConfig,
@@ -352,9 +353,9 @@ class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, _fbase.Exec
         """A task to a node's pending batch (under the lock); the node if the batch is to
         go now (the caller sends it, outside the lock): when it is full, or when no
         submit call to that node is out (a lone task does not wait ``batch_s``: measured
-        on the 2-node test cluster, a no-op's round trip 6.0-6.4 -> 2.6-4.4 ms; while a call is
-        out, the tasks that come meanwhile make the next batch, so a burst is still sent
-        in batches, clocked by the node's replies)."""
+        on the 2-node test cluster, a no-op's round trip 6.0-6.4 -> 2.6-4.4 ms; while a
+        call is out, the tasks that come meanwhile make the next batch, so a burst is
+        still sent in batches, clocked by the node's replies)."""
         t.node = node
         fn, args, kwargs = t.call
         if not node.pending:

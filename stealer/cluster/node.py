@@ -202,7 +202,8 @@ class NodeAgent:
         self.peer_loads: dict[str, Load] = {}
         self.thief = Thief(node_id, steal or StealConfig(), random.Random(seed))
         # the round trip of a child moved to another node and back, less its time there
-        # (child_results' samples): children wait CHILD_AGE of them before they move
+        # (child_results' samples): children wait StealConfig.child_age_rtts of them (at
+        # most CHILD_RTT_MAX_S each) before they move (_ripe_by)
         self.child_rtt = RoundTrip(CHILD_RTT_S)
         self._kids_timer = False  # a look (_kids_changed) is due by timer (_recheck_at)
         self.import_at: dict[tuple, float] = {}  # imported child -> when it came
@@ -803,9 +804,9 @@ class NodeAgent:
 
     def _ripe_by(self) -> float:
         """Children exported at this time or before may move to another node: those
-        pending for ``child_age`` round trips (StealConfig.child_age_rtts) of a child
-        moved, so a small tree's children are claimed back by its own workers before
-        they could pay for the trip (measured: see StealConfig.child_age_rtts)."""
+        pending for ``StealConfig.child_age_rtts`` round trips of a child moved, so a
+        small tree's children are claimed back by its own workers before they could pay
+        for the trip (stealer/cluster/children.py: the measurements)."""
         rtt = min(self.child_rtt.s, CHILD_RTT_MAX_S)
         return time.monotonic() - self.thief.cfg.child_age_rtts * rtt
 

@@ -360,7 +360,9 @@ def test_each_node_knows_the_others_as_soon_as_the_executor_is_up(cluster, own):
             time.sleep(0.005)
         assert len(e.nodes) == 2
         assert all(s["peers"] == sorted(set(e.nodes) - {n}) for n, s in st.items()), st
-        assert all(s["polls"] == 1 for s in st.values()), {n: s["polls"] for n, s in st.items()}
+        # (0: its first poll, sent after the view at its ready, had not reached it yet:
+        # seen once in ~40 runs of this file)
+        assert all(s["polls"] <= 1 for s in st.values()), {n: s["polls"] for n, s in st.items()}
     finally:
         e.shutdown()
 

@@ -13,6 +13,7 @@ from stealer.agents import Agent, AgentRef, Ctx
 from stealer.agents.api import call_all
 from stealer.errors import (
     AffinityError,
+    AgentDeadlock,
     AgentError,
     AgentNotFound,
     AgentStopped,
@@ -57,6 +58,7 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "AffinityError",
     "Agent",
+    "AgentDeadlock",
     "AgentError",
     "AgentNotFound",
     "AgentRef",

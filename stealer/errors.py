@@ -153,6 +153,13 @@ class AgentStopped(AgentError):
     """The agent was stopped, finished or failed: it takes no more messages."""
 
 
+class AgentDeadlock(AgentError):
+    """An agent's ``yield ref.call(...)`` would wait forever: the agent called is waiting,
+    in a step or handler of its own, for this agent's reply (directly or through other
+    agents' calls), and an agent handles messages only between its steps and handlers.
+    Raised by ``ref.call`` inside the agent, before anything is sent."""
+
+
 class DeadlineExceeded(AgentError):
     """A call or an agent missed its deadline."""
 

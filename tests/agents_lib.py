@@ -483,3 +483,53 @@ class GymEnvUnmarked(stealer.Agent):
 
     def step(self, action: Any) -> None:
         self.total = self.total + action
+
+
+class Hop(stealer.Agent):
+    """A call chain: ``hop(n)`` calls the next agent's ``hop(n - 1)`` from a generator
+    handler and adds one; ``cycle_step`` is a self-driven agent's step that calls in."""
+
+    def __init__(self, nxt: Any = None) -> None:
+        self.nxt = nxt
+        self.plain = 0
+
+    def link(self, nxt: Any) -> None:
+        self.nxt = nxt
+
+    def hop(self, n: int) -> Any:
+        if n == 0:
+            return 0
+        return (yield self.nxt.call("hop", n - 1)) + 1
+
+    def fan(self, refs: list) -> Any:
+        return (yield stealer.call_all(refs, "hop", [(0,)] * len(refs)))
+
+    def caught(self, n: int) -> Any:
+        try:
+            return (yield self.nxt.call("hop", n))
+        except stealer.AgentDeadlock as exc:
+            return f"caught: {type(exc).__name__}"
+
+    def poke(self) -> int:
+        self.plain += 1
+        return self.plain
+
+
+class HopStep(stealer.Agent):
+    """A self-driven agent whose step, once ``go(other)`` came, calls ``other.hop(1)``
+    (``other`` calls back here)."""
+
+    def __init__(self) -> None:
+        self.other: Any = None
+
+    def go(self, other: Any) -> None:
+        self.other = other
+
+    def step(self, ctx: stealer.Ctx) -> Any:
+        if self.other is None:
+            return ctx.wait()
+        v = yield self.other.call("hop", 1)
+        return ctx.done(v)
+
+    def hop(self, n: int) -> int:
+        return n

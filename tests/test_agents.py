@@ -265,6 +265,46 @@ def test_call_between_agents_by_yield(ex):
         r.result(T)
 
 
+def test_a_call_that_closes_a_cycle_is_refused_and_says_the_cycle(ex):
+    """A generator handler (or step) waiting on a call cannot handle messages: a call back
+    into the chain would wait forever; it raises AgentDeadlock at the call instead."""
+    a, b, c = (ex.spawn_agent(L.Hop) for _ in range(3))
+    a.call("link", b).result(T)
+    b.call("link", a).result(T)
+    assert a.call("hop", 1).result(T) == 1  # a -> b: no cycle
+    with pytest.raises(stealer.AgentDeadlock) as info:
+        a.call("hop", 2).result(T)  # a -> b -> a
+    assert f"the calls {a.id:#x} -> {b.id:#x} -> {a.id:#x} form a cycle" \
+        in str(info.value)
+    assert info.value.agent_id == b.id  # raised in b, at its call
+    with pytest.raises(stealer.AgentDeadlock, match="called itself"):
+        a.call("fan", [c, a]).result(T)  # call_all with itself among the targets
+    assert c.call("poke").result(T) == 1  # ... refused before any was sent (c got no hop)
+    # a three-agent chain works, and its cycle is refused at its third call
+    b.call("link", c).result(T)
+    c.call("link", a).result(T)
+    assert a.call("hop", 2).result(T) == 2  # a -> b -> c
+    with pytest.raises(stealer.AgentDeadlock, match="form a cycle"):
+        a.call("hop", 3).result(T)  # a -> b -> c -> a
+    assert b.call("caught", 2).result(T) == "caught: AgentDeadlock"  # b -> c -> a -> b
+    for r in (a, b, c):  # every agent lives on and answers
+        assert r.call("poke").result(T) >= 1
+        r.stop()
+        r.result(T)
+
+
+def test_a_step_waiting_on_a_call_is_in_the_chain(ex):
+    other = ex.spawn_agent(L.Hop)
+    stepper = ex.spawn_agent(L.HopStep)
+    other.call("link", stepper).result(T)
+    stepper.send("go", other)
+    with pytest.raises(stealer.AgentDeadlock, match="form a cycle"):
+        stepper.result(T)  # its step's call reached other, whose call back was refused
+    assert other.call("poke").result(T) == 1
+    other.stop()
+    other.result(T)
+
+
 def test_spawn_agents_and_children_from_inside(ex):
     assert ex.spawn_agent(L.Spawner).result(T) == sum(i + 1 for i in range(5))
     assert ex.spawn_agent(L.Forker).result(T) == sum(i * i for i in range(10))

@@ -318,7 +318,9 @@ class AgentRef:
         """Request/reply: run handler ``method`` and get its return value.
 
         From the client: a Future.  From inside an agent: ``yield`` the
-        returned object; the agent is resumed with the reply.
+        returned object; the agent is resumed with the reply.  Inside an agent's
+        generator, a call to itself or to an agent that waits for its reply (a cycle
+        of calls, which would wait forever) raises AgentDeadlock, before sending.
         """
         dl = None if self._deadline is None else time.monotonic() + self._deadline
         return self._runtime().call(self._h, method, args, kwargs, dl, self._uid)

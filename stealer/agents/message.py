@@ -16,7 +16,7 @@ from typing import Any
 from stealer.shared import serialize
 
 __all__ = ["AGENT_FID", "SET_STATE", "STATE", "agent_state", "decode_message", "encode_message",
-           "message_reply", "set_agent_state"]
+           "message_chain", "message_reply", "set_agent_state"]
 
 AGENT_FID = 1 << 63  # future ids of agents' final values: AGENT_FID | agent handle
 
@@ -44,19 +44,31 @@ def set_agent_state(obj: Any, state: Any) -> None:
 
 # the payload's fields by position: the agent it is for, the handler, its arguments, the
 # reply slot (-1: a one-way send), the deadline (monotonic seconds or None), and for a
-# journaled executor the sender's id, its seq and its ack (see encode_message)
-TARGET, METHOD, ARGS, KWARGS, REPLY, DEADLINE, SENDER, SEQ, ACK = range(9)
+# journaled executor the sender's id, its seq and its ack (see encode_message); then, only
+# in a call made by an agent's generator that itself serves a call from an agent, the
+# calls' chain above that agent (CHAIN: see encode_message; decode_message leaves it out)
+TARGET, METHOD, ARGS, KWARGS, REPLY, DEADLINE, SENDER, SEQ, ACK, CHAIN = range(10)
 FIELDS = 9
 
 
 def encode_message(target: int, method: str, args: tuple, kwargs: dict | None, reply: int,
                    deadline: float | None, sender: str | None = None,
-                   seq: int = 0, ack: int = 0) -> tuple[bytes, list]:
+                   seq: int = 0, ack: int = 0, chain: tuple = ()) -> tuple[bytes, list]:
     """A message record's payload.  ``sender``/``seq`` (journaled executors only) name it
     for the receiver's deduplication (see the journal package, stealer/agents/journal/); ``ack``: the sender's messages up to
-    this seq are covered by its latest checkpoint (the receiver forgets their replies)."""
+    this seq are covered by its latest checkpoint (the receiver forgets their replies).
+
+    ``chain``: the handles of the agents waiting, each in a generator, for the reply to the
+    call the sending agent's generator serves, outermost first (the sender itself is not
+    in it: the callee reads it from the reply slot's link, K_REPLY).  Only a non-empty
+    chain is written (a tenth field), so a call at depth one keeps the nine fields that
+    the native turn serves (HotPath.serve); the callee refuses a call back into the chain
+    (Calls.call, errors.AgentDeadlock)."""
     if not method_ok(method):
         raise ValueError(f"a message names a public method of the agent, not {method!r}")
+    if chain:
+        return serialize.dumps((target, method, args, kwargs or None, reply, deadline, sender,
+                                seq, ack, chain), f"message {method!r}")
     return serialize.dumps((target, method, args, kwargs or None, reply, deadline, sender, seq,
                             ack), f"message {method!r}")
 
@@ -74,6 +86,11 @@ def decode_message(msg: Any) -> tuple:
     if n == FIELDS:
         return msg
     return msg[:FIELDS] if n > FIELDS else (*msg, 0)
+
+
+def message_chain(msg: Any) -> tuple:
+    """The chain of a payload read back (see :func:`encode_message`; () when it has none)."""
+    return msg[CHAIN] if len(msg) > CHAIN else ()
 
 
 def message_reply(msg: Any) -> int:

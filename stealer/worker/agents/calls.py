@@ -18,7 +18,14 @@ from stealer.agents.api import AgentRef, Pending, PendingAll
 from stealer.agents.jblob import pack as journal_pack
 from stealer.agents.message import AGENT_FID, encode_message
 from stealer.agents.options import DEFAULT_OPTIONS, AgentOptions
-from stealer.errors import AgentStopped, MailboxFull, NotInTaskError, result_value, with_remote_tb
+from stealer.errors import (
+    AgentDeadlock,
+    AgentStopped,
+    MailboxFull,
+    NotInTaskError,
+    result_value,
+    with_remote_tb,
+)
 from stealer.shared import failpoints as FP
 from stealer.shared import serialize
 from stealer.shared._layout import (
@@ -26,6 +33,7 @@ from stealer.shared._layout import (
     AF_STOP,
     D_FLAGS,
     F_AGENT,
+    K_MASK,
     K_MSG,
     K_REPLY,
     K_ROOT,
@@ -192,14 +200,18 @@ class Calls:
             p.done, p.exc = True, AgentStopped(f"agent {uid!r} had finished before the "
                                                "recovery", h)
             return p
+        chain: tuple = ()
+        if e.it is not None:  # from a generator, which may wait for the reply (yield)
+            chain = self.waiters(e)
+            self.refuse_cycle(e, chain, h, method)
         a = self.a
         rh = self.alloc()
         a.setup(rh, K_REPLY, e.h, time.monotonic_ns())  # QUEUED on no queue: the reply slot
         if j is None:
-            data, bufs = encode_message(h, method, args, kwargs, rh, deadline)
+            data, bufs = encode_message(h, method, args, kwargs, rh, deadline, chain=chain)
         else:
             data, bufs = encode_message(h, method, args, kwargs, rh, deadline, sender, seq,
-                                        e.jacked)
+                                        e.jacked, chain)
             try:
                 self._log_msg(uid, sender, seq, True, data, bufs)
             except BaseException:
@@ -214,9 +226,46 @@ class Calls:
             return p
         return CallPending(rh)
 
+    def waiters(self, e: _Entry) -> tuple:
+        """The agents waiting, each in a generator, for the reply of the generator handler
+        ``e`` runs now (outermost first): the chain its message carried, then its caller,
+        an agent if the reply slot is a K_REPLY (whose link names it).  () for a step, a
+        one-way message, a call from the client or a task."""
+        msg = e.it_msg
+        if msg is None or msg[1] < 0:
+            return ()
+        kind, _status, link = self.a.kind_link(self.a.off(msg[1]))
+        if kind & K_MASK != K_REPLY:
+            return msg[6]
+        return (*msg[6], link)
+
+    def refuse_cycle(self, e: _Entry, chain: tuple, h: int, method: str) -> None:
+        """Raise AgentDeadlock if a call from ``e``'s generator to agent ``h`` closes a
+        cycle: ``h`` is ``e`` itself or waits (``chain``) for ``e``'s reply.  It handles
+        messages only between its steps and handlers, so the call would never be served."""
+        if h != e.h and h not in chain:
+            return
+        me = f"agent {e.h:#x} ({type(e.obj).__qualname__})"
+        if h == e.h:
+            what = f"{me} called itself ({method!r}) from its own step or handler"
+        else:
+            path = " -> ".join(f"{x:#x}" for x in (*chain[chain.index(h):], e.h, h))
+            what = (f"{me} called agent {h:#x} ({method!r}), which waits for this agent's "
+                    f"reply: the calls {path} form a cycle")
+        raise AgentDeadlock(
+            f"{what}; an agent handles messages only between its steps and handlers, so "
+            "this call would wait forever. Call the method directly when it is the same "
+            "agent, send (ref.send) what needs no reply, or return and let the other agent "
+            "call back later", e.h, e.gen)
+
     def call_all(self, targets: list[tuple[int, str | None, float | None]], method: str,
                  arglists: list[tuple]) -> PendingAll:
         """api.call_all inside an agent: ``yield`` it for the list of replies."""
+        e = self.current
+        if e is not None and e.it is not None:  # every target checked before any is sent
+            chain = self.waiters(e)
+            for h, _uid, _dl in targets:
+                self.refuse_cycle(e, chain, h, method)
         return PendingAll([self.call(h, method, args, {}, dl, uid)
                            for (h, uid, dl), args in zip(targets, arglists)])
 

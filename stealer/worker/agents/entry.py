@@ -121,7 +121,7 @@ class _Entry(_Base):
         self.applied = 0  # handle + 1 of the newest message whose effect is in obj (0: none)
         self.seen = 0  # the mailbox head value walked up to
         self.it: Any = None  # a suspended generator (step or handler)
-        # (message, reply, replay, sender, seq) of a suspended handler
+        # (message, reply, replay, sender, seq, call, chain) of a suspended handler
         self.it_msg: tuple | None = None
         self.waiting: Any = None
         self.frame: Any = None  # fork-join frame of children spawned in this agent

@@ -154,7 +154,7 @@ class Generators:
             else:
                 self.failed(e, value)
             return
-        m, reply, replay, sender, seq, call = msg
+        m, reply, replay, sender, seq, call, _chain = msg
         self.handled(e, m, replay)
         enc = (self.answered(e, sender, seq, call, reply, status, value)
                if sender is not None and self.journal is not None else None)

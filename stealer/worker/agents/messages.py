@@ -23,6 +23,7 @@ from stealer.agents.message import (
     STATE,
     agent_state,
     decode_message,
+    message_chain,
     set_agent_state,
 )
 from stealer.errors import AgentError, AgentStopped, DeadlineExceeded, JournalError
@@ -71,8 +72,10 @@ class Messages:
         e.handled += 1
         try:
             msg = a.read_inline(m)  # one native call for a pickle stored inline
+            if msg is None:
+                msg = a.read_call(a.off(m))
             target, method, args, kwargs, reply, deadline, sender, seq, ack = decode_message(
-                a.read_call(a.off(m)) if msg is None else msg)
+                msg)
         except BaseException:  # a message that does not unpickle here: nobody to answer
             self.handled(e, m, replay)
             return
@@ -137,7 +140,9 @@ class Messages:
         w.in_body = False
         if type(res) is GeneratorType:
             e.it = res
-            e.it_msg = (m, -1 if replay else reply, replay, sender, seq, call)
+            # (the calls' chain above its caller: Calls.waiters)
+            e.it_msg = (m, -1 if replay else reply, replay, sender, seq, call,
+                        message_chain(msg) if reply >= 0 and not replay else ())
             self.drive(e, None, None)
             return
         self.handled(e, m, replay)
@@ -157,7 +162,7 @@ class Messages:
             return
         if code == SERVE_GEN:  # (m, reply, generator)
             e.it = z
-            e.it_msg = (x, y, False, None, 0, y >= 0)
+            e.it_msg = (x, y, False, None, 0, y >= 0, ())  # (nine fields: no chain)
             self.drive(e, None, None)
             return
         if code == SERVE_REPLY:  # (reply, -, value): handled and done; the native writer

@@ -57,7 +57,21 @@ def _write(d, copy=None, every: int = 1000, forward: bool = True, n: int = 2,
             _wait_for(lambda r=r, i=i: _split(r.call("get").result(T)) == want[f"a{i}"])
         if copy is not None:
             time.sleep(0.2)  # the last turn's journal writes (they follow its reply)
-            shutil.copytree(d, copy)
+            _copy_live(d, copy)
+
+
+def _copy_live(src: os.PathLike, dst: os.PathLike) -> None:
+    """Copy a journal that its live executor may be writing: a file can vanish between
+    copytree's listing and its copy (SQLite's rollback journal, ``*.db-journal``, lives
+    for one transaction; seen once in a full run); then copy again from scratch."""
+    for _ in range(20):
+        try:
+            shutil.copytree(src, dst)
+            return
+        except shutil.Error:
+            shutil.rmtree(dst, ignore_errors=True)
+            time.sleep(0.01)
+    shutil.copytree(src, dst)
 
 
 def _wait_for(cond, timeout: float = T) -> None:
@@ -181,7 +195,7 @@ def test_a_flipped_message_is_cut_with_a_warning_and_never_applied(tmp_path, cap
         assert ex.agent("a1").call("get").result(T) == list(range(K))
         assert ex.agent("a0").call("add", 7).result(T) == 4  # and it lives on
         if how == "row":  # the client dies now (a copy of what it leaves on disk)
-            shutil.copytree(c, tmp_path / "c2")
+            _copy_live(c, tmp_path / "c2")
     err = capsys.readouterr().err
     assert uid in err and f"event {rid}" in err
     if how == "row":  # what was logged after the first recovery is not cut with the damage

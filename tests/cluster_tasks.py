@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import stealer
 
@@ -83,3 +84,35 @@ class Counter(stealer.Agent):
 
     def on_stop(self) -> int:
         return self.n
+
+
+class Hop(stealer.Agent):
+    """Holds a ref of another agent of the executor (``link``): ``hop(n)`` calls its
+    ``hop(n - 1)`` from a generator handler and returns the nodes the chain ran on."""
+
+    def __init__(self) -> None:
+        self.nxt: Any = None
+
+    def link(self, nxt: Any) -> None:
+        self.nxt = nxt
+
+    def hop(self, n: int) -> Any:
+        here = os.environ.get("STEALER_NODE_CPUS", "?")
+        if n == 0:
+            return [here]
+        return [here, *(yield self.nxt.call("hop", n - 1))]
+
+    def tell(self, method: str, *args: Any) -> None:
+        self.nxt.send(method, *args)
+
+    def held(self) -> Any:
+        return self.nxt
+
+    def broken(self) -> Any:
+        return (yield self.nxt.call("no_such_handler"))
+
+
+def send_to(ref: Any, method: str, *args: Any) -> str:
+    """A plain task that sends to an agent it was given."""
+    ref.send(method, *args)
+    return "sent"

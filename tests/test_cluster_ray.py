@@ -244,6 +244,30 @@ def test_agents_live_on_both_nodes_and_answer_through_them(ex):
     assert [r.result(timeout=30) for r in refs] == [10 * i + 106 for i in range(8)]
 
 
+def test_agents_call_agents_on_other_nodes_through_refs_they_were_given(ex):
+    """A ref sent into an agent or a task reaches its agent wherever it lives: a call from a
+    generator handler resumes it with the reply; sends from handlers and tasks arrive."""
+    hops = [ex.spawn_agent(ct.Hop, node=ex.nodes[i % 2]) for i in range(4)]
+    counter = ex.spawn_agent(ct.Counter, 0, node=ex.nodes[1])
+    for i, h in enumerate(hops):
+        h.call("link", hops[(i + 1) % 4]).result(timeout=30)
+    path = hops[0].call("hop", 3).result(timeout=60)
+    assert len(path) == 4 and set(path) == {"0", "1"}, path  # (agents may move later)
+    assert hops[0].call("held").result(timeout=30) == hops[1]  # back as the driver's ref
+    with pytest.raises(AttributeError, match="no_such_handler"):
+        hops[1].call("broken").result(timeout=30)  # the callee's error, at the caller
+    hops[0].call("link", counter).result(timeout=30)
+    hops[0].call("tell", "add", 5).result(timeout=30)  # a send from a handler
+    assert ex.submit(ct.send_to, counter, "add", 7).result(timeout=30) == "sent"  # a task's
+    deadline = time.monotonic() + 30
+    while counter.call("get").result(timeout=30) != 12:
+        assert time.monotonic() < deadline, "the sends never arrived"
+        time.sleep(0.05)
+    for r in (*hops, counter):
+        r.stop()
+        r.result(timeout=30)
+
+
 def test_stealer_top_renders_a_running_cluster_executor(ex, capsys):
     """The client publishes its figures (owner-only, under ex.id in /dev/shm) about four
     times a second; `stealer top` lists it with the local executors and renders one row
@@ -445,7 +469,7 @@ def test_a_node_runs_the_clients_batches_in_their_order_and_each_once(cluster, o
         while len(got) < 4 and time.monotonic() < deadline:
             batches, _load = ray.get(agent.results.remote(0, 1.0, 0.0, None, None),
                                      timeout=30)
-            got.update({tid: v for _seq, out, _moved in batches for tid, _ok, v in out})
+            got.update({tid: v for _seq, out, _moved, _asks in batches for tid, _ok, v in out})
         assert got == {1: None, 2: 1, 3: 2, 4: 3}
         st = ray.get(agent.status.remote(), timeout=30)
         assert st["reordered"] == 1 and st["agents"] == 1

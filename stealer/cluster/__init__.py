@@ -14,5 +14,6 @@ a Ray actor on each node that runs that node's local executor), ``snapshot.py`` 
 ``stealer top`` reads, no Ray), ``journal.py`` (the agents' journal, written by the
 client: ``journal=``, ``recover=True``), ``children.py`` (fork-join children
 stolen across nodes: exported at spawn by the workers' hook, claimed once, run on a
-hungry node, joined at home).
+hungry node, joined at home), ``asks.py`` (a ref sent to a task or an agent: its calls,
+sends and stops from the workers, through their node agent and the client; no Ray).
 """

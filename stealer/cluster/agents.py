@@ -10,15 +10,24 @@ uses; users call it through ``ex.spawn_agent`` and :class:`ClusterAgentRef`.
 from __future__ import annotations
 
 import functools
+import pickle
 import threading
 from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
 
+from stealer.cluster import asks
 from stealer.cluster.ledger import AgentRecord, NodeView, Task
 from stealer.cluster.node import AgentOp
 from stealer.cluster.policy import Load, place
-from stealer.errors import AgentNotFound, ClusterError, ExecutorShutdownError, NodeLostError
+from stealer.errors import (
+    AgentNotFound,
+    AgentStopped,
+    ClusterError,
+    ExecutorShutdownError,
+    NodeLostError,
+    SerializationError,
+)
 
 __all__ = ["AgentsOnCluster", "STATE_EVERY", "ClusterAgentRef"]
 
@@ -82,6 +91,22 @@ class ClusterAgentRef:
     def __repr__(self) -> str:
         return f"<stealer ClusterAgentRef {self._a.aid} on {str(self.node)[:12]}>"
 
+    def __reduce__(self) -> tuple:
+        # sent to a task or an agent: a RemoteAgentRef there (cluster/asks.py), this
+        # executor's ref again if it comes back to this process
+        return (asks.rebuild, (self._a.aid, self._a.name, self._ex._token))
+
+    def __eq__(self, other: object) -> bool:
+        return (getattr(other, "id", None) == self._a.aid
+                and getattr(other, "_token", None) == self._ex._token)
+
+    def __hash__(self) -> int:
+        return hash((self._a.aid, self._ex._token))
+
+    @property
+    def _token(self) -> str:
+        return self._ex._token
+
 
 class AgentsOnCluster:
     """The agent methods of the cluster executor (a mixin: ``self`` is the executor)."""
@@ -97,6 +122,8 @@ class AgentsOnCluster:
     _stats: Any
     _rng: Any
     _journal: Any  # a ClusterJournal (stealer/cluster/journal.py), or None
+    _waits: dict[Any, tuple]
+    _token: str
 
     def spawn_agent(self, cls: type, /, *args: Any, init_kwargs: dict | None = None,
                     retries: int | None = None, name: str | None = None,
@@ -164,6 +191,54 @@ class AgentsOnCluster:
             raise AgentNotFound(f"no agent named {name!r} in {where}; "
                                 "spawn_agent(..., name=NAME) names one")
         return ClusterAgentRef(self, a)
+
+    def _ref_of(self, aid: int) -> ClusterAgentRef | None:
+        """This executor's ref of agent ``aid`` (a pickled ref loaded here: asks.rebuild)."""
+        a = self._agents.get(aid)
+        return None if a is None else ClusterAgentRef(self, a)
+
+    def _asked(self, node: NodeView, asks: list[tuple[int, str, bytes]]) -> None:
+        """Operations that tasks and agents on ``node`` made on agents of this executor
+        (cluster/asks.py): each runs as the client's own; a call's reply goes back to
+        ``node`` (:meth:`_answer`)."""
+        for key, op, payload in asks:
+            try:
+                aid, _op, method, args, kwargs = pickle.loads(payload)
+                a = self._agents.get(aid)
+                if a is None:
+                    raise AgentStopped(f"agent {aid} is not an agent of this executor (it "
+                                       "was never spawned here, or is gone)", aid)
+                if op == "stop":
+                    ClusterAgentRef(self, a).stop()
+                    continue
+                fut = self._agent_op(a, op, (method, args, kwargs or {}))
+            except BaseException as exc:  # (a send's error has nobody to go to)
+                if op == "call":
+                    self._answer(node, key, None, exc)
+                continue
+            if op == "call":
+                fut.add_done_callback(functools.partial(self._answer, node, key))
+
+    def _answer(self, node: NodeView, key: int, fut: Future | None,
+                exc: BaseException | None = None) -> None:
+        """A call's reply (or ``exc``) to the node whose worker made it (lost: dropped)."""
+        if fut is not None:
+            exc = fut.exception()
+        ok = exc is None
+        try:
+            body = asks.dumps(fut.result() if ok else exc)
+        except BaseException as err:  # the reply does not pickle: the caller gets why
+            ok, body = False, asks.dumps(SerializationError(
+                f"the reply could not be pickled for the calling agent ({err!r})"))
+        if node.alive:
+            self._tell(node, [(key, ok, body)])
+
+    def _tell(self, node: NodeView, items: list[tuple[int, bool, bytes]]) -> None:
+        """Replies to ``node``'s asks (NodeAgent.answers), watched by the results thread as
+        every call to a node: a transient error sends them again, a death loses the node."""
+        ref = node.handle.answers.remote(items)
+        with self._lock:
+            self._waits[ref] = ("answers", node, items)
 
     def agents(self) -> dict[str, ClusterAgentRef]:
         """The named agents, by name."""

@@ -85,6 +85,7 @@ from multiprocessing.connection import Client, Connection, Listener
 from types import GeneratorType
 from typing import Any
 
+from stealer.cluster.asks import accept_loop
 from stealer.cluster.policy import Load
 from stealer.shared._layout import K_CHILD, K_MASK
 from stealer.shared.shm import _alive  # (another user's pid counts as alive: not ours)
@@ -331,15 +332,7 @@ class ChildServer:
             pass
 
     def _accept(self) -> None:
-        while not self.closed:
-            try:
-                conn = self.listener.accept()
-            except Exception:
-                if self.closed:
-                    return
-                continue
-            threading.Thread(target=self._serve, args=(conn,), name="stealer-children",
-                             daemon=True).start()
+        accept_loop(self.listener, lambda: self.closed, self._serve, "stealer-children")
 
     def _serve(self, conn: Connection) -> None:
         try:

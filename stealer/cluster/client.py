@@ -58,7 +58,7 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from stealer.cluster import snapshot
+from stealer.cluster import asks, snapshot
 from stealer.cluster.agents import AgentsOnCluster, ClusterAgentRef
 from stealer.cluster.balance import BalanceConfig, Balancer
 from stealer.cluster.journal import ClusterJournal, JournalOnCluster
@@ -195,6 +195,8 @@ class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, _fbase.Exec
         self._balancer = Balancer(rebalance) if rebalance is not None else None
         self._moving: set[int] = set()  # agents whose state is on its way (moves.py)
         self._id = snapshot.new_id()
+        self._token = os.urandom(8).hex()  # names it to refs pickled into tasks (asks.py)
+        asks.register(self._token, self)
         self._created = time.time()
         self._top: snapshot.Publisher | None = None
         if journal is not None:  # (locked before any node agent takes the nodes' CPUs)
@@ -511,10 +513,12 @@ class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, _fbase.Exec
                 self._send(node)  # what came while the call was out: now, not at batch_s
         elif kind == "results":
             batches, load = value
-            for seq, out, moved in batches:
+            for seq, out, moved, asked in batches:
                 if seq > node.acked:  # (a batch sent again after a lost reply: had it)
                     self._settle(node, out, moved)
                     node.acked = seq
+                    if asked:  # its tasks' and agents' operations on agents (asks.py)
+                        self._asked(node, asked)
             node.load, node.sent = load, 0
             node.heard = time.monotonic()
             if node.alive and not self._closed_down():
@@ -588,6 +592,8 @@ class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, _fbase.Exec
         elif kind == "view":
             node.peers_seen = -1
             self._share_view()
+        elif kind == "answers":
+            self._tell(node, extra)
 
     def _lost(self, node: NodeView, why: str) -> None:
         """The node is gone (authoritative): re-place every unfinished task it had."""

@@ -67,6 +67,7 @@ import ray
 
 from stealer.agents.message import SET_STATE, STATE
 from stealer.cluster import children
+from stealer.cluster.asks import AskServer
 from stealer.cluster.policy import Load, RoundTrip, StealConfig, Thief, Victim, linger_for
 from stealer.errors import NodeFencedError, RemoteError, RemoteTraceback
 
@@ -180,6 +181,13 @@ class NodeAgent:
                                  steal.child_depth, local.pop("initializer", None),
                                  tuple(local.pop("initargs", ()) or ()), steal.want_depth)
             local["initializer"] = children.install
+        # agents and tasks here reaching agents anywhere (cluster/asks.py): their operations
+        # come on this socket (its path and key in the workers' environment) and go to the
+        # client with our results; the replies come back by answers()
+        self.asks: list[tuple[int, str, bytes]] = []  # (key, op, payload) not yet sent
+        self.asks_dir = children.make_dir()
+        self.asker = AskServer(self.asks_dir, self._asked)
+        os.environ.update(self.asker.env())
         self.ex = executor_cls(workers, **local)
         self.ex.wait_ready(60)
         self.lock = threading.Lock()
@@ -228,7 +236,7 @@ class NodeAgent:
         self.busy_frac = 0.0  # occupied fraction of the workers, time-weighted (BUSY_TAU_S)
         self.polls = 0  # results() calls answered
         self.seq = 0  # the last result batch made
-        self.unacked: dict[int, tuple[list, list]] = {}  # seq -> (results, moved), sent
+        self.unacked: dict[int, tuple[list, list, list]] = {}  # seq -> (results, moved, asks)
         self._stealer: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the default group's loop
         self.idle_ev: asyncio.Event | None = None  # set (in that loop) when the node idles
@@ -280,7 +288,7 @@ class NodeAgent:
             self._kids_changed()
         if self.cfg is not None and self._stealer is None:
             self._stealer = asyncio.get_running_loop().create_task(self._steal_loop())
-        if not self.out and not self.moved and wait_s > 0:
+        if not self.out and not self.moved and not self.asks and wait_s > 0:
             await self._wait(1, wait_s)
         if linger_s > 0:
             await self._wait(BATCH_OUT, linger_for(linger_s, len(self.queue), self.task_s,
@@ -288,11 +296,11 @@ class NodeAgent:
         with self.lock:
             for seq in [q for q in self.unacked if q <= ack]:
                 del self.unacked[seq]
-            if self.out or self.moved:
+            if self.out or self.moved or self.asks:
                 self.seq += 1
-                self.unacked[self.seq] = (self.out, self.moved)
-                self.out, self.moved = [], []
-            batches = [(q, o, m) for q, (o, m) in sorted(self.unacked.items())]
+                self.unacked[self.seq] = (self.out, self.moved, self.asks)
+                self.out, self.moved, self.asks = [], [], []
+            batches = [(q, o, m, a) for q, (o, m, a) in sorted(self.unacked.items())]
         return batches, self.load()
 
     async def _wait(self, need: int, timeout: float) -> None:
@@ -312,9 +320,10 @@ class NodeAgent:
             return
         loop, ev, need = w
         if need == 1:
-            ready = bool(self.out or self.moved)
+            ready = bool(self.out or self.moved or self.asks)
         else:
-            ready = len(self.out) >= need or not (self.inflight or self.queue) or self.fenced
+            ready = (len(self.out) >= need or not (self.inflight or self.queue) or self.fenced
+                     or bool(self.asks))
         if ready:
             self.waiter = None
             loop.call_soon_threadsafe(ev.set)
@@ -357,6 +366,7 @@ class NodeAgent:
         return {"node": self.node, "fenced": self.fenced, "queued": len(self.queue),
                 "inflight": self.inflight, "done": self.done_n, "steals": dict(self.steals),
                 "agents": len(self.agents), "evicted": self.evicted, "polls": self.polls,
+                "asks": self.asker.asked,
                 "reordered": self.reordered, "peers": sorted(self.peers),
                 "children": (dict(self.kids.table.n, waiting=self.kids.waiting,
                                   rtt_ms=round(self.child_rtt.s * 1e3, 2),
@@ -364,6 +374,21 @@ class NodeAgent:
                              if self.kids is not None else None),
                 "worker_pids": [p for p in self.ex.worker_pids() if p] if not self.fenced else [],
                 "segment": self.ex.segment_name, "pid": os.getpid()}
+
+    @ray.method(concurrency_group="steal")
+    def answers(self, items: list[tuple[int, bool, bytes]]) -> None:
+        """The client's replies to calls our workers' agents made (``(key, ok, body)``,
+        body pickled: cluster/asks.py); each goes to the thread waiting for it."""
+        self._contact()
+        for key, ok, body in items:
+            self.asker.answer(key, ok, body)
+
+    def _asked(self, key: int, op: str, payload: bytes) -> None:
+        """An operation from a worker here on an agent of the executor (AskServer): sent to
+        the client with the next results (at once: a waiting results() call returns)."""
+        with self.lock:
+            self.asks.append((key, op, payload))
+        self._notify()
 
     @ray.method(concurrency_group="health")
     def stop(self) -> None:
@@ -956,10 +981,12 @@ class NodeAgent:
             self.queue.clear()
         if self.kids is not None:
             self.kids.close()  # (its waiting proxies end with the workers)
+        self.asker.close()  # (calls waiting on it fail: their agents see it at the yield)
         if reason is None:
             self.ex.shutdown(wait=True, cancel_futures=True)
             if self.kids is not None:
                 shutil.rmtree(self.kids_dir, ignore_errors=True)
+            shutil.rmtree(self.asks_dir, ignore_errors=True)
             return
         stopper = threading.Thread(target=self.ex.shutdown, kwargs={"cancel_futures": True},
                                    name="stealer-node-fence-stop", daemon=True)
@@ -973,3 +1000,5 @@ class NodeAgent:
             stopper.join(0.05)
         if self.kids is not None and not stopper.is_alive():
             shutil.rmtree(self.kids_dir, ignore_errors=True)
+        if not stopper.is_alive():
+            shutil.rmtree(self.asks_dir, ignore_errors=True)

@@ -102,6 +102,9 @@ class Hop(stealer.Agent):
             return [here]
         return [here, *(yield self.nxt.call("hop", n - 1))]
 
+    def fan(self, refs: list) -> Any:
+        return (yield stealer.call_all(refs, "hop", [(0,)] * len(refs)))
+
     def tell(self, method: str, *args: Any) -> None:
         self.nxt.send(method, *args)
 

@@ -254,6 +254,8 @@ def test_agents_call_agents_on_other_nodes_through_refs_they_were_given(ex):
     path = hops[0].call("hop", 3).result(timeout=60)
     assert len(path) == 4 and set(path) == {"0", "1"}, path  # (agents may move later)
     assert hops[0].call("held").result(timeout=30) == hops[1]  # back as the driver's ref
+    fanned = hops[0].call("fan", hops[1:]).result(timeout=60)  # stealer.call_all, yielded
+    assert len(fanned) == 3 and all(len(p) == 1 for p in fanned), fanned
     with pytest.raises(AttributeError, match="no_such_handler"):
         hops[1].call("broken").result(timeout=30)  # the callee's error, at the caller
     hops[0].call("link", counter).result(timeout=30)

@@ -148,20 +148,30 @@ def call_all(refs: Any, method: str, args: Any = None, seg: str | None = None) -
         return []
     first = refs[0]
     if not isinstance(first, AgentRef):
-        raise TypeError(f"call_all() takes agent refs, not {type(first).__name__}")
+        return _each(refs, method, arglists)
     want = first._seg if seg is None else seg
     now = time.monotonic()
     targets = []
     add = targets.append
     for r in refs:
         if type(r) is not AgentRef and not isinstance(r, AgentRef):
-            raise TypeError(f"call_all() takes agent refs, not {type(r).__name__}")
+            return _each(refs, method, arglists)
         if r._seg != want:
             raise ValueError(f"call_all(): {r!r} belongs to another executor" if seg is not None
                              else "call_all(): every agent must belong to the same executor")
         dl = r._deadline
         add((r._h, r._uid, None if dl is None else now + dl))
     return first._runtime().call_all(targets, method, arglists)
+
+
+def _each(refs: list, method: str, arglists: list[tuple]) -> list:
+    """call_all over refs that are not all this process's AgentRefs (a cluster executor's:
+    stealer/cluster/asks.py): one call each, the list of what they return (inside an
+    agent, yielded together: every reply)."""
+    for r in refs:
+        if not callable(getattr(r, "call", None)):
+            raise TypeError(f"call_all() takes agent refs, not {type(r).__name__}")
+    return [r.call(method, *a) for r, a in zip(refs, arglists)]
 
 
 class Ctx:

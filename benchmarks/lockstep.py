@@ -53,6 +53,8 @@ COLUMNS = [  # (key, header, format)
     ("round_p99_ms", "p99 ms", ".2f"),
     ("client_us", "client µs/call", ".1f"),
     ("worker_us", "worker µs/call", ".1f"),
+    ("busy_us", "less spin", ".1f"),
+    ("spin_us", "spin", ".1f"),
     ("handler_us", "handler µs", ".0f"),
     ("migrations_per_1k", "migr./1k", ".1f"),
 ]

@@ -40,7 +40,9 @@ def _sane(res: dict[str, Any], cfg: L.Config, *, workers: bool, migrations: bool
     assert isinstance(res["client_us"], float)
     assert isinstance(res["worker_us"], float) if workers else res["worker_us"] is None
     assert ("migrations_per_1k" in res) is migrations
-    if migrations:
+    if migrations:  # (stealer: its counters too)
+        assert res["spin_us"] >= 0
+        assert res["busy_us"] == pytest.approx(res["worker_us"] - res["spin_us"])
         assert res["migrations"] >= 0
         assert res["migrations_per_1k"] == pytest.approx(res["migrations"] / res["calls"] * 1e3)
     assert len(res["finals"]) == len(res["last_obs"]) == cfg.agents

@@ -77,6 +77,7 @@ def test_empty_histogram_and_merge():
 
 
 def test_stats_counts_tasks_and_latency():
+    t_start = time.monotonic()
     with stealer.Executor(2) as ex:
         # every worker started: under load one may still be importing while the other
         # runs all the tasks below, and its CPU is published only once it starts
@@ -102,6 +103,12 @@ def test_stats_counts_tasks_and_latency():
         d = s.as_dict()
         assert d["id"] == ex.id and d["client"]["pending"] == 0
         assert d["latency"]["interactive"]["run"]["p99_ms"] >= 1.8
+        # idle now: each worker's yields before it parks are counted (CPU time, at most
+        # the wall time each worker has been up)
+        while ex.stats().totals()["spin_ns"] == 0:
+            assert time.monotonic() < deadline, "no idle spin was ever counted"
+            time.sleep(0.05)
+        assert ex.stats().totals()["spin_ns"] <= 2 * (time.monotonic() - t_start) * 1e9
 
 
 def test_stats_from_another_process_by_id():

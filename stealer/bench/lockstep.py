@@ -39,7 +39,10 @@ Reported per system (over the measured rounds, after warm-up rounds): ``calls_pe
 process's CPU time, ``getrusage(RUSAGE_SELF)``, all its threads, result thread included,
 minus any handler time it ran itself, per call), ``worker_us`` (the worker processes' CPU
 time, psutil, minus the handlers' own CPU time, per call: what running a call costs beyond
-its handler), ``handler_us`` (handler CPU per call as measured where it ran),
+its handler), for stealer ``spin_us`` (the part of ``worker_us`` spent in the workers' idle
+search rounds before they park, sched_yield loops while they wait for the next round: the
+``spin_ns`` counter) and ``busy_us`` (``worker_us`` less it: what a call itself costs a
+worker), ``handler_us`` (handler CPU per call as measured where it ran),
 ``handler_share`` (the handlers' CPU time over W x the wall time: the share of the W cores
 spent in handlers, 1 at best; unlike ``of_ideal`` it does not move when the machine's load
 makes every handler slower or faster than at calibration, which on the shared 2-core VM
@@ -409,6 +412,10 @@ def drive(cfg: Config, cal: Calibration, sysm: System, workers: int,
         moved = c1.get("migrations", 0) - c0.get("migrations", 0)
         out["migrations"] = moved
         out["migrations_per_1k"] = moved / calls * 1e3
+        spun = c1.get("spin_ns", 0) - c0.get("spin_ns", 0)
+        out["spin_us"] = spun / calls / 1e3
+        if out["worker_us"] is not None:
+            out["busy_us"] = out["worker_us"] - out["spin_us"]
     return out
 
 
@@ -673,7 +680,7 @@ def check(name: str, got: dict[str, Any], oracle: dict[str, Any]) -> None:
 
 #: What ``stealer bench`` keeps of each configuration's result, and of the peers'.
 FIELDS = ("calls_per_s", "of_ideal", "handler_share", "round_p50_ms", "round_p99_ms",
-          "client_us", "worker_us", "handler_us", "migrations_per_1k")
+          "client_us", "worker_us", "busy_us", "spin_us", "handler_us", "migrations_per_1k")
 PEER_FIELDS = ("calls_per_s", "of_ideal", "handler_share", "client_us", "worker_us",
                "handler_us")
 #: Key prefix of each configuration in a ``stealer bench`` result.
@@ -686,6 +693,8 @@ _ROW_FORMATS = [
     ("round_p99_ms", "round p99 ms", ".2f"),
     ("client_us", "client µs/call", ".1f"),
     ("worker_us", "worker overhead µs/call", ".1f"),
+    ("busy_us", "worker overhead µs/call, less idle spin", ".1f"),
+    ("spin_us", "worker idle spin µs/call", ".1f"),
     ("handler_us", "handler µs/call", ".0f"),
     ("migrations_per_1k", "migrations /1k calls", ".1f"),
     ("seq_of_ideal", "one process: of ideal", ".2f"),

@@ -65,8 +65,9 @@ COUNTERS = (
     "throttled",        # agent turns demoted or delayed for using more than their cpu_share
     "preempt_publishes",  # agents published from inside a long step, for an idle peer's request
     "inline_controls",  # control-tier turns run inside another agent's step (worker/agents/inline.py)
+    "spin_ns",          # CPU ns of idle search rounds before parking (Worker.search's yields)
 )
-NCOUNTERS = 16
+NCOUNTERS = 24  # (room for more: the histograms after them stay on cache-line boundaries)
 TIERS = 3
 TIER_NAMES = ("control", "interactive", "bulk")
 DEFAULT_TIER = 1

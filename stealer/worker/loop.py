@@ -50,6 +50,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
+from time import thread_time_ns
 from types import GeneratorType
 from typing import Any
 
@@ -121,6 +122,7 @@ _C = {name: i for i, name in enumerate(metrics.COUNTERS)}  # by name: reordering
 C_TASKS, C_STEALS, C_STEAL_ATTEMPTS = _C["tasks"], _C["steals"], _C["steal_attempts"]
 C_PARKS, C_WAKEUPS, C_INJECTOR_TAKES = _C["parks"], _C["wakeups"], _C["injector_takes"]
 C_ERRORS, C_BUSY_NS = _C["errors"], _C["busy_ns"]  # (spawns, resumes: worker/join.py)
+C_SPIN_NS = _C["spin_ns"]
 
 FP = failpoints  # `if FP.ON:` costs one attribute load when no failpoint is armed
 
@@ -459,6 +461,9 @@ class Worker(ForkJoinHandling, PingHandling):
             if rounds < self.spin_limit:
                 # Yield every round: on a machine with few cores the client (or another
                 # worker) may be waiting for this CPU; a pure spin would take half of it.
+                # (their CPU time counted apart: a worker's CPU beyond its calls' own is
+                # partly these yields while it waits for work, on a CPU nobody else wanted)
+                t_spin = thread_time_ns()
                 if spin is not None and not host.timers:
                     # the rounds' cheap looks natively (_cqueues.spin), then this full
                     # round again once something shows or they run out
@@ -466,6 +471,7 @@ class Worker(ForkJoinHandling, PingHandling):
                                    self.victims, r, H_STOP_AGENTS, H_SHUTDOWN) - 1
                 else:
                     os.sched_yield()
+                self.c[C_SPIN_NS] += thread_time_ns() - t_spin
                 continue
             if searching and quick is None:
                 stop_search(k, False)  # (the native park stops searching first)

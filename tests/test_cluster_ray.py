@@ -589,6 +589,11 @@ def test_node_loss_resubmits_its_tasks_and_new_nodes_join(cluster, own):
         assert got == [1000 * i + 5 for i in range(6)]
         on_other = [r for r in agents if r.node == other]
         assert on_other, "no agent on the node to be removed"
+        # an agent on the head calling, through a ref it holds, one on the node to be lost
+        caller = e.spawn_agent(ct.Hop, node=head)
+        callee = e.spawn_agent(ct.Hop, node=other, state_every=1)
+        caller.call("link", callee).result(timeout=30)
+        assert caller.call("hop", 1).result(timeout=60) == ["0", "1"]
         fs = [e.submit(ct.spin, 0.02, i) for i in range(150)]  # 3 s of work on 2 cores
         fs += [e.submit_to(other, ct.spin, 0.02, i) for i in range(150, 200)]
         tree = e.submit_to(head, ct.fib_where, 26)  # its children may be out on the other
@@ -607,6 +612,7 @@ def test_node_loss_resubmits_its_tasks_and_new_nodes_join(cluster, own):
         # the agents of the lost node started again on the head: from the state the client
         # kept and the messages since, or (state_every=0) from their spawn arguments
         assert all(r.node == head for r in agents)
+        assert caller.call("hop", 1).result(timeout=60) == ["0", "0"]  # it follows
         got = [r.call("add", 1).result(timeout=60) for r in agents]
         assert [g % 1000 for g in got] == [
             1 if r in on_other and k == 0 else 6 for r, k in zip(agents, every)]

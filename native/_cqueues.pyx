@@ -1845,8 +1845,12 @@ cdef class HotPath:
         * SERVE_GEN ``(m, reply, generator)``: the handler is a generator (not done);
         * SERVE_REPLY ``(reply, -, value)``: handled and done; the value is not one
           ``dumps`` (stealer._fastpickle.dumps) writes: the caller replies the long way;
-        * SERVE_AFTER ``(reply, done, data)``: handled, done, reply_inline returned
-          ``done`` (-3, 0 or 2) for ``data``: the caller finishes as Messages.reply does.
+        * SERVE_AFTER ``(reply, done, data)``: handled, done, c_finish returned ``done``
+          (0 or 2) for ``data``: the caller finishes as Messages.reply does.
+
+        A call's reply slot is claimed (QUEUED|0 -> RUNNING|who) just before its handler
+        starts, as Messages.claim does: from then on its caller's cancel() fails.  A slot
+        that is not QUEUED|0 (cancelled, stale) is Messages.deliver's (SERVE_SLOW).
         """
         cdef uint64_t m, rh
         cdef int64_t reply
@@ -1889,6 +1893,16 @@ cdef class HotPath:
             if fn is None or not callable(fn):
                 return SERVE_SLOW, None, None, None
             reply = rep
+            if reply >= 0:
+                rh = <uint64_t>reply
+                self._check_handle(rh)
+                # seq_cst CAS, the claim before the handler starts (Messages.claim): pairs
+                # with the caller's cancel CAS (which fails from now on) and with a
+                # recoverer's CAS after our death; not QUEUED (cancelled, stale): deliver
+                if not st_cas_seqcst_u64(self.rec(rh), (rh >> 32) | (<uint64_t>S_QUEUED << STATE_SHIFT),
+                                         (rh >> 32) | (<uint64_t>S_RUNNING << STATE_SHIFT)
+                                         | (who << WHO_SHIFT)):
+                    return SERVE_SLOW, None, None, None
             # taken: from here on as Messages.deliver
             pending.popleft()
             e.handled = handled + 1
@@ -1916,16 +1930,9 @@ cdef class HotPath:
                 if data is None:
                     return SERVE_REPLY, reply, 0, res
                 rh = <uint64_t>reply
-                self._check_handle(rh)
-                # seq_cst CAS, the claim (as reply_inline): pairs with the caller's cancel CAS
-                # and with a recoverer's CAS after our death
-                if not st_cas_seqcst_u64(self.rec(rh), (rh >> 32) | (<uint64_t>S_QUEUED << STATE_SHIFT),
-                                         (rh >> 32) | (<uint64_t>S_RUNNING << STATE_SHIFT)
-                                         | (who << WHO_SHIFT)):
-                    done = -3
-                else:
-                    done = self.c_finish(rh, ST_OK, <const char *>PyBytes_AS_STRING(data),
-                                         PyBytes_GET_SIZE(data), completions, who)
+                # (claimed at the start: RUNNING|who -> DONE|who)
+                done = self.c_finish(rh, ST_OK, <const char *>PyBytes_AS_STRING(data),
+                                     PyBytes_GET_SIZE(data), completions, who)
                 if done != 1 and done != -1:
                     return SERVE_AFTER, reply, done, data
             if e.state == _WAITING and e.want_step is False and _drives(obj):

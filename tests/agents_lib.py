@@ -533,3 +533,21 @@ class HopStep(stealer.Agent):
 
     def hop(self, n: int) -> int:
         return n
+
+
+class GatedLog(Gate):
+    """A Gate that also logs: ``note(x)`` appends x; ``log()``; ``pid()`` of its worker."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.notes: list[Any] = []
+
+    def note(self, x: Any) -> int:
+        self.notes.append(x)
+        return len(self.notes)
+
+    def log(self) -> list:
+        return self.notes
+
+    def pid(self) -> int:
+        return os.getpid()

@@ -305,6 +305,46 @@ def test_a_step_waiting_on_a_call_is_in_the_chain(ex):
     other.result(T)
 
 
+def _wait_file(path: str) -> None:
+    end = time.monotonic() + T
+    while not os.path.exists(path):
+        assert time.monotonic() < end, f"{path} never came"
+        time.sleep(0.002)
+
+
+def test_a_cancelled_call_never_runs_and_a_started_one_cannot_be_cancelled(ex, tmp_path):
+    """A Future's contract: cancel() is True only for a call that will not run (it ran
+    anyway, its reply dropped), False once its handler started (it said True)."""
+    gate = ex.spawn_agent(L.GatedLog)
+    started, release = str(tmp_path / "started"), str(tmp_path / "release")
+    held = gate.call("hold", started, release)
+    _wait_file(started)
+    assert not held.cancel() and not held.cancelled()  # its handler runs
+    queued = [gate.call("note", i) for i in range(5)]
+    assert [f.cancel() for f in queued[1::2]] == [True, True]  # 1 and 3
+    open(release, "w").close()
+    assert held.result(T) == "held"
+    assert [queued[i].result(T) for i in (0, 2, 4)] == [1, 2, 3]
+    assert gate.call("log").result(T) == [0, 2, 4]  # the cancelled ones never ran
+    gate.stop()
+    gate.result(T)
+
+
+def test_a_journaled_call_cannot_be_cancelled_and_runs(tmp_path):
+    """The journal holds a call from the start (a recovery would run it): cancel() says
+    False and the reply comes."""
+    with stealer.Executor(1, journal=str(tmp_path / "j")) as ex:
+        gate = ex.spawn_agent(L.GatedLog, name="g")
+        started, release = str(tmp_path / "started"), str(tmp_path / "release")
+        held = gate.call("hold", started, release)
+        _wait_file(started)
+        queued = gate.call("note", 7)
+        assert not queued.cancel() and not held.cancel()
+        open(release, "w").close()
+        assert held.result(T) == "held" and queued.result(T) == 1
+        assert gate.call("log").result(T) == [7]
+
+
 def test_spawn_agents_and_children_from_inside(ex):
     assert ex.spawn_agent(L.Spawner).result(T) == sum(i + 1 for i in range(5))
     assert ex.spawn_agent(L.Forker).result(T) == sum(i * i for i in range(10))

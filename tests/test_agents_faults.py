@@ -156,3 +156,29 @@ def test_replay_agrees_with_every_reply_given_before_the_crash():
         assert [x for x in log if not isinstance(x, tuple)] == list(range(80))
         for r, pos in reps:
             assert log[pos] == ("m", r), (pos, log)
+
+
+@pytest.mark.kills_workers
+def test_a_call_cancelled_before_it_ran_is_not_run_by_the_replay_either(tmp_path):
+    """A cancelled call is skipped, and its message record says so: the agent restarted
+    after its worker's death replays what it handled since its checkpoint without it."""
+    with stealer.Executor(2) as ex:
+        gate = ex.spawn_agent(L.GatedLog, checkpoint_every=1000, checkpoint_seconds=1000)
+        started, release = str(tmp_path / "started"), str(tmp_path / "release")
+        held = gate.call("hold", started, release)
+        end = time.monotonic() + T
+        while not os.path.exists(started):
+            assert time.monotonic() < end
+            time.sleep(0.002)
+        queued = [gate.call("note", i) for i in range(4)]
+        assert queued[1].cancel() and queued[2].cancel()
+        open(release, "w").close()
+        assert held.result(T) == "held" and queued[3].result(T) == 2
+        pid = gate.call("pid").result(T)
+        os.kill(pid, signal.SIGKILL)  # its messages since the spawn are replayed elsewhere
+        end = time.monotonic() + T
+        while gate.call("pid").result(T) == pid:
+            assert time.monotonic() < end, "the agent never restarted"
+            time.sleep(0.01)
+        assert gate.call("log").result(T) == [0, 3]
+        assert ex._pool.crashes >= 1

@@ -53,8 +53,11 @@ def _outcome(f: object) -> tuple:
     return ("ok", v)
 
 
-def _model(opts: list, ops: list) -> tuple[list, list]:
-    """What a sequential run gives: each call's outcome, and each agent's log."""
+def _model(opts: list, ops: list, cancels: list[bool]) -> tuple[list, list]:
+    """What a sequential run gives: each call's outcome, and each agent's log.  A
+    cancelled call ran iff its ``cancel()`` said False (``cancels``, in order, from the
+    run: its handler had started); said True, it never runs."""
+    cancels = list(cancels)
     logs: list[list] = [[("echo", "ready")] for _ in opts]
     out: list = []
 
@@ -86,13 +89,14 @@ def _model(opts: list, ops: list) -> tuple[list, list]:
         elif kind == "all":
             out.extend(handle(j, "plain", x + j) for j in some)
         elif kind == "cancel":
-            handle(i, "plain", x)  # a cancelled call's message still runs (cancel() docs)
+            if not cancels.pop(0):  # too late: it had started, and runs to its end
+                handle(i, "plain", x)
         else:
             out.append(handle(i, kind, x))
     return out, [[tuple(e) for e in log] for log in logs]
 
 
-def _run(opts: list, ops: list, fast: bool) -> tuple[list, list]:
+def _run(opts: list, ops: list, fast: bool) -> tuple[tuple[list, list], list[bool]]:
     old = os.environ.pop("STEALER_NO_FAST_TURN", None)
     if not fast:
         os.environ["STEALER_NO_FAST_TURN"] = "1"
@@ -105,6 +109,7 @@ def _run(opts: list, ops: list, fast: bool) -> tuple[list, list]:
             for r in refs:
                 r.call("echo", "ready").result(T)
             futs: list = []
+            cancels: list[bool] = []
             for kind, i, x, some in ops:
                 ref = refs[i]
                 if kind == "sync":  # every reply so far: the agents idle again
@@ -127,13 +132,13 @@ def _run(opts: list, ops: list, fast: bool) -> tuple[list, list]:
                 elif kind == "all":
                     futs.extend(ex.call_all([refs[j] for j in some], "plain",
                                             [(x + j,) for j in some]))
-                else:  # cancel: its reply is dropped, its message still runs
-                    ref.call("plain", x).cancel()
+                else:  # cancel: True while it waits in the mailbox (then never run)
+                    cancels.append(ref.call("plain", x).cancel())
             out = [_outcome(f) for f in futs]
             logs = [[tuple(e) for e in r.call("history").result(T)] for r in refs]
             probe = ex.submit(L.native_turns).result(T)
         assert (probe[0] >= 0) == fast, probe  # the path asked for is the one that ran
-        return out, logs
+        return (out, logs), cancels
     finally:
         os.environ.pop("STEALER_NO_FAST_TURN", None)
         if old is not None:
@@ -145,6 +150,6 @@ def _run(opts: list, ops: list, fast: bool) -> tuple[list, list]:
 @given(program)
 def test_both_turns_give_what_a_sequential_run_gives(prog):
     opts, ops = prog
-    want = _model(opts, ops)
-    assert _run(opts, ops, True) == want
-    assert _run(opts, ops, False) == want
+    for fast in (True, False):
+        got, cancels = _run(opts, ops, fast)
+        assert got == _model(opts, ops, cancels)

@@ -634,7 +634,11 @@ class AgentClient:
             self._check(h)
             rh = self.alloc("a reply")
             a.setup(rh, K_ROOT, fid, time.monotonic_ns())  # QUEUED on no queue: the reply slot
-            f._st_handle = rh  # cancel() withdraws it (the agent then drops the reply)
+            f._st_handle = rh  # cancel() withdraws it (the agent then skips the call)
+            if uid is not None and self.j is not None:
+                # journaled: the journal holds the message, and a recovery would run it,
+                # so the agent runs it even if cancelled: cancel() must say False
+                f._st_keep = True
             pool.futures[fid] = f
             try:
                 self._reserve(h, True, None, defer)

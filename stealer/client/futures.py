@@ -113,6 +113,7 @@ class _Future(Future):
     _exception: BaseException | None = None
     _st_handle: int | None = None
     _st_backlog = False  # waiting in the client-side backlog (no record yet)
+    _st_keep = False  # a journaled agent call: it runs once sent, so cancel() says False
     _st_cond: threading.Condition | None = None  # made by the first waiter (_condition)
     _st_w: list[Any] | None = None  # _waiters, made on first use
     _st_cb: list[Any] | None = None  # _done_callbacks, made on first use
@@ -290,6 +291,8 @@ class _Future(Future):
             h = self._st_handle
             if pool is not None and pool.forked:
                 return False  # (a fork's copy: the task is its parent's)
+            if self._st_keep:
+                return False
             # In the client-side backlog: withdrawn here (drain_backlog skips it). Else a
             # generation-checked CAS on the record's state, pairs with the worker's start CAS.
             if h is None:

@@ -35,6 +35,7 @@ from stealer.worker.agents.entry import (
     C_THROTTLED,
     FINISHED,
     RUNNABLE,
+    SKIPPED,
     SLEEPING,
     SUSPENDED,
     WAITING,
@@ -192,6 +193,10 @@ class Adoption:
 
     def steps_before(self, m: int) -> int:
         """Steps the agent had run when it first handled message ``m`` (deliver wrote it)."""
+        return self.steps_before_raw(m) & ~SKIPPED
+
+    def steps_before_raw(self, m: int) -> int:
+        """:meth:`steps_before` with its SKIPPED bit (a call cancelled before it started)."""
         return _U64.unpack_from(self.a.mm, self.a.off(m) + R_TSTART)[0]
 
     def tries(self, h: int) -> int:

@@ -29,6 +29,11 @@ C_PREEMPT, C_INLINE = _C["preempt_publishes"], _C["inline_controls"]
 # what an entry is doing
 RUNNABLE, WAITING, SLEEPING, SUSPENDED, FINISHED = range(5)
 
+# a message record's R_TSTART (the steps before it, for an exact replay) with this bit: a
+# call its caller cancelled before its handler started, not run (Messages.deliver), and so
+# not run by a replay either
+SKIPPED = 1 << 63
+
 # An entry's fields.  Where the extension is built they live in its Entry (declared in
 # native/_cqueues.pxd, the same names: tests/test_fast_turn.py checks), the base of _Entry,
 # so the native turn reaches them as C struct fields; else _Entry holds them as __slots__.

@@ -158,7 +158,8 @@ class Generators:
         self.handled(e, m, replay)
         enc = (self.answered(e, sender, seq, call, reply, status, value)
                if sender is not None and self.journal is not None else None)
-        self.reply(reply, status, value, enc)
+        # (a call's slot was claimed when its handler started, unless journaled)
+        self.reply(reply, status, value, enc, sender is None)
 
     def drop_reply(self, rh: int) -> None:
         """We stop waiting for reply slot ``rh``: free it, or cancel it (the callee frees it)."""

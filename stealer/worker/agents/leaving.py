@@ -181,7 +181,8 @@ class Leaving:
             except BaseException:
                 pass
         if e.it_msg is not None and not (suspend and self._agent_reply(e.it_msg[1])):
-            self.reply(e.it_msg[1], ST_ERROR, stopped)
+            # (claimed when the handler started, unless journaled: Messages.claim)
+            self.reply(e.it_msg[1], ST_ERROR, stopped, None, e.it_msg[3] is None)
         y = e.waiting
         for p in y.parts if isinstance(y, PendingAll) else (y,):
             if isinstance(p, CallPending) and p.rh >= 0 and not p.done:

@@ -30,7 +30,7 @@ from stealer.errors import AgentError, AgentStopped, DeadlineExceeded, JournalEr
 from stealer.shared import failpoints as FP
 from stealer.shared._layout import R_TSTART, S_CANCELLED, S_QUEUED, S_RUNNING, ST_ERROR, ST_OK
 from stealer.shared.records import Outcome
-from stealer.worker.agents.entry import _U64, C_MSGS, WAITING, _Entry
+from stealer.worker.agents.entry import _U64, C_MSGS, SKIPPED, WAITING, _Entry
 from stealer.worker.outcome import encode_result
 
 # HotPath.serve's results (native/_cqueues.pyx; the same numbers without the extension)
@@ -114,6 +114,9 @@ class Messages:
             self.reply(reply, ST_ERROR, DeadlineExceeded(
                 f"the call {method!r} to agent {e.h:#x} waited past its deadline", e.h, e.gen))
             return
+        if replay and self.steps_before_raw(m) & SKIPPED:
+            self.handled(e, m, replay)  # cancelled before it started, the first time too
+            return
         if not replay:  # for an exact replay: how many steps came before this message
             _U64.pack_into(a.mm, a.off(m) + R_TSTART, e.steps)
         hook = method == "on_stop" or (method == "step" and drives_itself(e.obj))
@@ -124,6 +127,17 @@ class Messages:
             self.handled(e, m, replay)
             self.reply(reply, ST_ERROR, AttributeError(no_handler(e.obj, method)))
             return
+        claimed = False
+        if call and sender is None and not replay:  # (journaled: see claim)
+            got = self.claim(reply)
+            if got is None:  # its caller cancelled it before it started: not run
+                _U64.pack_into(a.mm, a.off(m) + R_TSTART, e.steps | SKIPPED)
+                self.handled(e, m, replay)
+                return
+            if got:
+                claimed = True
+            else:
+                reply = -1  # a stale slot: nobody to answer
         e.msgs += 1
         e.events += 1
         w.c[C_MSGS] += 1
@@ -135,7 +149,7 @@ class Messages:
             self.handled(e, m, replay)
             enc = (self.answered(e, sender, seq, call, reply, ST_ERROR, exc)
                    if sender is not None and self.journal is not None else None)
-            self.reply(reply, ST_ERROR, exc, enc)  # the caller gets it; the agent goes on
+            self.reply(reply, ST_ERROR, exc, enc, claimed)  # the caller's; the agent goes on
             return
         w.in_body = False
         if type(res) is GeneratorType:
@@ -148,7 +162,7 @@ class Messages:
         self.handled(e, m, replay)
         enc = (self.answered(e, sender, seq, call, reply, ST_OK, res)
                if sender is not None and self.journal is not None else None)
-        self.reply(reply, ST_OK, res, enc)
+        self.reply(reply, ST_OK, res, enc, claimed)
         if e.state == WAITING and e.want_step is False and drives_itself(e.obj):
             e.want_step = True  # ctx.wait(): step again once a message was handled
 
@@ -158,7 +172,7 @@ class Messages:
         stored inline (its codes: native/_cqueues.pyx)."""
         if code == SERVE_EXC:  # (m, reply, exception): the caller gets it; the agent goes on
             self.handled(e, x, False)
-            self.reply(y, ST_ERROR, z)
+            self.reply(y, ST_ERROR, z, None, True)  # (serve claimed its slot at the start)
             return
         if code == SERVE_GEN:  # (m, reply, generator)
             e.it = z
@@ -167,7 +181,7 @@ class Messages:
             return
         if code == SERVE_REPLY:  # (reply, -, value): handled and done; the native writer
             # refused the value already: straight to the Pickler
-            self.reply(x, ST_OK, z, encode_result(ST_OK, z, fast=False))
+            self.reply(x, ST_OK, z, encode_result(ST_OK, z, fast=False), True)
         else:  # SERVE_AFTER (reply, reply_inline's result, data): handled and done
             self.after_inline(x, y, (ST_OK, z, []))
         if e.state == WAITING and e.want_step is False and drives_itself(e.obj):
@@ -227,9 +241,36 @@ class Messages:
             f"call #{seq} from {sender} to agent {e.h:#x} was made again by a replay after "
             "a crash, and its first reply is gone: it is not run twice", e.h, e.gen))
 
-    def reply(self, rh: int, status: int, value: Any, enc: tuple | None = None) -> None:
-        """Store a reply in slot ``rh`` (QUEUED, made by the caller) and publish it
-        (``enc``: the reply already encoded by :meth:`answered`)."""
+    def claim(self, rh: int) -> bool | None:
+        """A call's handler is about to start: its reply slot QUEUED|0 -> RUNNING|who, so
+        that its caller's ``cancel()`` fails from now on (a Future's contract: True only
+        for a call that will not run).  True: claimed; None: the caller cancelled it (the
+        slot released; the handler must not run); False: no slot to answer (a stale one,
+        its reply sent before a worker death; the handler runs, nobody hears it).  A slot
+        still RUNNING for a dead worker is waited for: its recovery puts it back QUEUED.
+
+        A journaled call is not skipped (the journal has it, and a recovery would replay
+        it): its caller's cancel() only drops the reply (deliver does not call this)."""
+        tr = self.a.tr
+        for _ in range(20000):  # (a recovery in progress: at most ~2 s)
+            if tr.cas(rh, S_QUEUED, 0, S_RUNNING, self.who) is Outcome.OK:
+                if FP.ON:
+                    FP.hit("agent.reply_after_claim")
+                return True
+            st = tr.state(rh)
+            if st is not None and st[0] == S_CANCELLED:
+                self.a.release(rh, S_CANCELLED, 0, self.who)  # the caller gave up on it
+                return None
+            if st is None or st[0] != S_RUNNING or st[1] == self.who:
+                return False  # (DONE: answered before a worker death; None: freed since)
+            time.sleep(0.0001)  # RUNNING for a dead worker, not requeued yet
+        return False
+
+    def reply(self, rh: int, status: int, value: Any, enc: tuple | None = None,
+              claimed: bool = False) -> None:
+        """Store a reply in slot ``rh`` (QUEUED, made by the caller; RUNNING|who if
+        ``claimed`` at the handler's start) and publish it (``enc``: the reply already
+        encoded by :meth:`answered`)."""
         if rh < 0:
             return
         a = self.a
@@ -238,17 +279,21 @@ class Messages:
             if enc is None:
                 enc = encode_result(status, value)
             if not enc[2]:
-                # claim + store + finish + publish in one call (HotPath.reply_inline)
-                done = a.reply_inline(rh, enc[0], enc[1], w.completions, self.who)
+                # (claim +) store + finish + publish in one call (HotPath.reply_inline,
+                # finish_inline)
+                done = (a.finish_inline(rh, enc[0], enc[1], w.completions, self.who)
+                        if claimed else
+                        a.reply_inline(rh, enc[0], enc[1], w.completions, self.who))
                 if done != 1 and done != -1:
                     self.after_inline(rh, done, enc)
                 return
         tr = a.tr
-        if tr.cas(rh, S_QUEUED, 0, S_RUNNING, self.who) is not Outcome.OK:
-            self.unclaimed(rh)
-            return
-        if FP.ON:
-            FP.hit("agent.reply_after_claim")
+        if not claimed:
+            if tr.cas(rh, S_QUEUED, 0, S_RUNNING, self.who) is not Outcome.OK:
+                self.unclaimed(rh)
+                return
+            if FP.ON:
+                FP.hit("agent.reply_after_claim")
         kind, _status, link = a.kind_link(a.off(rh))
         if enc is None:
             w.report(rh, kind, link, status, value)

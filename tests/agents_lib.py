@@ -551,3 +551,29 @@ class GatedLog(Gate):
 
     def pid(self) -> int:
         return os.getpid()
+
+
+class Caller2(stealer.Agent):
+    """``fire(other)``: a plain handler that calls ``other.back(me)`` without waiting and
+    returns (so this agent is free when ``other`` calls back); ``got()``: the replies."""
+
+    def __init__(self) -> None:
+        self.got: list[Any] = []
+
+    def fire(self, other: Any, me: Any) -> str:
+        other.call("back", me)  # not yielded: nobody waits for it
+        return "fired"
+
+    def note(self, x: Any) -> str:
+        self.got.append(x)
+        return "noted"
+
+    def seen(self) -> list:
+        return self.got
+
+
+class Backer(stealer.Agent):
+    """``back(ref)``: calls ``ref.note("back")`` from a generator handler."""
+
+    def back(self, ref: Any) -> Any:
+        return (yield ref.call("note", "back"))

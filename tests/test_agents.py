@@ -293,6 +293,17 @@ def test_a_call_that_closes_a_cycle_is_refused_and_says_the_cycle(ex):
         r.result(T)
 
 
+def test_a_call_back_to_an_agent_that_did_not_wait_is_no_cycle(ex):
+    """A plain handler's call (not yielded) leaves its agent free: the callee may call it
+    back (it is not in the callee's chain)."""
+    a, b = ex.spawn_agent(L.Caller2), ex.spawn_agent(L.Backer)
+    assert a.call("fire", b, a).result(T) == "fired"
+    end = time.monotonic() + T
+    while a.call("seen").result(T) != ["back"]:
+        assert time.monotonic() < end, "the call back never came"
+        time.sleep(0.01)
+
+
 def test_a_step_waiting_on_a_call_is_in_the_chain(ex):
     other = ex.spawn_agent(L.Hop)
     stepper = ex.spawn_agent(L.HopStep)

@@ -60,6 +60,8 @@ K_CKPT = 5  # an agent's checkpoint (its pickled state); R_LINK is the mailbox m
 F_AGENT = 0x400  # with K_ROOT: an agent record (its call payload is the spawn; RUNNING|k on its owner)
 F_BUFFERS = 0x100  # the call payload is a frame with out-of-band buffers
 F_RBUFFERS = 0x200  # the result payload is a frame with out-of-band buffers
+F_AWAITED = 0x800  # with K_REPLY: the call came from an agent's generator, which may wait
+#                    for it (the callee's call chain, worker/agents/calls.py Calls.waiters)
 OVERFLOW = 0xFFFF  # payload class of an overflow file
 
 ST_OK = 0  # the result is the return value

@@ -33,6 +33,7 @@ from stealer.shared._layout import (
     AF_STOP,
     D_FLAGS,
     F_AGENT,
+    F_AWAITED,
     K_MASK,
     K_MSG,
     K_REPLY,
@@ -206,7 +207,9 @@ class Calls:
             self.refuse_cycle(e, chain, h, method)
         a = self.a
         rh = self.alloc()
-        a.setup(rh, K_REPLY, e.h, time.monotonic_ns())  # QUEUED on no queue: the reply slot
+        # QUEUED on no queue: the reply slot (F_AWAITED: from a generator, which may wait)
+        a.setup(rh, K_REPLY | F_AWAITED if e.it is not None else K_REPLY, e.h,
+                time.monotonic_ns())
         if j is None:
             data, bufs = encode_message(h, method, args, kwargs, rh, deadline, chain=chain)
         else:
@@ -229,13 +232,14 @@ class Calls:
     def waiters(self, e: _Entry) -> tuple:
         """The agents waiting, each in a generator, for the reply of the generator handler
         ``e`` runs now (outermost first): the chain its message carried, then its caller,
-        an agent if the reply slot is a K_REPLY (whose link names it).  () for a step, a
-        one-way message, a call from the client or a task."""
+        an agent's generator if the reply slot is a K_REPLY with F_AWAITED (its link names
+        it; a plain handler's call is not waited on).  () for a step, a one-way message, a
+        call from the client or a task."""
         msg = e.it_msg
         if msg is None or msg[1] < 0:
             return ()
         kind, _status, link = self.a.kind_link(self.a.off(msg[1]))
-        if kind & K_MASK != K_REPLY:
+        if kind & K_MASK != K_REPLY or not kind & F_AWAITED:
             return msg[6]
         return (*msg[6], link)
 

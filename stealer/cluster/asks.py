@@ -16,8 +16,11 @@ executor).  Pickled into a task's arguments or an agent's message it travels as
   way (``NodeAgent.answers``).
 
 A round trip costs a few milliseconds (two Ray calls and a results poll): agents that talk
-a lot belong on one node.  Not covered: the cycle check of local calls (errors.AgentDeadlock)
-does not see through these calls.
+a lot belong on one node.  Order: one worker thread's sends arrive in the order it made
+them (each returns once its node agent has it); calls wait on a thread pool, so calls
+yielded together (``yield [r.call(...), r.call(...)]``) may reach one agent in either
+order.  Not covered: the cycle check of local calls (errors.AgentDeadlock) does not see
+through these calls.
 
 Imported by the client side (cluster/agents.py, node.py) and, through pickle, by workers: it
 imports neither side and never Ray.

@@ -182,7 +182,7 @@ class Messages:
         if code == SERVE_REPLY:  # (reply, -, value): handled and done; the native writer
             # refused the value already: straight to the Pickler
             self.reply(x, ST_OK, z, encode_result(ST_OK, z, fast=False), True)
-        else:  # SERVE_AFTER (reply, reply_inline's result, data): handled and done
+        else:  # SERVE_AFTER (reply, c_finish's result, data): handled and done
             self.after_inline(x, y, (ST_OK, z, []))
         if e.state == WAITING and e.want_step is False and drives_itself(e.obj):
             e.want_step = True  # ctx.wait(): step again once a message was handled
@@ -249,8 +249,9 @@ class Messages:
         its reply sent before a worker death; the handler runs, nobody hears it).  A slot
         still RUNNING for a dead worker is waited for: its recovery puts it back QUEUED.
 
-        A journaled call is not skipped (the journal has it, and a recovery would replay
-        it): its caller's cancel() only drops the reply (deliver does not call this)."""
+        Not for a journaled call (deliver does not call this): the journal has it and a
+        recovery would replay it, so it always runs, and its caller's cancel() says False
+        (client/agents.py, ``_st_keep``)."""
         tr = self.a.tr
         for _ in range(20000):  # (a recovery in progress: at most ~2 s)
             if tr.cas(rh, S_QUEUED, 0, S_RUNNING, self.who) is Outcome.OK:

@@ -133,3 +133,44 @@ def test_agents_survive_their_node_and_their_client(cluster, tmp_path):
         assert ex.stats().recovered == AGENTS - 1
     finally:
         ex.shutdown()
+
+
+def test_a_ref_kept_in_an_agents_state_finds_its_agent_after_a_recovery(cluster, tmp_path):
+    """A ref is its executor's agent id; another executor recovering the journal gives its
+    agents other ids: a ref from before (kept in an agent's state) reaches its agent by
+    its journal id, and never an agent that has that id now."""
+    import cluster_tasks as ct
+
+    path = str(tmp_path / "journal")
+    ex = stealer.Executor(cluster=True, journal=path, top_s=None)
+    try:
+        # (spawned second: b's id here is another agent's id in the recovering executor,
+        # which numbers its agents afresh; checked below)
+        others = [ex.spawn_agent(ct.Counter, 0, name="o0")]
+        b = ex.spawn_agent(ct.Counter, 5, name="b")
+        others += [ex.spawn_agent(ct.Counter, 0, name=f"o{i}") for i in (1, 2)]
+        a = ex.spawn_agent(ct.Hop, name="a")
+        old_b = b.id
+        a.call("link", b).result(timeout=60)
+        a.call("tell", "add", 1).result(timeout=60)
+        deadline = time.monotonic() + 60
+        while b.call("get").result(timeout=60) != 6:
+            assert time.monotonic() < deadline, "the send never arrived"
+            time.sleep(0.05)
+        assert [o.call("get").result(timeout=60) for o in others] == [0, 0, 0]
+    finally:
+        ex.shutdown()
+    ex = stealer.Executor(cluster=True, journal=path, recover=True, top_s=None)
+    try:
+        assert old_b != ex.agent("b").id
+        assert old_b in {ex.agent(f"o{i}").id for i in range(3)}  # (what the test is about)
+        ex.agent("a").call("tell", "add", 2).result(timeout=60)  # through the kept ref
+        deadline = time.monotonic() + 60
+        while ex.agent("b").call("get").result(timeout=60) != 8:
+            assert time.monotonic() < deadline, "the send never reached b"
+            time.sleep(0.05)
+        assert [ex.agent(f"o{i}").call("get").result(timeout=60) for i in range(3)] == [0] * 3
+        held = ex.agent("a").call("held").result(timeout=60)
+        assert held == ex.agent("b")  # loaded in the driver: this executor's ref of b
+    finally:
+        ex.shutdown()

@@ -94,7 +94,7 @@ class ClusterAgentRef:
     def __reduce__(self) -> tuple:
         # sent to a task or an agent: a RemoteAgentRef there (cluster/asks.py), this
         # executor's ref again if it comes back to this process
-        return (asks.rebuild, (self._a.aid, self._a.name, self._ex._token))
+        return (asks.rebuild, (self._a.aid, self._a.name, self._ex._token, self._a.uid))
 
     def __eq__(self, other: object) -> bool:
         return (getattr(other, "id", None) == self._a.aid
@@ -197,14 +197,29 @@ class AgentsOnCluster:
         a = self._agents.get(aid)
         return None if a is None else ClusterAgentRef(self, a)
 
+    def _ref_of_uid(self, uid: str) -> ClusterAgentRef | None:
+        """This executor's ref of the journaled agent ``uid`` (asks.rebuild)."""
+        a = self._by_uid(uid)
+        return None if a is None else ClusterAgentRef(self, a)
+
+    def _by_uid(self, uid: str) -> AgentRecord | None:
+        for a in list(self._agents.values()):  # (refs from before a recovery only: rare)
+            if a.uid == uid:
+                return a
+        return None
+
     def _asked(self, node: NodeView, asks: list[tuple[int, str, bytes]]) -> None:
         """Operations that tasks and agents on ``node`` made on agents of this executor
         (cluster/asks.py): each runs as the client's own; a call's reply goes back to
-        ``node`` (:meth:`_answer`)."""
+        ``node`` (:meth:`_answer`).  A ref made by another executor (its token: one whose
+        journal this one recovered, held in an agent's state) names its agent by its
+        journal id, never by the id, which another agent may have here."""
         for key, op, payload in asks:
             try:
-                aid, _op, method, args, kwargs = pickle.loads(payload)
-                a = self._agents.get(aid)
+                aid, _op, method, args, kwargs, token, uid = pickle.loads(payload)
+                a = self._agents.get(aid) if token == self._token else None
+                if a is None and uid is not None:
+                    a = self._by_uid(uid)
                 if a is None:
                     raise AgentStopped(f"agent {aid} is not an agent of this executor (it "
                                        "was never spawned here, or is gone)", aid)

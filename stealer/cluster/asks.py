@@ -40,7 +40,7 @@ from typing import Any
 from stealer.errors import ClusterError, NotInTaskError
 
 __all__ = ["ENV_KEY", "ENV_PATH", "AskServer", "RemoteAgentRef", "accept_loop", "dumps", "rebuild",
-           "register"]
+           "register", "unregister"]
 
 ENV_PATH = "STEALER_CLUSTER_ASKS"  # the node agent's socket, in its workers' environment
 ENV_KEY = "STEALER_CLUSTER_ASKS_KEY"  # its authentication key (hex), likewise
@@ -56,15 +56,26 @@ def register(token: str, ex: Any) -> None:
     _LIVE[token] = ex
 
 
-def rebuild(aid: int, name: str | None, token: str) -> Any:
+def unregister(token: str) -> None:
+    """The executor ``token`` shut down: refs loaded here no longer find it."""
+    _LIVE.pop(token, None)
+
+
+def rebuild(aid: int, name: str | None, token: str, uid: str | None = None) -> Any:
     """A pickled cluster agent ref loaded: the executor's own ref where it runs, else a
-    :class:`RemoteAgentRef`."""
+    :class:`RemoteAgentRef`.  ``uid``: a journaled agent's durable id, by which an executor
+    that recovered the journal (another token, other ids) finds it."""
     ex = _LIVE.get(token)
     if ex is not None:
         ref = ex._ref_of(aid)
         if ref is not None:
             return ref
-    return RemoteAgentRef(aid, name, token)
+    if uid is not None:
+        for ex in list(_LIVE.values()):
+            ref = ex._ref_of_uid(uid)
+            if ref is not None:
+                return ref
+    return RemoteAgentRef(aid, name, token, uid)
 
 
 def dumps(obj: Any) -> bytes:
@@ -95,12 +106,13 @@ class RemoteAgentRef:
     ``call`` (inside an agent: ``yield`` it; resumed with the reply), ``send`` and
     ``stop``.  ``result()`` is the driver's (``ex.agent(name)``, or the ref it holds)."""
 
-    __slots__ = ("_aid", "_name", "_token")
+    __slots__ = ("_aid", "_name", "_token", "_uid")
 
-    def __init__(self, aid: int, name: str | None, token: str) -> None:
+    def __init__(self, aid: int, name: str | None, token: str, uid: str | None = None) -> None:
         self._aid = aid
         self._name = name
-        self._token = token
+        self._token = token  # the executor that made it (ids are per executor)
+        self._uid = uid  # journaled: the durable id (a recovering executor finds it by it)
 
     @property
     def id(self) -> int:
@@ -111,7 +123,7 @@ class RemoteAgentRef:
         return self._name
 
     def __reduce__(self) -> tuple:
-        return (rebuild, (self._aid, self._name, self._token))
+        return (rebuild, (self._aid, self._name, self._token, self._uid))
 
     def __repr__(self) -> str:
         return f"<stealer RemoteAgentRef {self._aid}>"
@@ -128,7 +140,7 @@ class RemoteAgentRef:
 
         if op != "stop" and not method_ok(method):
             raise ValueError(f"a message names a public method of the agent, not {method!r}")
-        return dumps((self._aid, op, method, args, kwargs))
+        return dumps((self._aid, op, method, args, kwargs, self._token, self._uid))
 
     def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
         """Request/reply, from inside an agent: ``yield`` what it returns."""

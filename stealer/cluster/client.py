@@ -706,6 +706,7 @@ class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, _fbase.Exec
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         self._suspend()  # journaled agents: their states, so a recovery replays nothing
+        asks.unregister(self._token)  # (a ref loaded here from now on: another executor's)
         with self._lock:
             if self._shutdown and self._closing:
                 return

@@ -92,9 +92,14 @@ def _ask(op: str, payload: bytes) -> Any:
         raise ClusterError("a cluster agent ref is used outside the nodes of its cluster "
                            "executor: call it from the driver, or from a task or agent "
                            "of that executor")
-    with Client(path, family="AF_UNIX", authkey=bytes.fromhex(key)) as conn:
-        conn.send((op, payload))
-        ok, body = conn.recv()
+    try:
+        with Client(path, family="AF_UNIX", authkey=bytes.fromhex(key)) as conn:
+            conn.send((op, payload))
+            ok, body = conn.recv()
+    except (OSError, EOFError) as exc:
+        raise ClusterError(f"this node's node agent is gone ({type(exc).__name__}: {exc}): "
+                           "the node is being shut down or was cut off from its client; the "
+                           f"{op} did not reach the agent") from exc
     value = pickle.loads(body)
     if ok:
         return value

@@ -1,0 +1,132 @@
+"""The path of a cluster agent ref used inside a task or an agent (stealer/cluster/asks.py),
+without Ray: the node agent's AskServer with a fake node agent behind it, the workers' end
+(``_ask``, RemoteAgentRef), and how a pickled ref is loaded back."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+
+import pytest
+
+from stealer.cluster import asks
+from stealer.errors import ClusterError, NotInTaskError
+
+
+class FakeNode:
+    """What NodeAgent does with an ask: keeps it; ``reply`` answers a call."""
+
+    def __init__(self) -> None:
+        self.got: list[tuple[int, str, tuple]] = []
+        self.server: asks.AskServer | None = None
+        self.came = threading.Event()
+
+    def ask(self, key: int, op: str, payload: bytes) -> None:
+        self.got.append((key, op, pickle.loads(payload)))
+        self.came.set()
+
+
+@pytest.fixture
+def node(tmp_path, monkeypatch):
+    fake = FakeNode()
+    fake.server = asks.AskServer(str(tmp_path), fake.ask)
+    for k, v in fake.server.env().items():
+        monkeypatch.setenv(k, v)
+    yield fake
+    fake.server.close()
+
+
+def test_a_send_and_a_stop_reach_the_node_agent_in_order(node):
+    ref = asks.RemoteAgentRef(7, "seven", "tok", "u7")
+    ref.send("add", 1, k=2)
+    ref.send("add", 3)
+    ref.stop()
+    assert [(op, p) for _k, op, p in node.got] == [
+        ("send", (7, "send", "add", (1,), {"k": 2}, "tok", "u7")),
+        ("send", (7, "send", "add", (3,), {}, "tok", "u7")),
+        ("stop", (7, "stop", None, (), {}, "tok", "u7"))]
+    with pytest.raises(ValueError, match="public method"):
+        ref.send("_private")
+    assert len(node.got) == 3  # refused before anything was sent
+
+
+def test_a_call_waits_for_its_answer_and_raises_its_error(node):
+    out: list = []
+
+    def call(x: int) -> None:
+        try:
+            out.append(asks._ask("call", asks.dumps((1, "call", "m", (x,), {}, "t", None))))
+        except BaseException as exc:  # the answer's error, raised at the caller
+            out.append(exc)
+
+    t = threading.Thread(target=call, args=(5,))
+    t.start()
+    assert node.came.wait(10)
+    key = node.got[0][0]
+    node.server.answer(key, True, asks.dumps(50))
+    t.join(10)
+    node.came.clear()
+    t = threading.Thread(target=call, args=(6,))
+    t.start()
+    assert node.came.wait(10)
+    node.server.answer(node.got[1][0], False, asks.dumps(KeyError("no such thing")))
+    t.join(10)
+    assert out[0] == 50 and isinstance(out[1], KeyError)
+    node.server.answer(12345, True, asks.dumps(None))  # a caller gone: dropped
+
+
+def test_a_waiting_call_fails_when_the_node_agent_stops(node):
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(_raised(
+        lambda: asks._ask("call", asks.dumps((1, "call", "m", (), {}, "t", None))))))
+    t.start()
+    assert node.came.wait(10)
+    node.server.close()
+    t.join(10)
+    assert isinstance(out[0], ClusterError) and "stopped" in str(out[0])
+    with pytest.raises(ClusterError, match="node agent is gone"):
+        asks.RemoteAgentRef(1, None, "t").send("m")  # nobody listens any more
+
+
+def test_outside_a_node_a_ref_says_where_to_use_it(monkeypatch):
+    monkeypatch.delenv(asks.ENV_PATH, raising=False)
+    with pytest.raises(ClusterError, match="outside the nodes"):
+        asks.RemoteAgentRef(1, None, "t").send("m")
+    with pytest.raises(NotInTaskError, match="inside an agent"):
+        asks.RemoteAgentRef(1, None, "t").call("m")  # (a call is yielded by an agent)
+    with pytest.raises(ClusterError, match="driver"):
+        asks.RemoteAgentRef(1, None, "t").result()
+
+
+def test_a_pickled_ref_loads_as_its_executors_own_ref_or_by_its_journal_id():
+    class FakeEx:
+        def __init__(self, agents: dict[int, str], uids: dict[str, str]) -> None:
+            self.agents, self.uids = agents, uids
+
+        def _ref_of(self, aid: int) -> str | None:
+            return self.agents.get(aid)
+
+        def _ref_of_uid(self, uid: str) -> str | None:
+            return self.uids.get(uid)
+
+    old = asks.RemoteAgentRef(3, "b", "old-token", "u-b")
+    data = pickle.dumps(old)
+    assert isinstance(pickle.loads(data), asks.RemoteAgentRef)  # no executor here
+    live = FakeEx({3: "the agent with id 3 now"}, {"u-b": "b, recovered"})
+    asks.register("new-token", live)
+    try:  # another executor's ref: by its journal id, never by the id
+        assert pickle.loads(data) == "b, recovered"
+        asks.register("old-token", live)
+        assert pickle.loads(data) == "the agent with id 3 now"  # its own executor
+    finally:
+        asks.unregister("new-token")
+        asks.unregister("old-token")
+    back = pickle.loads(data)
+    assert back == old and hash(back) == hash(old) and back.id == 3 and back.name == "b"
+
+
+def _raised(fn):
+    try:
+        return fn()
+    except BaseException as exc:
+        return exc

@@ -20,6 +20,7 @@ written for :class:`~concurrent.futures.ProcessPoolExecutor` keeps working:
           ├── MailboxFull      a send found the mailbox full (block=False, or timed out)
           ├── StepTimeout      a step ran past its step_timeout
           ├── AgentStopped     a message to an agent that was stopped, finished or failed
+          ├── AgentDeadlock    an agent's call would close a cycle of waiting agents
           └── DeadlineExceeded a call or an agent missed its deadline
 
 Errors on the hot path are values (queue operations return EMPTY / RETRY);
@@ -55,6 +56,7 @@ __all__ = [
     "MailboxFull",
     "StepTimeout",
     "AgentStopped",
+    "AgentDeadlock",
     "DeadlineExceeded",
 ]
 

@@ -512,15 +512,19 @@ def test_worker_killed_inside_spawn_keeps_the_tree():
         while not _proc_gone_or_zombie(pid):
             time.sleep(0.0002)
         # killed inside the window: the parent runs, its child is QUEUED but in no queue yet
-        assert pool.region.load64(base + W_CURRENT) == root + 1
+        # -- unless the result thread already began the recovery, which clears the
+        # worker's current word and pushes the child (on_death clears the worker's slot
+        # first, so a recovery that changed them shows there after they are read)
+        current = pool.region.load64(base + W_CURRENT)
         kids = pool.rec.children(root)
-        assert len(kids) == 1 and kids[0][1] == S_QUEUED
         in_no_queue = (len(_queues.impl.Deque(pool.region, pool.layout.deque(0),
                                               pool.layout.records)) == 0
                        and len(pool.injector) == 0)
-        # (unless the result thread already began the recovery, which pushes it: on_death
-        # clears the worker's slot first)
-        assert in_no_queue or pool.procs[0] is None or pool.procs[0].pid != pid
+        recovering = pool.procs[0] is None or pool.procs[0].pid != pid
+        if not recovering:
+            assert current == root + 1
+            assert len(kids) == 1 and kids[0][1] == S_QUEUED
+            assert in_no_queue
         if _wait_all([f], time.monotonic() + 60, stall=3):
             raise LostFutures("the tree never resolved")
         assert f.result(timeout=0) == nbytes

@@ -31,7 +31,10 @@ R_RREF = 64  # u64 result payload block index / overflow number
 R_RLEN = 72  # u64 result payload length
 R_TSUBMIT = 80  # u64 monotonic ns at submit (client) or spawn (worker)
 R_TSTART = 88  # u64 monotonic ns when a worker last started it; K_MSG: steps its agent had
-#                run when it handled the message (the owner, before D_DONE), for exact replay
+#                run when it handled the message (the owner, before D_DONE), for exact replay,
+#                with bit 63 (entry.SKIPPED) if its caller cancelled it before it started.
+#                Plain stores by the owner; read by a later owner replaying it, ordered by
+#                the release store of D_DONE after it and the agent record's re-queue CAS
 R_INLINE = 96  # inline area: the call payload at [0, plen), an inline result right after it
 RECORD_BYTES = 192
 INLINE = 96  # RECORD_BYTES - R_INLINE

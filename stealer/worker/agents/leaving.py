@@ -55,6 +55,9 @@ from stealer.worker.agents.entry import (
 )
 from stealer.worker.agents.placement import COOLDOWN_NS
 
+#: agent classes whose state did not pickle, already said on stderr (once per worker)
+_SAID_UNPICKLABLE: set[type] = set()
+
 
 def _unpicklable(obj: Any) -> str:
     """Which attribute of an agent keeps it from pickling (for the error message)."""
@@ -185,7 +188,7 @@ class Leaving:
             self.reply(e.it_msg[1], ST_ERROR, stopped, None, e.it_msg[3] is None)
         y = e.waiting
         for p in y.parts if isinstance(y, PendingAll) else (y,):
-            if isinstance(p, CallPending) and p.rh >= 0 and not p.done:
+            if isinstance(p, CallPending) and p.rh >= 0 and not p.arrived:
                 self.drop_reply(p.rh)
         for _h, m in e.outbox or ():
             a.free(m)  # never pushed: in no chain
@@ -251,9 +254,13 @@ class Leaving:
                         "(make them in the step that uses them)"))
                     return False
                 e.pinned = True
-                print(f"stealer: agent {e.h:#x} ({type(e.obj).__qualname__}) cannot be "
-                      f"pickled, so it never moves and a worker death restarts it from its "
-                      f"spawn arguments: {exc}", file=sys.stderr)
+                cls = type(e.obj)
+                if cls not in _SAID_UNPICKLABLE:  # once per class and worker, not per agent
+                    _SAID_UNPICKLABLE.add(cls)
+                    print(f"stealer: agent {e.h:#x} ({cls.__qualname__}) cannot be pickled, "
+                          "so it never moves and a worker death restarts it from its spawn "
+                          f"arguments: {exc} (said once for its class in this worker)",
+                          file=sys.stderr)
         data, bufs = state if state is not None else serialize.dumps(None)
         ch = a.alloc()
         if ch < 0:

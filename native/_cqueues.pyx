@@ -1842,7 +1842,8 @@ cdef class HotPath:
           from ``start_ns`` while others wait or a higher tier is runnable, a stop);
         * SERVE_SLOW: the next message needs Messages.deliver;
         * SERVE_EXC ``(m, reply, exc)``: the handler raised (message not marked done);
-        * SERVE_GEN ``(m, reply, generator)``: the handler is a generator (not done);
+        * SERVE_GEN ``(m, reply, generator)``: the handler is a generator or a coroutine
+          (not done);
         * SERVE_REPLY ``(reply, -, value)``: handled and done; the value is not one
           ``dumps`` (stealer._fastpickle.dumps) writes: the caller replies the long way;
         * SERVE_AFTER ``(reply, done, data)``: handled, done, c_finish returned ``done``
@@ -1919,7 +1920,7 @@ cdef class HotPath:
                 w.in_body = False
                 return SERVE_EXC, m, reply, exc
             w.in_body = False
-            if type(res) is _GeneratorType:
+            if type(res) is _GeneratorType or type(res) is _CoroutineType:  # (async def too)
                 return SERVE_GEN, m, reply, res
             e.applied = m + 1  # its effect is in the state now (a checkpoint may cover it)
             # release store then seq_cst RMW, as msg_done: D_DONE for a recoverer, the slot back
@@ -2895,6 +2896,7 @@ from pickle import dumps as _pickle_dumps, loads as _pickle_loads
 
 
 from types import GeneratorType as _GeneratorType
+from types import CoroutineType as _CoroutineType
 
 # HotPath.serve's results (stealer/worker/agents/host.py reads them)
 SERVE_EMPTY, SERVE_BREAK, SERVE_SLOW, SERVE_EXC, SERVE_GEN, SERVE_REPLY, SERVE_AFTER = range(7)

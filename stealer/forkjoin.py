@@ -70,6 +70,10 @@ class Child:
         """Its result (or its exception raised): a blocking :func:`join` of this child."""
         return join(self, timeout)
 
+    def __await__(self) -> Any:
+        """``await`` it in an ``async def`` agent handler or step: the same as ``yield``."""
+        return (yield self)
+
 
 # Set by a worker process while it runs a task (stealer.worker.loop.Worker), or
 # to _INLINE while run_inline() drives a task in this process.

@@ -577,3 +577,56 @@ class Backer(stealer.Agent):
 
     def back(self, ref: Any) -> Any:
         return (yield ref.call("note", "back"))
+
+
+class AsyncRelay(stealer.Agent):
+    """``async def`` handlers (a Ray async actor's habit): each awaits what a generator
+    handler would yield."""
+
+    self_driven = False
+
+    def __init__(self, other: stealer.AgentRef) -> None:
+        self.other = other
+
+    async def relay(self, k: int) -> Any:
+        a = await self.other.call("add", k)
+        both = await stealer.call_all([self.other, self.other], "add", [(1,), (2,)])
+        sq = await stealer.spawn(_square, k)
+        return a, both, sq
+
+    async def catch(self) -> str:
+        try:
+            await self.other.call("boom")
+        except ValueError as e:  # the callee's error, raised at the await
+            return f"caught {e}"
+        return "not raised"
+
+    async def uses_asyncio(self) -> None:
+        import asyncio
+
+        await asyncio.sleep(0.001)
+
+    def blocks(self, k: int) -> Any:
+        """Not a generator: blocking on a call here is refused (it says to yield)."""
+        return self.other.call("add", k).result(5)
+
+    def polls(self, k: int) -> Any:
+        return self.other.call("add", k).done()
+
+
+class AsyncWalker(stealer.Agent):
+    """A self-driven agent whose ``step`` is ``async def``: awaits a blocking call and a
+    call to another agent each step; done once the other's count passes ``until``."""
+
+    def __init__(self, other: stealer.AgentRef, until: int) -> None:
+        self.other = other
+        self.until = until
+        self.steps = 0
+
+    async def step(self, ctx: stealer.Ctx) -> Any:
+        self.steps += 1
+        slept = await ctx.run_blocking(_sleep_and_return, 0.001, "slept")
+        n = await self.other.call("add", 1)
+        if n >= self.until:
+            return ctx.done((self.steps, n, slept))
+        return None

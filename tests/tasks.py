@@ -342,3 +342,7 @@ class UnhashableCallable:
 
 def kwargs_of(*args, **kwargs):
     return args, kwargs
+
+
+async def async_square(x: int) -> int:
+    return x * x

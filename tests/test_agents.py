@@ -453,6 +453,37 @@ def test_no_starvation_within_a_tier(ex1):
     assert max(counts) - min(counts) <= 2, counts  # round-robin: one turn each per round
 
 
+def test_async_def_handlers_and_steps_await_what_generators_yield(ex):
+    counter = ex.spawn_agent(L.Counter)
+    relay = ex.spawn_agent(L.AsyncRelay, counter)
+    assert relay.call("relay", 5).result(T) == (5, [6, 8], 25)  # call, call_all, spawn
+    assert relay.call("catch").result(T) == "caught boom in a handler"
+    with pytest.raises(RuntimeError, match="no running event loop") as ei:
+        relay.call("uses_asyncio").result(T)
+    if hasattr(ei.value, "add_note"):  # 3.11+: the note says where it runs and what to do
+        assert "not in an asyncio event loop" in "".join(ei.value.__notes__)
+    walker = ex.spawn_agent(L.AsyncWalker, counter, 20)
+    assert walker.result(T) == (12, 20, "slept")  # 8 + 12 steps of +1 each
+    assert relay.call("relay", 1).result(T) == (21, [22, 24], 1)  # it lived on
+    for r in (relay, counter):
+        r.stop()
+    for r in (relay, counter):
+        r.result(T)
+
+
+def test_a_pending_call_inside_an_agent_is_not_a_future(ex):
+    counter = ex.spawn_agent(L.Counter)
+    relay = ex.spawn_agent(L.AsyncRelay, counter)
+    for method in ("blocks", "polls"):
+        with pytest.raises(stealer.AgentError, match=r"not a Future.*yield ref\.call"):
+            relay.call(method, 1).result(T)
+    assert relay.call("relay", 0).result(T)[1][1] > 0  # the agent goes on
+    relay.stop()
+    counter.stop()
+    relay.result(T)
+    counter.result(T)
+
+
 def test_run_blocking_does_not_stall_the_worker(ex1):
     blocker = ex1.spawn_agent(L.Blocker, 0.5)
     time.sleep(0.05)

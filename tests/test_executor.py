@@ -196,6 +196,14 @@ def test_unpicklable_result(ex):
     assert ex.submit(tasks.square, 3).result(timeout=10) == 9
 
 
+def test_an_async_def_task_says_how_to_run_it(ex):
+    f = ex.submit(tasks.async_square, 3)
+    with pytest.raises(stealer.SerializationError, match=r"returned a coroutine \(async_square "
+                       r"is `async def`\).*asyncio.run"):
+        f.result(timeout=10)
+    assert ex.submit(tasks.square, 3).result(timeout=10) == 9
+
+
 def test_exception_that_cannot_be_pickled(ex):
     f = ex.submit(tasks.raise_bad_exception)
     with pytest.raises(stealer.RemoteError, match="BadException"):

@@ -24,7 +24,8 @@ steps, never during one.  A step or handler may be a generator: it
 ``yield``\\ s what it waits for (``ref.call(...)`` made inside an agent,
 ``ctx.run_blocking(fn, ...)``, children from :func:`stealer.spawn`) and is
 resumed with the value, as fork-join tasks are; the worker runs other
-agents meanwhile.
+agents meanwhile.  An ``async def`` step or handler ``await``\\ s the same things
+(it runs on the worker, not in an asyncio event loop).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from stealer.errors import NotInTaskError
+from stealer.errors import AgentError, NotInTaskError
 
 __all__ = ["Agent", "AgentRef", "Ctx", "TIERS", "Sleep", "Wait", "Done", "Pending", "PendingAll",
            "call_all", "drives_itself"]
@@ -92,15 +93,36 @@ class Done:
 _WAIT = Wait()
 
 
-class Pending:
-    """Something an agent waits for by ``yield``: a reply, a blocking call."""
+_NOT_A_FUTURE = (
+    "inside an agent, ref.call(), stealer.call_all() and ctx.run_blocking() return a pending "
+    "result, not a Future: get the value with `value = yield ref.call(...)` in a generator "
+    "handler or step, or `value = await ref.call(...)` in an `async def` one (the worker runs "
+    "other agents meanwhile). A handler cannot block on it: its worker may be the one that "
+    "has to run the agent whose reply it waits for")
 
-    __slots__ = ("done", "exc", "value")
+
+class Pending:
+    """Something an agent waits for by ``yield`` (or ``await``): a reply, a blocking call.
+
+    Not a Future: ``result()``, ``done()`` and the rest of the Future API raise an
+    :class:`~stealer.AgentError` that says to ``yield`` it (a handler that blocked on a
+    reply could wait for an agent that only its own worker can run)."""
+
+    __slots__ = ("arrived", "exc", "value")
 
     def __init__(self) -> None:
-        self.done = False
+        self.arrived = False  # the value (or exc) is in, or (CallPending) read from its slot
         self.value: Any = None
         self.exc: BaseException | None = None
+
+    def __await__(self) -> Any:
+        """``await`` it in an ``async def`` handler or step: the same as ``yield``."""
+        return (yield self)
+
+    def _not_a_future(self, *args: Any, **kwargs: Any) -> Any:
+        raise AgentError(_NOT_A_FUTURE)
+
+    result = exception = done = cancel = add_done_callback = _not_a_future
 
 
 class PendingAll(Pending):

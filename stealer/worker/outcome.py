@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pickle
 import traceback
+from types import CoroutineType
 from typing import Any
 
 from stealer.errors import RemoteError, SerializationError
@@ -65,6 +66,14 @@ def encode_result(status: int, value: Any, fast: bool = True) -> tuple[int, byte
             else:
                 err = exc if isinstance(exc, SerializationError) else SerializationError(
                     f"could not pickle the task result ({_describe(exc)})")
+                if type(value) is CoroutineType:  # (the error path only)
+                    value.close()  # (never awaited: no RuntimeWarning)
+                    err = SerializationError(
+                        f"the task returned a coroutine ({value.__qualname__} is `async def`): "
+                        "a task is a plain function or a generator; run the coroutine in "
+                        "one, e.g. submit `def job(x): return asyncio.run(fn(x))`. (Agents' "
+                        "handlers and steps may be `async def`: they await ref.call(), "
+                        "stealer.call_all(), ctx.run_blocking() and stealer.spawn().)")
                 payload = error_payload(err)
             data, bufs = serialize.dumps(payload)
             return ST_ERROR, data, bufs

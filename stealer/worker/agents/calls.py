@@ -198,7 +198,7 @@ class Calls:
                 return self._logged_reply(logged)
         if h < 0:
             p = CallPending(-1)
-            p.done, p.exc = True, AgentStopped(f"agent {uid!r} had finished before the "
+            p.arrived, p.exc = True, AgentStopped(f"agent {uid!r} had finished before the "
                                                "recovery", h)
             return p
         chain: tuple = ()
@@ -225,7 +225,7 @@ class Calls:
         except AgentStopped as exc:
             a.free(rh)
             p = CallPending(-1)
-            p.done, p.exc = True, exc
+            p.arrived, p.exc = True, exc
             return p
         return CallPending(rh)
 
@@ -286,7 +286,7 @@ class Calls:
 
         status, body, oob = logged
         p = CallPending(-1)
-        p.done = True
+        p.arrived = True
         try:
             status, value = result_value(status, loads(body, oob))
         except BaseException as exc:
@@ -381,7 +381,7 @@ class Calls:
                 p.value = f.result()
             else:
                 p.exc = exc
-            p.done = True
+            p.arrived = True
             while not inbox.push(h):  # our own inbox: the loop wakes and resumes the agent
                 time.sleep(0.0001)
             idle.notify_worker(k)

@@ -9,6 +9,7 @@ and ``deliver`` (messages.py) start a generator with ``drive``; the turn and
 from __future__ import annotations
 
 import time
+from types import CoroutineType
 from typing import Any
 
 from stealer.agents.api import Pending, PendingAll
@@ -17,6 +18,17 @@ from stealer.forkjoin import children_of
 from stealer.shared._layout import S_CANCELLED, S_DONE, S_QUEUED, ST_ERROR, ST_OK
 from stealer.shared.records import Outcome
 from stealer.worker.agents.entry import C_RESUMES, RUNNABLE, SUSPENDED, CallPending, _Entry
+
+
+def _outside_asyncio(err: RuntimeError) -> None:
+    """An ``async def`` handler or step that awaited asyncio itself ("no running event
+    loop"): say where it runs and what it may await (a note: the error stays the user's)."""
+    if "event loop" in str(err) and hasattr(err, "add_note"):
+        err.add_note(
+            "stealer runs an `async def` handler or step on its worker, not in an asyncio "
+            "event loop: it may await ref.call(), stealer.call_all(), ctx.run_blocking() and "
+            "stealer.spawn(); run asyncio code with asyncio.run() in a blocking call (a "
+            "step's `await ctx.run_blocking(asyncio.run, fetch(url))`) or in a task")
 
 
 class Generators:
@@ -44,6 +56,8 @@ class Generators:
                 return
             except BaseException as err:
                 w.in_body = False
+                if type(it) is CoroutineType and isinstance(err, RuntimeError):
+                    _outside_asyncio(err)
                 self.it_done(e, ST_ERROR, err)
                 return
             w.in_body = False
@@ -52,7 +66,7 @@ class Generators:
             if type(y) is list and y and all(isinstance(p, Pending) for p in y):
                 y = PendingAll(y)  # several calls yielded together: resumed with every reply
             if isinstance(y, Pending):
-                if y.done:
+                if y.arrived:
                     send, exc = self.collect_pending(y)
                     continue
                 e.waiting = y
@@ -61,8 +75,9 @@ class Generators:
                     _kids, _single = children_of(y)
                 except TypeError:
                     exc = TypeError(
-                        "an agent may yield what ref.call(), ctx.run_blocking() or "
-                        f"stealer.spawn() returned, not {type(y).__name__}")
+                        "an agent may yield (or await) what ref.call(), stealer.call_all(), "
+                        "ctx.run_blocking() or stealer.spawn() returned, not "
+                        f"{type(y).__name__}")
                     continue
                 e.waiting = y
                 e.frame = w.frame
@@ -81,10 +96,10 @@ class Generators:
         return frame is None or self.w.kids_done(frame)
 
     def part_ready(self, y: Pending) -> bool:
-        if isinstance(y, CallPending) and y.rh >= 0 and not y.done:
+        if isinstance(y, CallPending) and y.rh >= 0 and not y.arrived:
             st = self.a.tr.state(y.rh)
             return st is not None and st[0] == S_DONE
-        return y.done
+        return y.arrived
 
     def all_ready(self, y: PendingAll) -> bool:
         """Every part there?  Parts before ``y.next`` were seen there: a notification per
@@ -94,8 +109,8 @@ class Generators:
         while i < len(parts) and self.part_ready(parts[i]):
             i += 1
         y.next = i
-        y.done = i == len(parts)
-        return y.done
+        y.arrived = i == len(parts)
+        return y.arrived
 
     def collect_all(self, y: PendingAll) -> tuple[Any, BaseException | None]:
         """The replies of a PendingAll (every reply slot freed), or its first failure."""
@@ -111,7 +126,7 @@ class Generators:
     def collect_pending(self, y: Pending) -> tuple[Any, BaseException | None]:
         if isinstance(y, PendingAll):
             return self.collect_all(y)
-        if isinstance(y, CallPending) and y.rh >= 0 and not y.done:
+        if isinstance(y, CallPending) and y.rh >= 0 and not y.arrived:
             a = self.a
             off = a.off(y.rh)
             status = a.kind_link(off)[1]
@@ -120,7 +135,7 @@ class Generators:
             except BaseException as exc:
                 status, value = ST_ERROR, (exc, "")
             a.free(y.rh)
-            y.done = True
+            y.arrived = True
             if status == ST_OK:
                 return value, None
             return None, with_remote_tb(value)

@@ -55,7 +55,7 @@ import os
 import signal
 import sys
 import time
-from types import GeneratorType
+from types import CoroutineType, GeneratorType
 from typing import Any
 
 from stealer.agents import api
@@ -558,7 +558,7 @@ class Host(Adoption, Messages, Generators, Calls, Leaving):
         if out is None:
             e.state = RUNNABLE
             e.want_step = True
-        elif type(out) is GeneratorType:
+        elif type(out) is GeneratorType or type(out) is CoroutineType:  # (async def step)
             e.it = out
             e.it_msg = None
             self.drive(e, None, None)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import sys
 import time
-from types import GeneratorType
+from types import CoroutineType, GeneratorType
 from typing import Any
 
 from stealer.agents.api import drives_itself
@@ -152,7 +152,7 @@ class Messages:
             self.reply(reply, ST_ERROR, exc, enc, claimed)  # the caller's; the agent goes on
             return
         w.in_body = False
-        if type(res) is GeneratorType:
+        if type(res) is GeneratorType or type(res) is CoroutineType:  # (async def: the same)
             e.it = res
             # (the calls' chain above its caller: Calls.waiters)
             e.it_msg = (m, -1 if replay else reply, replay, sender, seq, call,

@@ -105,6 +105,16 @@ class Hop(stealer.Agent):
     def fan(self, refs: list) -> Any:
         return (yield stealer.call_all(refs, "hop", [(0,)] * len(refs)))
 
+    async def ahop(self, n: int) -> Any:
+        """``hop`` as an ``async def`` handler (awaits the next hop's ``ahop``)."""
+        here = os.environ.get("STEALER_NODE_CPUS", "?")
+        if n == 0:
+            return [here]
+        return [here, *(await self.nxt.call("ahop", n - 1))]
+
+    async def afan(self, refs: list) -> Any:
+        return await stealer.call_all(refs, "hop", [(0,)] * len(refs))
+
     def tell(self, method: str, *args: Any) -> None:
         self.nxt.send(method, *args)
 

@@ -256,6 +256,10 @@ def test_agents_call_agents_on_other_nodes_through_refs_they_were_given(ex):
     assert hops[0].call("held").result(timeout=30) == hops[1]  # back as the driver's ref
     fanned = hops[0].call("fan", hops[1:]).result(timeout=60)  # stealer.call_all, yielded
     assert len(fanned) == 3 and all(len(p) == 1 for p in fanned), fanned
+    path = hops[0].call("ahop", 3).result(timeout=60)  # async def handlers, awaiting
+    assert len(path) == 4 and set(path) == {"0", "1"}, path
+    fanned = hops[0].call("afan", hops[1:]).result(timeout=60)  # awaited call_all
+    assert len(fanned) == 3 and all(len(p) == 1 for p in fanned), fanned
     with pytest.raises(AttributeError, match="no_such_handler"):
         hops[1].call("broken").result(timeout=30)  # the callee's error, at the caller
     hops[0].call("link", counter).result(timeout=30)

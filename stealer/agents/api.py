@@ -188,12 +188,15 @@ def call_all(refs: Any, method: str, args: Any = None, seg: str | None = None) -
 
 def _each(refs: list, method: str, arglists: list[tuple]) -> list:
     """call_all over refs that are not all this process's AgentRefs (a cluster executor's:
-    stealer/cluster/asks.py): one call each, the list of what they return (inside an
-    agent, yielded together: every reply)."""
+    stealer/cluster/asks.py): one call each, the list of their futures (inside an agent,
+    one :class:`PendingAll` of their pending replies, to yield or await)."""
     for r in refs:
         if not callable(getattr(r, "call", None)):
             raise TypeError(f"call_all() takes agent refs, not {type(r).__name__}")
-    return [r.call(method, *a) for r, a in zip(refs, arglists)]
+    out = [r.call(method, *a) for r, a in zip(refs, arglists)]
+    if all(isinstance(p, Pending) for p in out):  # inside an agent: one awaitable for all
+        return PendingAll(out)
+    return out
 
 
 class Ctx:

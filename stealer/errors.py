@@ -159,7 +159,8 @@ class AgentDeadlock(AgentError):
     """An agent's ``yield ref.call(...)`` would wait forever: the agent called is waiting,
     in a step or handler of its own, for this agent's reply (directly or through other
     agents' calls), and an agent handles messages only between its steps and handlers.
-    Raised by ``ref.call`` inside the agent, before anything is sent."""
+    Raised by ``ref.call`` inside the agent, before anything is sent; on a cluster, by the
+    client that routes the call, at the caller's ``yield`` or ``await``."""
 
 
 class DeadlineExceeded(AgentError):

@@ -10,7 +10,9 @@ import threading
 import pytest
 
 from stealer.cluster import asks
-from stealer.errors import ClusterError, NotInTaskError
+from stealer.cluster.agents import AgentsOnCluster
+from stealer.cluster.ledger import AgentRecord, NodeView
+from stealer.errors import AgentDeadlock, ClusterError, NotInTaskError
 
 
 class FakeNode:
@@ -18,11 +20,13 @@ class FakeNode:
 
     def __init__(self) -> None:
         self.got: list[tuple[int, str, tuple]] = []
+        self.who: list[int | None] = []
         self.server: asks.AskServer | None = None
         self.came = threading.Event()
 
-    def ask(self, key: int, op: str, payload: bytes) -> None:
+    def ask(self, key: int, op: str, payload: bytes, who: int | None) -> None:
         self.got.append((key, op, pickle.loads(payload)))
+        self.who.append(who)
         self.came.set()
 
 
@@ -130,3 +134,61 @@ def _raised(fn):
         return fn()
     except BaseException as exc:
         return exc
+
+
+def test_a_call_names_the_agent_that_waits_for_it(node):
+    """The waiting agent's handle rides with the call to the node agent (which sends the
+    client's id of it): the client's cycle check needs to know who waits."""
+    t = threading.Thread(target=lambda: asks._ask(
+        "call", asks.dumps((1, "call", "m", (), {}, "t", None)), 0x5))
+    t.start()
+    assert node.came.wait(10)
+    asks._ask("send", asks.dumps((1, "send", "m", (), {}, "t", None)))
+    assert node.who == [0x5, None]
+    node.server.answer(node.got[0][0], True, asks.dumps(None))
+    t.join(10)
+
+
+class Graph(AgentsOnCluster):
+    """The cycle check of AgentsOnCluster alone (its lock and graph), without a cluster."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._waiting_for: dict[int, dict[int, int]] = {}
+
+    def wait(self, caller: int, a: AgentRecord, method: str) -> tuple[int, int]:
+        return self._wait_edge(caller, a, method)
+
+    def done(self, edge: tuple[int, int]) -> None:  # what _answer does first
+        self._answer(NodeView("n", None, 1), 0, None, None, edge)
+
+    def _tell(self, node, items) -> None:  # (_answer's reply: not under test here)
+        pass
+
+
+def _rec(aid: int) -> AgentRecord:
+    return AgentRecord(aid, (), None, 0)
+
+
+def test_the_cluster_cycle_check_refuses_the_call_that_closes_a_cycle_and_no_other():
+    g = Graph()
+    e01 = g.wait(0, _rec(1), "m")
+    e12 = g.wait(1, _rec(2), "m")
+    with pytest.raises(AgentDeadlock, match=r"agent 2 called agent 0 \('m'\).*2 -> 0 -> 1 -> 2"):
+        g.wait(2, _rec(0), "m")  # 0 waits for 1, which waits for 2: 2 -> 0 closes it
+    with pytest.raises(AgentDeadlock, match="is the caller itself"):
+        g.wait(3, _rec(3), "m")
+    e23 = g.wait(2, _rec(3), "m")  # a chain, no cycle
+    with pytest.raises(AgentDeadlock):
+        g.wait(2, _rec(1), "m")  # 1 waits for 2
+    assert g._waiting_for == {0: {1: 1}, 1: {2: 1}, 2: {3: 1}}  # (refused: not added)
+    g.done(e12)  # 2 answered 1, which waits no more: now 2 may call it
+    e21 = g.wait(2, _rec(1), "m")
+    g.done(e21)
+    g.done(e23)
+    e01b = g.wait(0, _rec(1), "m")  # two calls of 0 to 1 at once (a call_all)
+    g.done(e01)
+    with pytest.raises(AgentDeadlock):
+        g.wait(1, _rec(0), "m")  # 0 still waits for 1 (its second call)
+    g.done(e01b)
+    assert g._waiting_for == {}

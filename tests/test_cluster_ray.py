@@ -254,6 +254,10 @@ def test_agents_call_agents_on_other_nodes_through_refs_they_were_given(ex):
     path = hops[0].call("hop", 3).result(timeout=60)
     assert len(path) == 4 and set(path) == {"0", "1"}, path  # (agents may move later)
     assert hops[0].call("held").result(timeout=30) == hops[1]  # back as the driver's ref
+    with pytest.raises(stealer.AgentDeadlock, match="form a cycle"):  # 0 -> 1 -> 2 -> 3 -> 0
+        hops[0].call("hop", 4).result(timeout=60)  # refused at the client: no hang
+    with pytest.raises(stealer.AgentDeadlock, match="form a cycle"):
+        hops[0].call("ahop", 5).result(timeout=60)  # the same from coroutines
     fanned = hops[0].call("fan", hops[1:]).result(timeout=60)  # stealer.call_all, yielded
     assert len(fanned) == 3 and all(len(p) == 1 for p in fanned), fanned
     path = hops[0].call("ahop", 3).result(timeout=60)  # async def handlers, awaiting

@@ -21,6 +21,7 @@ from stealer.cluster.ledger import AgentRecord, NodeView, Task
 from stealer.cluster.node import AgentOp
 from stealer.cluster.policy import Load, place
 from stealer.errors import (
+    AgentDeadlock,
     AgentNotFound,
     AgentStopped,
     ClusterError,
@@ -124,6 +125,9 @@ class AgentsOnCluster:
     _journal: Any  # a ClusterJournal (stealer/cluster/journal.py), or None
     _waits: dict[Any, tuple]
     _token: str
+    # agent id -> {agent id it waits for: calls outstanding} (cluster/asks.py's calls made
+    # from generators and coroutines, under _lock): the cycle check's graph (_wait_edge)
+    _waiting_for: dict[int, dict[int, int]]
 
     def spawn_agent(self, cls: type, /, *args: Any, init_kwargs: dict | None = None,
                     retries: int | None = None, name: str | None = None,
@@ -208,13 +212,16 @@ class AgentsOnCluster:
                 return a
         return None
 
-    def _asked(self, node: NodeView, asks: list[tuple[int, str, bytes]]) -> None:
+    def _asked(self, node: NodeView, asks: list[tuple[int, str, bytes, int | None]]) -> None:
         """Operations that tasks and agents on ``node`` made on agents of this executor
         (cluster/asks.py): each runs as the client's own; a call's reply goes back to
         ``node`` (:meth:`_answer`).  A ref made by another executor (its token: one whose
         journal this one recovered, held in an agent's state) names its agent by its
-        journal id, never by the id, which another agent may have here."""
-        for key, op, payload in asks:
+        journal id, never by the id, which another agent may have here.  A call whose
+        caller waits for it (``caller``: that agent's id) is refused with AgentDeadlock
+        when it closes a cycle of waiting agents (:meth:`_wait_edge`)."""
+        for key, op, payload, caller in asks:
+            edge = None
             try:
                 aid, _op, method, args, kwargs, token, uid = pickle.loads(payload)
                 a = self._agents.get(aid) if token == self._token else None
@@ -226,17 +233,73 @@ class AgentsOnCluster:
                 if op == "stop":
                     ClusterAgentRef(self, a).stop()
                     continue
+                if op == "call" and caller is not None:
+                    edge = self._wait_edge(caller, a, method)
                 fut = self._agent_op(a, op, (method, args, kwargs or {}))
             except BaseException as exc:  # (a send's error has nobody to go to)
                 if op == "call":
-                    self._answer(node, key, None, exc)
+                    self._answer(node, key, None, exc, edge)
                 continue
             if op == "call":
-                fut.add_done_callback(functools.partial(self._answer, node, key))
+                fut.add_done_callback(functools.partial(self._answer, node, key, edge=edge))
+
+    def _wait_edge(self, caller: int, a: AgentRecord, method: str) -> tuple[int, int]:
+        """Agent ``caller`` waits for ``a``'s reply: the edge (caller, a.aid) added to the
+        graph of waiting agents (until the reply goes out, :meth:`_answer`), or
+        AgentDeadlock when ``a`` already waits for ``caller`` through other calls (or is
+        it): such a call would never be handled."""
+        callee = a.aid
+        with self._lock:
+            waits = self._waiting_for
+            path = self._wait_path(waits, callee, caller)
+            if path is None:
+                edges = waits.setdefault(caller, {})
+                edges[callee] = edges.get(callee, 0) + 1
+                return (caller, callee)
+        cycle = " -> ".join(str(x) for x in (caller, *path))
+        what = (f"agent {caller} called agent {callee} ({method!r}), which "
+                + ("is the caller itself" if callee == caller else
+                   f"waits for the caller's reply: the calls {cycle} form a cycle"))
+        raise AgentDeadlock(
+            f"{what}; an agent handles messages only between its steps and handlers, so "
+            "this call would wait forever. Call the method directly when it is the same "
+            "agent, send (ref.send) what needs no reply, or return and let the other agent "
+            "call back later", caller)
+
+    @staticmethod
+    def _wait_path(waits: dict[int, dict[int, int]], start: int, goal: int
+                   ) -> list[int] | None:
+        """A path of waiting agents from ``start`` to ``goal`` (both included), or None."""
+        if start == goal:
+            return [start]
+        seen = {start}
+        stack = [(start, [start])]
+        while stack:
+            x, path = stack.pop()
+            for y in waits.get(x, ()):
+                if y == goal:
+                    return [*path, y]
+                if y not in seen:
+                    seen.add(y)
+                    stack.append((y, [*path, y]))
+        return None
 
     def _answer(self, node: NodeView, key: int, fut: Future | None,
-                exc: BaseException | None = None) -> None:
-        """A call's reply (or ``exc``) to the node whose worker made it (lost: dropped)."""
+                exc: BaseException | None = None, edge: tuple[int, int] | None = None
+                ) -> None:
+        """A call's reply (or ``exc``) to the node whose worker made it (lost: dropped);
+        ``edge``: the caller no longer waits for the callee."""
+        if edge is not None:
+            with self._lock:
+                edges = self._waiting_for.get(edge[0])
+                if edges is not None:
+                    n = edges.get(edge[1], 0) - 1
+                    if n > 0:
+                        edges[edge[1]] = n
+                    else:
+                        edges.pop(edge[1], None)
+                        if not edges:
+                            del self._waiting_for[edge[0]]
         if fut is not None:
             exc = fut.exception()
         ok = exc is None

@@ -19,8 +19,11 @@ A round trip costs a few milliseconds (two Ray calls and a results poll): agents
 a lot belong on one node.  Order: one worker thread's sends arrive in the order it made
 them (each returns once its node agent has it); calls wait on a thread pool, so calls
 yielded together (``yield [r.call(...), r.call(...)]``) may reach one agent in either
-order.  Not covered: the cycle check of local calls (errors.AgentDeadlock) does not see
-through these calls.
+order.  Cycles: a call made from an agent's generator or coroutine names its caller (its
+handle here, which the node agent turns into the client's agent id), and the client, which
+sees every such call, refuses one that closes a cycle of waiting agents with
+errors.AgentDeadlock, raised at the caller's ``yield``/``await``.  Calls between an agent
+and the agents it spawned itself on its node (local refs) are the local check's.
 
 Imported by the client side (cluster/agents.py, node.py) and, through pickle, by workers: it
 imports neither side and never Ray.
@@ -84,9 +87,11 @@ def dumps(obj: Any) -> bytes:
     return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _ask(op: str, payload: bytes) -> Any:
+def _ask(op: str, payload: bytes, who: int | None = None) -> Any:
     """The worker's end: one operation to its node agent, on a connection of its own (a
-    call waits on it for the reply).  Returns the reply, or raises its error."""
+    call waits on it for the reply).  Returns the reply, or raises its error.  ``who``: the
+    calling agent's handle on this node when it waits for the reply (a call from its
+    generator or coroutine), for the client's cycle check (AgentsOnCluster._asked)."""
     path, key = os.environ.get(ENV_PATH), os.environ.get(ENV_KEY)
     if not path or not key:
         raise ClusterError("a cluster agent ref is used outside the nodes of its cluster "
@@ -94,7 +99,7 @@ def _ask(op: str, payload: bytes) -> Any:
                            "of that executor")
     try:
         with Client(path, family="AF_UNIX", authkey=bytes.fromhex(key)) as conn:
-            conn.send((op, payload))
+            conn.send((op, payload, who))
             ok, body = conn.recv()
     except (OSError, EOFError) as exc:
         raise ClusterError(f"this node's node agent is gone ({type(exc).__name__}: {exc}): "
@@ -156,8 +161,10 @@ class RemoteAgentRef:
         if host is None or host.current is None:
             raise NotInTaskError("ref.call() on a worker must be made from inside an agent "
                                  "(and yielded); a plain task can ref.send()")
-        return host.run_blocking(_ask, ("call", self._payload("call", method, args, kwargs)),
-                                 {})
+        e = host.current
+        who = e.h if e.it is not None else None  # (from a generator: it may wait: F_AWAITED)
+        return host.run_blocking(_ask, ("call", self._payload("call", method, args, kwargs),
+                                        who), {})
 
     def send(self, method: str, /, *args: Any, **kwargs: Any) -> None:
         """One-way message (its handler's errors are not reported back); returns once the
@@ -189,10 +196,12 @@ def accept_loop(listener: Listener, closed: Callable[[], bool],
 
 class AskServer:
     """The node agent's end: one thread accepting, one per connection.  ``ask(key, op,
-    payload)`` hands an operation to the node agent (for the client); a call's thread then
+    payload, who)`` hands an operation to the node agent (for the client; ``who``: the
+    local handle of an agent waiting for the call's reply, else None); a call's thread then
     waits for :meth:`answer` with the same key, a send's or stop's answers at once."""
 
-    def __init__(self, directory: str, ask: Callable[[int, str, bytes], None]) -> None:
+    def __init__(self, directory: str,
+                 ask: Callable[[int, str, bytes, int | None], None]) -> None:
         self.ask = ask
         self.authkey = os.urandom(16)
         self.path = os.path.join(directory, "asks.sock")
@@ -235,7 +244,7 @@ class AskServer:
 
     def _serve(self, conn: Connection) -> None:
         try:
-            op, payload = conn.recv()
+            op, payload, who = conn.recv()
             key = next(self.keys)
             slot: list = [threading.Event(), None]
             with self.lock:
@@ -245,7 +254,7 @@ class AskServer:
                 self.asked += 1
                 if op == "call":
                     self.waiting[key] = slot
-            self.ask(key, op, payload)
+            self.ask(key, op, payload, who)
             if op != "call":
                 conn.send((True, dumps(None)))
                 return

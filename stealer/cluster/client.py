@@ -184,6 +184,7 @@ class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, _fbase.Exec
         self._tids = itertools.count()
         self._ledger: dict[int, Task] = {}
         self._agents: dict[int, AgentRecord] = {}
+        self._waiting_for: dict[int, dict[int, int]] = {}  # (agents.py: _wait_edge)
         self._names: dict[str, AgentRecord] = {}
         self._nodes: dict[str, NodeView] = {}
         self._orphans: list[int] = []  # tasks with no alive node to go to

@@ -184,7 +184,9 @@ class NodeAgent:
         # agents and tasks here reaching agents anywhere (cluster/asks.py): their operations
         # come on this socket (its path and key in the workers' environment) and go to the
         # client with our results; the replies come back by answers()
-        self.asks: list[tuple[int, str, bytes]] = []  # (key, op, payload) not yet sent
+        # (key, op, payload, caller) not yet sent; caller: the client's id of the agent here
+        # that waits for the call's reply, or None
+        self.asks: list[tuple[int, str, bytes, int | None]] = []
         self.asks_dir = children.make_dir()
         self.asker = AskServer(self.asks_dir, self._asked)
         os.environ.update(self.asker.env())
@@ -224,6 +226,7 @@ class NodeAgent:
         self.ll_free: set[str] = set()
         self.epoch = 0  # of our own lifeline calls
         self.agents: dict[int, Any] = {}  # client's agent id -> local AgentRef
+        self.aid_by_h: dict[int, int] = {}  # local agent handle -> client's id (_aid_of)
         # agent id -> its operations handed to its local agent and not answered yet: an
         # agent with some holds a worker (the occupied fraction, and Load.active)
         self.agent_out: dict[int, int] = {}
@@ -383,12 +386,24 @@ class NodeAgent:
         for key, ok, body in items:
             self.asker.answer(key, ok, body)
 
-    def _asked(self, key: int, op: str, payload: bytes) -> None:
+    def _asked(self, key: int, op: str, payload: bytes, who: int | None = None) -> None:
         """An operation from a worker here on an agent of the executor (AskServer): sent to
-        the client with the next results (at once: a waiting results() call returns)."""
+        the client with the next results (at once: a waiting results() call returns).
+        ``who``: the local handle of the agent that waits for the call's reply, sent as the
+        client's id of that agent (None: a task, an agent the client did not spawn here)."""
         with self.lock:
-            self.asks.append((key, op, payload))
+            self.asks.append((key, op, payload, None if who is None else self._aid_of(who)))
         self._notify()
+
+    def _aid_of(self, h: int) -> int | None:
+        """The client's id of the local agent ``h`` (under the lock), from a reverse map
+        made again when it does not know ``h`` or names an agent that left."""
+        aid = self.aid_by_h.get(h)
+        ref = None if aid is None else self.agents.get(aid)
+        if ref is None or ref.id != h:
+            self.aid_by_h = {r.id: a for a, r in list(self.agents.items())}
+            aid = self.aid_by_h.get(h)
+        return aid
 
     @ray.method(concurrency_group="health")
     def stop(self) -> None:

@@ -38,6 +38,7 @@ def node(tmp_path, monkeypatch):
         monkeypatch.setenv(k, v)
     yield fake
     fake.server.close()
+    asks._drop()  # (this thread's connection to it, if any)
 
 
 def test_a_send_and_a_stop_reach_the_node_agent_in_order(node):
@@ -192,3 +193,38 @@ def test_the_cluster_cycle_check_refuses_the_call_that_closes_a_cycle_and_no_oth
         g.wait(1, _rec(0), "m")  # 0 still waits for 1 (its second call)
     g.done(e01b)
     assert g._waiting_for == {}
+
+
+def test_a_thread_keeps_its_connection_and_an_interrupted_exchange_opens_a_new_one(node):
+    """Each worker thread keeps one connection to its node agent (a new one per operation
+    cost ~0.7 ms); an exception in the middle of an exchange (a signal's, here a
+    KeyboardInterrupt in recv) may leave its reply unread, so that connection is dropped
+    and the next operation opens another.  Closing the server wakes the threads serving
+    idle connections (shut down: a close() would leave them in recv())."""
+    ref = asks.RemoteAgentRef(1, None, "t")
+    ref.send("a")
+    conn = asks._local.held[2]
+    ref.send("b")
+    assert asks._local.held[2] is conn  # the same connection
+    real = conn.recv
+
+    def interrupted() -> object:
+        real()  # (the answer arrives, then the signal's exception)
+        raise KeyboardInterrupt
+
+    conn.recv = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        ref.send("c")
+    assert asks._local.held is None and conn.closed
+    ref.send("d")  # a new connection, in step: its own answer, not c's
+    assert asks._local.held[2] is not conn
+    assert [p[2] for _k, _op, p in node.got] == ["a", "b", "c", "d"]
+    serving = [t for t in threading.enumerate() if t.name == "stealer-asks"]
+    assert serving  # (the new connection's thread, idle in recv())
+    node.server.close()
+    for t in serving:
+        t.join(10)
+        assert not t.is_alive(), "a serving thread stayed in recv() after close()"
+    with pytest.raises(ClusterError, match="node agent is gone"):
+        ref.send("e")
+    asks._drop()

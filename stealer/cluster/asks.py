@@ -34,6 +34,7 @@ from __future__ import annotations
 import itertools
 import os
 import pickle
+import socket
 import threading
 import weakref
 from collections.abc import Callable
@@ -87,8 +88,34 @@ def dumps(obj: Any) -> bytes:
     return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
+# this thread's connection to its node agent (_ask): (pid, path, Connection), kept, since
+# a new one per operation cost ~0.7 ms (connect, the key's handshake, a server thread)
+_local = threading.local()
+
+
+def _connection(path: str, key: str) -> Connection:
+    held = getattr(_local, "held", None)
+    if held is not None and held[0] == os.getpid() and held[1] == path:
+        return held[2]
+    conn = Client(path, family="AF_UNIX", authkey=bytes.fromhex(key))
+    _local.held = (os.getpid(), path, conn)  # (a forked child makes its own)
+    return conn
+
+
+def _drop() -> None:
+    """Forget this thread's connection (after an error, or an exception that may have
+    left a reply unread in it): the next operation opens a new one."""
+    held = getattr(_local, "held", None)
+    _local.held = None
+    if held is not None and held[0] == os.getpid():
+        try:
+            held[2].close()
+        except OSError:
+            pass
+
+
 def _ask(op: str, payload: bytes, who: int | None = None) -> Any:
-    """The worker's end: one operation to its node agent, on a connection of its own (a
+    """The worker's end: one operation to its node agent, on this thread's connection (a
     call waits on it for the reply).  Returns the reply, or raises its error.  ``who``: the
     calling agent's handle on this node when it waits for the reply (a call from its
     generator or coroutine), for the client's cycle check (AgentsOnCluster._asked)."""
@@ -98,13 +125,17 @@ def _ask(op: str, payload: bytes, who: int | None = None) -> Any:
                            "executor: call it from the driver, or from a task or agent "
                            "of that executor")
     try:
-        with Client(path, family="AF_UNIX", authkey=bytes.fromhex(key)) as conn:
-            conn.send((op, payload, who))
-            ok, body = conn.recv()
+        conn = _connection(path, key)
+        conn.send((op, payload, who))
+        ok, body = conn.recv()
     except (OSError, EOFError) as exc:
+        _drop()
         raise ClusterError(f"this node's node agent is gone ({type(exc).__name__}: {exc}): "
                            "the node is being shut down or was cut off from its client; the "
                            f"{op} did not reach the agent") from exc
+    except BaseException:  # (a signal's exception mid-exchange: its reply may be unread)
+        _drop()
+        raise
     value = pickle.loads(body)
     if ok:
         return value
@@ -210,6 +241,9 @@ class AskServer:
         self.keys = itertools.count(1)
         self.closed = False
         self.asked = 0  # operations received (status)
+        # the workers' threads' connections waiting for their next operation (under lock):
+        # close() shuts them down, which wakes their serving threads
+        self.idle: set[Connection] = set()
         self.listener = Listener(self.path, family="AF_UNIX", authkey=self.authkey)
         threading.Thread(target=self._accept, name="stealer-asks-accept", daemon=True).start()
 
@@ -230,6 +264,7 @@ class AskServer:
         with self.lock:
             self.closed = True
             slots, self.waiting = list(self.waiting.values()), {}
+            conns = list(self.idle)
         body = dumps(ClusterError("the node agent stopped before the reply came"))
         for slot in slots:
             slot[1] = (False, body)
@@ -238,32 +273,55 @@ class AskServer:
             self.listener.close()
         except Exception:
             pass
+        for conn in conns:  # its thread in recv() wakes with EOF (a close() would not)
+            try:
+                with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sk:
+                    sk.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # (closed meanwhile by its thread)
 
     def _accept(self) -> None:
         accept_loop(self.listener, lambda: self.closed, self._serve, "stealer-asks")
 
     def _serve(self, conn: Connection) -> None:
+        """One worker thread's connection: its operations, one after another, until it
+        closes (its process ended) or this server does."""
         try:
-            op, payload, who = conn.recv()
-            key = next(self.keys)
-            slot: list = [threading.Event(), None]
-            with self.lock:
-                if self.closed:
-                    conn.send((False, dumps(ClusterError("the node agent stopped"))))
-                    return
-                self.asked += 1
-                if op == "call":
-                    self.waiting[key] = slot
-            self.ask(key, op, payload, who)
-            if op != "call":
-                conn.send((True, dumps(None)))
-                return
-            while not slot[0].wait(ASK_TIMEOUT_S):
-                if self.closed:
-                    break
-            conn.send(slot[1] if slot[1] is not None else
-                      (False, dumps(ClusterError("the node agent stopped"))))
+            while True:
+                with self.lock:  # (close() sees it idle here, or it sees close())
+                    if self.closed:
+                        return
+                    self.idle.add(conn)
+                try:
+                    msg = conn.recv()
+                finally:
+                    with self.lock:
+                        self.idle.discard(conn)
+                if not self._one(conn, *msg) or self.closed:
+                    return  # (a call's "stopped" answer went out first)
         except (EOFError, OSError):
             pass
         finally:
             conn.close()
+
+    def _one(self, conn: Connection, op: str, payload: bytes, who: int | None) -> bool:
+        """Serve one operation; False once the server is closed."""
+        key = next(self.keys)
+        slot: list = [threading.Event(), None]
+        with self.lock:
+            if self.closed:
+                conn.send((False, dumps(ClusterError("the node agent stopped"))))
+                return False
+            self.asked += 1
+            if op == "call":
+                self.waiting[key] = slot
+        self.ask(key, op, payload, who)
+        if op != "call":
+            conn.send((True, dumps(None)))
+            return True
+        while not slot[0].wait(ASK_TIMEOUT_S):
+            if self.closed:
+                break
+        conn.send(slot[1] if slot[1] is not None else
+                  (False, dumps(ClusterError("the node agent stopped"))))
+        return True

@@ -630,3 +630,23 @@ class AsyncWalker(stealer.Agent):
         if n >= self.until:
             return ctx.done((self.steps, n, slept))
         return None
+
+
+class AsyncLogger(stealer.Agent):
+    """``relay(k)``: an ``async def`` handler that awaits ``other.add(1)`` and logs what it
+    got; ``log()``: the replies it logged (one per relay handled, in order)."""
+
+    self_driven = False
+
+    def __init__(self, other: stealer.AgentRef) -> None:
+        self.other = other
+        self.got: list[int] = []
+
+    async def relay(self, k: int) -> int:
+        v = await self.other.call("add", 1)
+        busy(0.002)
+        self.got.append(v)
+        return v
+
+    def log(self) -> list[int]:
+        return self.got

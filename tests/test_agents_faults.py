@@ -182,3 +182,21 @@ def test_a_call_cancelled_before_it_ran_is_not_run_by_the_replay_either(tmp_path
             time.sleep(0.01)
         assert gate.call("log").result(T) == [0, 3]
         assert ex._pool.crashes >= 1
+
+
+@pytest.mark.kills_workers
+def test_a_worker_killed_while_async_handlers_await_replays_each_effect_once(tmp_path):
+    """``async def`` handlers suspended at an ``await`` when their worker is SIGKILLed are
+    replayed from the journal as generator handlers are: every call answered, and the
+    callee's count and the caller's log each have every relay exactly once."""
+    with stealer.Executor(2, journal=str(tmp_path / "j")) as ex:
+        counter = ex.spawn_agent(L.Counter)
+        relay = ex.spawn_agent(L.AsyncLogger, counter)
+        futs = [relay.call("relay", k) for k in range(60)]
+        time.sleep(0.03)
+        os.kill(ex.worker_pids()[0], signal.SIGKILL)
+        got = sorted(f.result(T) for f in futs)
+        assert got == list(range(1, 61))
+        assert counter.call("get").result(T) == 60
+        assert relay.call("log").result(T) == got
+        assert ex._pool.crashes >= 1

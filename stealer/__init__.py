@@ -10,7 +10,7 @@ imports it too, before stealer.worker.loop, so it stays free of the client side.
 from typing import TYPE_CHECKING
 
 from stealer.agents import Agent, AgentRef, Ctx
-from stealer.agents.api import call_all
+from stealer.agents.api import call_all, gather
 from stealer.errors import (
     AffinityError,
     AgentDeadlock,
@@ -83,6 +83,7 @@ __all__ = [
     "StealerError",
     "WorkerCrashedError",
     "call_all",
+    "gather",
     "join",
     "recover",
     "run_inline",

@@ -601,6 +601,15 @@ class AsyncRelay(stealer.Agent):
             return f"caught {e}"
         return "not raised"
 
+    async def gathered(self, k: int) -> Any:
+        """Calls of two methods awaited together, then two children together."""
+        added, got = await stealer.gather(self.other.call("add", k), self.other.call("get"))
+        kids = await stealer.gather([stealer.spawn(_square, k), stealer.spawn(_square, k + 1)])
+        return added, got, kids
+
+    async def mixed(self) -> Any:
+        return await stealer.gather(self.other.call("get"), stealer.spawn(_square, 2))
+
     async def uses_asyncio(self) -> None:
         import asyncio
 

@@ -462,8 +462,13 @@ def test_async_def_handlers_and_steps_await_what_generators_yield(ex):
         relay.call("uses_asyncio").result(T)
     if hasattr(ei.value, "add_note"):  # 3.11+: the note says where it runs and what to do
         assert "not in an asyncio event loop" in "".join(ei.value.__notes__)
+    # stealer.gather: what `yield [p1, p2]` does, for a coroutine (a mailbox is in order:
+    # add's reply, then get's, which sees the add)
+    assert relay.call("gathered", 3).result(T) == (8 + 3, 8 + 3, [9, 16])
+    with pytest.raises(TypeError, match="not both"):
+        relay.call("mixed").result(T)
     walker = ex.spawn_agent(L.AsyncWalker, counter, 20)
-    assert walker.result(T) == (12, 20, "slept")  # 8 + 12 steps of +1 each
+    assert walker.result(T) == (9, 20, "slept")  # 11 + 9 steps of +1 each
     assert relay.call("relay", 1).result(T) == (21, [22, 24], 1)  # it lived on
     for r in (relay, counter):
         r.stop()

@@ -36,7 +36,7 @@ from typing import Any
 from stealer.errors import AgentError, NotInTaskError
 
 __all__ = ["Agent", "AgentRef", "Ctx", "TIERS", "Sleep", "Wait", "Done", "Pending", "PendingAll",
-           "call_all", "drives_itself"]
+           "call_all", "drives_itself", "gather"]
 
 TIERS = {"control": 0, "interactive": 1, "bulk": 2}
 TIER_NAMES = {v: k for k, v in TIERS.items()}
@@ -137,6 +137,44 @@ class PendingAll(Pending):
         super().__init__()
         self.parts = parts
         self.next = 0  # parts before this one are known to be there (the host's ready())
+
+
+class _Kids:
+    """Children of :func:`stealer.spawn` gathered (:func:`gather`): awaited as a list."""
+
+    __slots__ = ("kids",)
+
+    def __init__(self, kids: list) -> None:
+        self.kids = kids
+
+    def __await__(self) -> Any:
+        return (yield self.kids)
+
+
+def gather(*pending: Any) -> Any:
+    """Inside an agent: several pending results as one, to ``await`` in an ``async def``
+    handler or step (or ``yield``), resumed with the list of their values in order.
+
+    Either what ``ref.call``, ``stealer.call_all`` and ``ctx.run_blocking`` return (the
+    first failure, in order, is raised once every one has arrived), or children of
+    :func:`stealer.spawn`, not both.  It is what ``yield [p1, p2]`` does in a generator:
+    ``asyncio.gather`` cannot do it, since an agent's coroutine runs on its worker, not in
+    an event loop.  One list or tuple argument is taken as the items."""
+    from stealer.forkjoin import Child
+
+    items = list(pending[0]) if len(pending) == 1 and isinstance(pending[0], (list, tuple)) \
+        else list(pending)
+    if all(isinstance(p, Pending) for p in items):
+        return PendingAll(items)
+    if all(isinstance(c, Child) for c in items):
+        return _Kids(items)
+    bad = next((p for p in items if not isinstance(p, (Pending, Child))), None)
+    if bad is None:
+        raise TypeError("stealer.gather() takes pending replies or children of "
+                        "stealer.spawn(), not both: await them in two gathers")
+    raise TypeError("stealer.gather() takes what ref.call(), stealer.call_all() and "
+                    "ctx.run_blocking() return inside an agent, or children of "
+                    f"stealer.spawn(), not {type(bad).__name__}")
 
 
 def call_all(refs: Any, method: str, args: Any = None, seg: str | None = None) -> Any:

@@ -196,6 +196,14 @@ def test_unpicklable_result(ex):
     assert ex.submit(tasks.square, 3).result(timeout=10) == 9
 
 
+def test_a_future_sent_to_a_task_says_what_to_send_instead(ex):
+    f = ex.submit(tasks.square, 3)
+    with pytest.raises(stealer.SerializationError, match=r"a stealer Future cannot be sent.*"
+                       r"pass its result"):
+        ex.submit(tasks.identity, f).result(timeout=10)
+    assert f.result(timeout=10) == 9
+
+
 def test_an_async_def_task_says_how_to_run_it(ex):
     f = ex.submit(tasks.async_square, 3)
     with pytest.raises(stealer.SerializationError, match=r"returned a coroutine \(async_square "

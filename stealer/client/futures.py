@@ -118,6 +118,13 @@ class _Future(Future):
     _st_w: list[Any] | None = None  # _waiters, made on first use
     _st_cb: list[Any] | None = None  # _done_callbacks, made on first use
 
+    def __reduce__(self) -> Any:
+        # (pickling one reached the executor's shared memory: "cannot pickle 'mmap.mmap'")
+        raise TypeError(
+            "a stealer Future cannot be sent to a task or an agent (it belongs to the "
+            "client): pass its result (f.result()), submit the next step when it is done "
+            "(f.add_done_callback), or spawn children with stealer.spawn inside one task")
+
     def __init__(self, pool: Any, fid: int, fn: Any) -> None:  # pool: client.pool._Pool
         # Future.__init__ without the Condition and the two lists (made on first use): a
         # future nobody waits on is one GC-tracked object, not four (its attributes stay

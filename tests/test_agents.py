@@ -489,6 +489,27 @@ def test_a_pending_call_inside_an_agent_is_not_a_future(ex):
     counter.result(T)
 
 
+def test_named_agents_without_a_journal_are_found_by_name(ex):
+    """As Ray's named actors: ``name=`` without a journal names the agent for this
+    executor's run; ``ex.agent(name)`` finds it, a second agent of that name is refused."""
+    a = ex.spawn_agent(L.Counter, 5, name="counter-a")
+    assert ex.agent("counter-a") == a
+    assert ex.agent("counter-a").call("add", 1).result(T) == 6
+    with pytest.raises(ValueError, match="already has an agent named 'counter-a'"):
+        ex.spawn_agent(L.Counter, name="counter-a")
+    for bad in ("", 7):
+        with pytest.raises(ValueError, match="name"):
+            ex.spawn_agent(L.Counter, name=bad)
+    assert "counter-a" in ex.agents()
+    with pytest.raises(stealer.AgentNotFound, match=r"'nope' in this executor.*counter-a"):
+        ex.agent("nope")
+    with pytest.raises(TypeError, match="init_kwargs"):
+        ex.spawn_agent(L.Counter, start=3)  # (the agent's keywords: init_kwargs)
+    ex.agent("counter-a").stop()
+    assert a.result(T) == "stopped at 6"
+    assert ex.agent("counter-a").result(T) == "stopped at 6"  # a finished agent's value
+
+
 def test_run_blocking_does_not_stall_the_worker(ex1):
     blocker = ex1.spawn_agent(L.Blocker, 0.5)
     time.sleep(0.05)

@@ -74,7 +74,8 @@ class AgentOptions:
             raise TypeError(f"spawn_agent() got unknown options: {', '.join(sorted(opts))} "
                             "(known: tier, mailbox, deadline, step_timeout, restart, "
                             "max_restarts, restart_window, checkpoint_every, checkpoint_seconds, "
-                            "cpu_share, retries)")
+                            "cpu_share, retries; the agent's own keyword arguments go in "
+                            "init_kwargs={...})")
         return cls(**kw)
 
     checkpoint_ns: int = field(default=0, init=False, compare=False, repr=False)

@@ -107,6 +107,8 @@ class AgentClient:
         self.jseq = 0  # sequence number of the client's last journaled message
         self.jspawned = 0  # agents this client spawned (their uids: "<epoch>.<n>")
         self.names: dict[str, str] = {}  # agent name -> uid (this journal, every epoch)
+        # agent name -> handle, without a journal (this executor's run; under jlock)
+        self.live_names: dict[str, int] = {}
         self.by_uid: dict[str, int] = {}  # uid -> handle of a live agent spawned or recovered
         self.ended: dict[str, tuple[int, bytes, int]] = {}  # uid -> final value, recovered
         self.record_waits = 0  # sends, calls and spawns that found no free record (tests)
@@ -175,7 +177,7 @@ class AgentClient:
                                           jinfo), what)
         else:
             if name is not None:
-                raise ValueError("named agents need a journal: Executor(journal=PATH)")
+                self._check_name(name)
             fid = pool.fns.id_of(cls)  # the class once in the function table, then by id
             # small enough for a record's inline bytes: a million idle agents use no blocks
             data, bufs = serialize.dumps((fid if fid >= 0 else cls, args, kwargs or None,
@@ -186,7 +188,22 @@ class AgentClient:
                          retries, place=True)
         if uid is not None:
             self.by_uid[uid] = h
+        elif name is not None:
+            with self.jlock:
+                if name in self.live_names:  # (spawned by another thread meanwhile)
+                    self.stop(h)
+                    self._check_name(name)
+                self.live_names[name] = h
         return AgentRef(h, self.name, self, uid)
+
+    def _check_name(self, name: str) -> None:
+        """A name for an agent of an executor without a journal: a non-empty str that no
+        other agent of this executor has had (as a journal's names, for its run)."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"an agent's name is a non-empty str, not {name!r}")
+        if name in self.live_names:
+            raise ValueError(f"this executor already has an agent named {name!r} (names "
+                             "are unique per executor; ex.agent(name) finds it)")
 
     def queue_agent(self, h: int, data: bytes, bufs: list, mailbox: int, flags: int,
                     retries: int, place: bool = False) -> None:
@@ -338,11 +355,15 @@ class AgentClient:
         """ex.agent(name): a ref on the agent of that name (live or finished)."""
         from stealer.errors import AgentNotFound
 
+        h = self.live_names.get(name)
+        if h is not None:
+            return AgentRef(h, self.name, self, None)
         uid = self.names.get(name)
         if uid is None:
-            raise AgentNotFound(f"no agent named {name!r} in the journal "
-                                f"{self.j.path if self.j else '(no journal)'}; "
-                                f"names: {', '.join(sorted(self.names)[:10]) or 'none'}")
+            where = f"the journal {self.j.path}" if self.j else "this executor"
+            known = sorted(self.names) + sorted(self.live_names)
+            raise AgentNotFound(f"no agent named {name!r} in {where}; "
+                                f"names: {', '.join(known[:10]) or 'none'}")
         h = self.by_uid.get(uid, -1)
         return AgentRef(h, self.name, self, uid)
 

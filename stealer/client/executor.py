@@ -662,9 +662,10 @@ class Executor(_fbase.Executor):
         ``checkpoint_every`` (steps + messages) and ``checkpoint_seconds``
         between in-memory checkpoints, ``cpu_share`` (fraction of one worker
         before the agent is demoted to bulk), ``retries`` (restarts after
-        worker deaths, default the executor's).  With a journal
-        (``Executor(journal=PATH)``), ``name`` names the agent, unique per
-        journal: ``ex.agent(name)`` finds it again, also after a recovery.
+        worker deaths, default the executor's).  ``name`` names the agent,
+        unique per executor (with a journal, ``Executor(journal=PATH)``, per
+        journal): ``ex.agent(name)`` finds it (with a journal, also after a
+        recovery), as Ray's named actors.
         Returns an :class:`~stealer.AgentRef`.  See stealer/agents/ and README.md.
         """
         r, opts = self._spawn_checks("spawn_agent", cls, retries, options)
@@ -714,15 +715,16 @@ class Executor(_fbase.Executor):
         return call_all(refs, method, args, self._pool.name)
 
     def agent(self, name: str) -> AgentRef:
-        """The agent spawned with ``name`` in this executor's journal (in this run or,
-        after ``recover=True``, in an earlier one); a finished agent's ref gives its
-        final value.  Raises :class:`~stealer.AgentNotFound` if there is none."""
+        """The agent spawned with ``name`` (``spawn_agent(..., name=...)``) in this executor
+        or its journal (in this run or, after ``recover=True``, in an earlier one); a
+        finished agent's ref gives its final value (without a journal: until its record is
+        used again).  Raises :class:`~stealer.AgentNotFound` if there is none."""
         return self._pool.agents.ref(name)
 
     def agents(self) -> dict[str, AgentRef]:
-        """The named agents of this executor's journal, by name."""
+        """The named agents of this executor (and its journal), by name."""
         c = self._pool.agents
-        return {name: c.ref(name) for name in sorted(c.names)}
+        return {name: c.ref(name) for name in sorted({*c.names, *c.live_names})}
 
     # -- extras --------------------------------------------------------------
     def wait_ready(self, timeout: float | None = None) -> bool:

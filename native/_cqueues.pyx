@@ -1212,9 +1212,8 @@ cdef class HotPath:
                             # with the parkers' store of their state and re-check
         # seq_cst load: pairs with the waiter's stores of its state (waiter_take/_park)
         cdef uint32_t v = st_load_seqcst_u32(w + WAITER_PARK_AT)
-        if v == WAITER_AWAKE or v == NOTIFIED or v == PARKED_TARGET:
-            return          # it looks at the rings before it parks or leaves, or waits for
-            #                 its batch's last reply only (PARKED_TARGET)
+        if v == WAITER_AWAKE or v == NOTIFIED:
+            return          # it looks at the rings before it parks or leaves
         if not self.c_wake_parked(w + WAITER_PARK_AT):
             self.c_wake_parked(w)
 
@@ -1748,10 +1747,7 @@ cdef class HotPath:
             if v == PARKED_BATCH and st_load_relaxed_u64(w + WAITER_FOR_AT) != h:
                 self.owed = True                     # (relaxed: ordered by the load of 3)
                 return 1
-            if v == PARKED_TARGET and st_load_relaxed_u64(w + WAITER_FOR_AT) != h:
-                return 1                             # only its record wakes it (the load of
-                #                                      5 orders this relaxed one, as of 3)
-            if v != PARKED and v != PARKED_BATCH and v != PARKED_TARGET:
+            if v != PARKED and v != PARKED_BATCH:
                 break                                # no waiter: the result thread's word
             # seq_cst CAS: pairs with the waiter's store of its park state and its re-check
             if st_cas_seqcst_u32(ww, v, NOTIFIED):

@@ -35,10 +35,7 @@ from stealer.shared._layout import (
     INLINE,
     K_CHILD,
     K_ROOT,
-    NOTIFIED,
     OVERFLOW,
-    PARKED_BATCH,
-    PARKED_TARGET,
     R_INLINE,
     R_KIND,
     R_PCLASS,
@@ -61,7 +58,6 @@ from stealer.shared._layout import (
     ST_OK,
 )
 from stealer.shared.records import Outcome, word
-from stealer.shared.shm import H_WAITER_FOR, H_WAITER_PARK
 
 CLASSES = ((256, 8), (1024, 4))  # small block classes: a few KiB of blocks in all
 BIG = 2000  # larger than every class: an overflow file
@@ -131,32 +127,6 @@ def run_hot(rig: Rig, call: bytes, who: int = 1, kind: int = K_ROOT, link: int =
     assert rig.injector.pop() == h
     assert a.start(h, rig.cur_off(who - 1), 1000, -1, who) == (kind, link, call)
     return h
-
-
-def test_a_waiter_parked_for_its_batchs_last_reply_is_woken_by_that_reply_alone(rig):
-    """A client thread gathering a call_all batch parks PARKED_TARGET for the batch's last
-    pending reply: another record's completion neither wakes it nor owes it a wake (so the
-    worker that idles first does not wake it: one wake a lockstep round, not one per
-    worker); its own record's completion wakes it.  PARKED_BATCH beside it: the other
-    completion is owed and paid when the worker idles."""
-    a = rig.arena
-    r = rig.seg.region
-    owner = a.hot if a.hot is not None else a.idle  # who keeps the owed wake
-    other, target, third = (run_hot(rig, b"c") for _ in range(3))
-    r.store64(H_WAITER_FOR, target)
-    r.store32(H_WAITER_PARK, PARKED_TARGET)
-    assert a.finish_inline(other, ST_OK, b"r", rig.completions[0], 1) == 1
-    assert r.load32(H_WAITER_PARK) == PARKED_TARGET and not owner.owed
-    owner.flush_client()  # the worker idles: nothing to pay, the waiter sleeps on
-    assert r.load32(H_WAITER_PARK) == PARKED_TARGET
-    assert a.finish_inline(target, ST_OK, b"r", rig.completions[0], 1) == 1
-    assert r.load32(H_WAITER_PARK) == NOTIFIED
-    r.store32(H_WAITER_PARK, PARKED_BATCH)  # parked for one record, owed wakes paid
-    assert a.finish_inline(third, ST_OK, b"r", rig.completions[0], 1) == 1
-    assert r.load32(H_WAITER_PARK) == PARKED_BATCH and owner.owed
-    owner.flush_client()
-    assert r.load32(H_WAITER_PARK) == NOTIFIED and not owner.owed
-    assert [rig.completions[0].pop() for _ in range(3)] == [other, target, third]
 
 
 # --------------------------------------------------------------------------- fast path

@@ -90,10 +90,8 @@ class Settling:
         """The record whose completion wakes a thread waiting on ``f``, one of a
         ``call_all`` batch: the last one of the batch still pending.  A worker answers its
         calls in the order they came, so the batch's other replies come before it (or are
-        seen at the next poll, every WAITER_POLL_MAX): the thread parks PARKED_TARGET, which
-        nothing else wakes, not even a worker running out of work, so a client gathering a
-        lockstep round is woken once a round (twice when the worker holding the last reply
-        finishes first), not once per reply nor once per worker."""
+        announced when their worker runs out of work, or seen at the next poll): a client
+        gathering a lockstep round is woken about once per worker, not once per reply."""
         futures = self.futures
         pending = _fbase.PENDING
         batch = f._st_batch
@@ -183,8 +181,8 @@ class Settling:
         ``BATCH_POLL`` to ``WAITER_POLL_MAX``), so a client that waits on one reply after
         another is woken about once per reply it waits for, and replies that came first
         are settled on the way.  A future of a ``call_all`` batch parks for the batch's
-        last pending reply alone (:meth:`batch_target`), in throughput mode too, and polls
-        only every ``WAITER_POLL_MAX``: a lockstep round wakes it about once.
+        last pending reply (:meth:`batch_target`), in throughput mode too, and polls only
+        every ``WAITER_POLL_MAX``: a lockstep round wakes it about once per worker.
         Returns the time left of ``timeout`` (None: no limit);
         the caller then waits as the stdlib does, which returns at once if ``f`` is
         settled.  Done callbacks still run in the result thread (:meth:`consume`)."""
@@ -200,9 +198,9 @@ class Settling:
         pending = _fbase.PENDING
         enter, leave = BATCH_ENTER * self.n, BATCH_LEAVE * self.n
         batch = False
-        # A call_all batch's waiter is woken by the batch's last reply alone (see
-        # batch_target), so it needs no early polls: each poll was a wake, 3-4 per lockstep
-        # round, each on a CPU that a busy worker had to give up.
+        # A call_all batch's waiter is woken by the batch's last reply (or a worker running
+        # out of work: see batch_target), so it needs no early polls: each poll was a
+        # wake, 3-4 per lockstep round, each on a CPU that a busy worker had to give up.
         base_poll = poll = WAITER_POLL_MAX if f._st_batch is not None else BATCH_POLL
         # In the main thread a signal handler (Ctrl-C's KeyboardInterrupt) could raise in
         # the middle of a batch it popped: completions lost. Signals are held while it
@@ -236,16 +234,14 @@ class Settling:
                 # was woken for most of its replies, one by one); else its record's does.
                 batch = len(self.futures) >= (leave if batch else enter)
                 h = f._st_handle
-                only = False
                 if f._st_batch is not None:  # (in throughput mode too: one wake a batch)
                     h = self.batch_target(f)
-                    only = h >= 0  # the batch's last pending reply alone wakes it
                 elif batch:
                     h = NO_TARGET
                 elif h is None:
                     h = -1  # no record known (an agent's final value): any completion
                 if not idle.waiter_park(lambda: f._state != pending or self.has_completions(),
-                                        left, h, only):
+                                        left, h):
                     poll = min(2 * poll, WAITER_POLL_MAX)  # nothing came: look less often
         finally:
             idle.waiter_leave()

@@ -80,9 +80,6 @@ PARKED = 1
 NOTIFIED = 2
 PARKED_BATCH = 3  # the client's result thread parked in throughput mode (idle.ResultPolicy)
 WAITER_AWAKE = 4  # the waiter word: a client thread holds the waiter role and is awake
-# the waiter word: a client thread gathering a call_all batch, parked for the record in
-# WAITER_FOR_AT only: other completions owe it no wake (Idle.waiter_park)
-PARKED_TARGET = 5
 # The client park word's neighbours, as byte offsets from it (shm.H_CLIENT_TID/_MOVED; the
 # native hand-off reaches them from the park word: HotPath.c_finish's _hand_over)
 CLIENT_TID_AT = 4  # u32 the result thread's id while workers may move it (0: they must not)

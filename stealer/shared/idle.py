@@ -68,7 +68,6 @@ __all__ = ["Idle", "ResultPolicy", "RUNNING", "PARKED", "NOTIFIED", "PARKED_BATC
 
 RUNNING, PARKED, NOTIFIED, PARKED_BATCH = 0, 1, 2, 3  # PARKED_BATCH: the client words only
 WAITER_AWAKE = 4  # the waiter word only: a client thread in _Pool.wait_for, awake
-PARKED_TARGET = 5  # the waiter word only: parked for one record, no owed wakes (a batch)
 _M64 = (1 << 64) - 1
 
 BATCH_ENTER = 8  # outstanding tasks per worker from which the result thread parks SCHED_BATCH
@@ -272,9 +271,7 @@ class Idle:
             if v == PARKED_BATCH and r.load64(H_WAITER_FOR) != h:
                 self.owed = True
                 return
-            if v == PARKED_TARGET and r.load64(H_WAITER_FOR) != h:
-                return  # only its record wakes it (a call_all batch's last pending reply)
-            if v not in (PARKED, PARKED_BATCH, PARKED_TARGET):
+            if v not in (PARKED, PARKED_BATCH):
                 break  # no waiter: the result thread's word
             if r.cas32(H_WAITER_PARK, v, NOTIFIED):  # seq_cst: pairs with its re-check
                 r.futex_wake(H_WAITER_PARK, 1)
@@ -293,11 +290,10 @@ class Idle:
         r = self.r
         r.fence()  # seq_cst: the completion pushes before reading the park words
         # seq_cst load: pairs with the waiter's stores of its state (waiter_take/_park)
-        if r.load32(H_WAITER_PARK) in (WAITER_AWAKE, NOTIFIED, PARKED_TARGET):
-            # it looks at the rings before it parks or leaves (as wake_client), or waits for
-            # its batch's last reply (PARKED_TARGET): waking the result thread here made it
-            # take the GIL from a client gathering a lockstep round, 3-4 times a round,
-            # each a GIL hand-off both ways
+        if r.load32(H_WAITER_PARK) in (WAITER_AWAKE, NOTIFIED):
+            # it looks at the rings before it parks or leaves (as wake_client): waking the
+            # result thread here made it take the GIL from a client gathering a lockstep
+            # round, 3-4 times a round, each a GIL hand-off both ways
             return
         if not self._wake_parked(H_WAITER_PARK):
             self._wake_parked(H_CLIENT_PARK)
@@ -313,17 +309,15 @@ class Idle:
         r.store32(H_WAITER_PARK, RUNNING)  # seq_cst: pairs with wake_client's fence and load
         r.fence()  # seq_cst: the store before the caller's look at the rings
 
-    def waiter_park(self, has_work: Any, timeout: float, h: int = -1,
-                    only: bool = False) -> bool:
+    def waiter_park(self, has_work: Any, timeout: float, h: int = -1) -> bool:
         """The client thread that waits on a future (``_Pool.wait_for``): sleep until a
         worker publishes the completion of record ``h`` (-1: any completion), another
         client thread pokes it (:meth:`poke_waiter`), a worker pays the wakes it owes
-        before it idles (not with ``only``: ``h``'s completion alone wakes it, a
-        ``call_all`` batch's last pending reply), or ``timeout``."""
+        before it idles, or ``timeout``."""
         r = self.r
         if h >= 0:
             r.store64(H_WAITER_FOR, h)  # seq_cst, before the state that makes workers read it
-            v = PARKED_TARGET if only else PARKED_BATCH
+            v = PARKED_BATCH
         else:
             v = PARKED
         return self._park(H_WAITER_PARK, v, has_work, timeout, WAITER_AWAKE)
@@ -331,16 +325,14 @@ class Idle:
     def poke_waiter(self) -> None:
         """Client: wake the thread parked in :meth:`waiter_park` (a future it may wait on was
         settled or cancelled by another thread); one load when none is parked."""
-        self._wake_parked(H_WAITER_PARK, (PARKED, PARKED_BATCH, PARKED_TARGET))
+        self._wake_parked(H_WAITER_PARK)
 
-    def _wake_parked(self, word: int, states: tuple[int, ...] = (PARKED, PARKED_BATCH)
-                     ) -> bool:
-        """Wake the client thread parked (in one of ``states``) on ``word``; True if it
-        was."""
+    def _wake_parked(self, word: int) -> bool:
+        """Wake the client thread parked (either mode) on ``word``; True if it was."""
         r = self.r
         # seq_cst load and CAS: pair with the parker's store of its state and its re-check
         v = r.load32(word)
-        if v in states and r.cas32(word, v, NOTIFIED):
+        if v in (PARKED, PARKED_BATCH) and r.cas32(word, v, NOTIFIED):
             r.futex_wake(word, 1)
             return True
         return False

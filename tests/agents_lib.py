@@ -610,6 +610,12 @@ class AsyncRelay(stealer.Agent):
     async def mixed(self) -> Any:
         return await stealer.gather(self.other.call("get"), stealer.spawn(_square, 2))
 
+    def gathered_gen(self, k: int) -> Any:
+        """stealer.gather yielded from a generator handler, replies and children."""
+        added, got = yield stealer.gather(self.other.call("add", k), self.other.call("get"))
+        kids = yield stealer.gather(stealer.spawn(_square, k), stealer.spawn(_square, k + 1))
+        return added, got, kids
+
     async def uses_asyncio(self) -> None:
         import asyncio
 

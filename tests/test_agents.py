@@ -465,6 +465,7 @@ def test_async_def_handlers_and_steps_await_what_generators_yield(ex):
     # stealer.gather: what `yield [p1, p2]` does, for a coroutine (a mailbox is in order:
     # add's reply, then get's, which sees the add)
     assert relay.call("gathered", 3).result(T) == (8 + 3, 8 + 3, [9, 16])
+    assert relay.call("gathered_gen", 0).result(T) == (11, 11, [0, 1])  # (yielded too)
     with pytest.raises(TypeError, match="not both"):
         relay.call("mixed").result(T)
     walker = ex.spawn_agent(L.AsyncWalker, counter, 20)

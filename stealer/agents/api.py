@@ -139,16 +139,14 @@ class PendingAll(Pending):
         self.next = 0  # parts before this one are known to be there (the host's ready())
 
 
-class _Kids:
-    """Children of :func:`stealer.spawn` gathered (:func:`gather`): awaited as a list."""
+class _Kids(list):
+    """Children of :func:`stealer.spawn` gathered (:func:`gather`): a list, as a generator
+    yields them, that an ``async def`` handler or step can await."""
 
-    __slots__ = ("kids",)
-
-    def __init__(self, kids: list) -> None:
-        self.kids = kids
+    __slots__ = ()
 
     def __await__(self) -> Any:
-        return (yield self.kids)
+        return (yield list(self))
 
 
 def gather(*pending: Any) -> Any:

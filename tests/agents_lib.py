@@ -665,3 +665,27 @@ class AsyncLogger(stealer.Agent):
 
     def log(self) -> list[int]:
         return self.got
+
+
+class AsyncStopper(stealer.Agent):
+    """``async def on_stop`` (run to its end at the stop); ``waits``: one that awaits."""
+
+    self_driven = False
+
+    def __init__(self, other: Any = None) -> None:
+        self.other = other
+        self.n = 0
+
+    def add(self, k: int) -> int:
+        self.n += k
+        return self.n
+
+    async def yields_to_asyncio(self) -> None:
+        import asyncio
+
+        await asyncio.sleep(0)
+
+    async def on_stop(self) -> Any:
+        if self.other is not None:
+            await self.other.call("get")
+        return f"stopped at {self.n}"

@@ -477,6 +477,24 @@ def test_async_def_handlers_and_steps_await_what_generators_yield(ex):
         r.result(T)
 
 
+def test_an_async_on_stop_gives_the_final_value_and_may_not_wait(ex):
+    plain = ex.spawn_agent(L.AsyncStopper)
+    assert plain.call("add", 2).result(T) == 2
+    with pytest.raises(TypeError, match="not NoneType") as ei:
+        plain.call("yields_to_asyncio").result(T)  # asyncio.sleep(0)'s bare yield
+    if hasattr(ei.value, "add_note"):
+        assert "return from the step" in "".join(ei.value.__notes__)
+    plain.stop()
+    assert plain.result(T) == "stopped at 2"
+    counter = ex.spawn_agent(L.Counter)
+    waits = ex.spawn_agent(L.AsyncStopper, counter)
+    waits.stop()
+    with pytest.raises(TypeError, match="on_stop is `async def` and awaited"):
+        waits.result(T)
+    counter.stop()
+    counter.result(T)
+
+
 def test_a_pending_call_inside_an_agent_is_not_a_future(ex):
     counter = ex.spawn_agent(L.Counter)
     relay = ex.spawn_agent(L.AsyncRelay, counter)

@@ -31,12 +31,13 @@ agents meanwhile.  An ``async def`` step or handler ``await``\\ s the same thing
 from __future__ import annotations
 
 import time
+from types import CoroutineType
 from typing import Any
 
 from stealer.errors import AgentError, NotInTaskError
 
 __all__ = ["Agent", "AgentRef", "Ctx", "TIERS", "Sleep", "Wait", "Done", "Pending", "PendingAll",
-           "call_all", "drives_itself", "gather"]
+           "call_all", "drives_itself", "gather", "stop_value"]
 
 TIERS = {"control": 0, "interactive": 1, "bulk": 2}
 TIER_NAMES = {v: k for k, v in TIERS.items()}
@@ -70,6 +71,26 @@ def drives_itself(agent: Any) -> bool:
     twins in ``native/_cqueues.pyx``, ``_drives``) follow this rule."""
     cls = agent if isinstance(agent, type) else type(agent)
     return getattr(cls, "self_driven", None) is not False and hasattr(agent, "step")
+
+
+def stop_value(agent: Any) -> Any:
+    """The final value of a stopped agent: its ``on_stop()`` (None without one).  An
+    ``async def on_stop`` is run here to its end: it may not wait for anything (a stop
+    gives its value at once), so one that awaits raises a TypeError that says so."""
+    fn = getattr(agent, "on_stop", None)
+    if fn is None:
+        return None
+    value = fn()
+    if type(value) is CoroutineType:
+        try:
+            value.send(None)
+        except StopIteration as done:
+            return done.value
+        value.close()
+        raise TypeError(f"{type(agent).__qualname__}.on_stop is `async def` and awaited "
+                        "something: it gives a stopped agent's final value at once and "
+                        "cannot wait; do the waiting in a handler before ref.stop()")
+    return value
 
 
 class Sleep:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from stealer.agents.api import drives_itself
+from stealer.agents.api import drives_itself, stop_value
 from stealer.agents.mailbox import CLOSED
 from stealer.shared import failpoints as FP
 from stealer.shared._layout import (
@@ -203,7 +203,7 @@ def stop_all(host: Any, entry: Any) -> None:
         if fn:
             w.in_body = True
             try:
-                value = obj.on_stop()
+                value = stop_value(obj)
             except BaseException as exc:
                 status, value = ST_ERROR, exc
             finally:

@@ -20,12 +20,14 @@ from stealer.shared.records import Outcome
 from stealer.worker.agents.entry import C_RESUMES, RUNNABLE, SUSPENDED, CallPending, _Entry
 
 
-def _outside_asyncio(err: RuntimeError) -> None:
+def _outside_asyncio(err: BaseException, why: str = "") -> None:
     """An ``async def`` handler or step that awaited asyncio itself ("no running event
-    loop"): say where it runs and what it may await (a note: the error stays the user's)."""
-    if "event loop" in str(err) and hasattr(err, "add_note"):
+    loop", or ``asyncio.sleep(0)``'s bare yield: ``why``): say where it runs and what it
+    may await (a note: the error stays as it is)."""
+    if (why or "event loop" in str(err)) and hasattr(err, "add_note"):
         err.add_note(
-            "stealer runs an `async def` handler or step on its worker, not in an asyncio "
+            (f"{why}. " if why else "")
+            + "stealer runs an `async def` handler or step on its worker, not in an asyncio "
             "event loop: it may await ref.call(), stealer.call_all(), ctx.run_blocking() and "
             "stealer.spawn(); run asyncio code with asyncio.run() in a blocking call (a "
             "step's `await ctx.run_blocking(asyncio.run, fetch(url))`) or in a task")
@@ -78,6 +80,9 @@ class Generators:
                         "an agent may yield (or await) what ref.call(), stealer.call_all(), "
                         "ctx.run_blocking() or stealer.spawn() returned, not "
                         f"{type(y).__name__}")
+                    if y is None and type(it) is CoroutineType:
+                        _outside_asyncio(exc, "it awaited asyncio (asyncio.sleep(0)?); to let "
+                                              "other agents run, return from the step")
                     continue
                 e.waiting = y
                 e.frame = w.frame

@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any
 
-from stealer.agents.api import PendingAll, drives_itself
+from stealer.agents.api import PendingAll, drives_itself, stop_value
 from stealer.agents.jblob import pack as journal_pack
 from stealer.agents.message import message_reply
 from stealer.errors import AgentStopped, JournalError, WorkerCrashedError
@@ -101,13 +101,12 @@ class Leaving:
             suspend = True
         else:
             suspend = False
-        fn = getattr(e.obj, "on_stop", None)
-        if fn is None:
+        if getattr(e.obj, "on_stop", None) is None:
             self.finish(e, ST_OK, None, suspend)
             return
         self.w.in_body = True
         try:
-            value = fn()
+            value = stop_value(e.obj)
         except BaseException as exc:
             self.w.in_body = False
             self.finish(e, ST_ERROR, exc, suspend)

@@ -9,6 +9,7 @@ order; the node-loss test removes a node, adds a new one and checks that it join
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import os
 import pickle
@@ -148,6 +149,14 @@ def test_futures_work_with_wait_and_as_completed(ex):
     assert list(ex.map(ct.square, range(300))) == [i * i for i in range(300)]
     assert list(ex.map(ct.square, range(300), chunksize=16)) == [i * i for i in range(300)]
     assert list(ex.map(lambda a, b: a - b, range(5), range(5, 10))) == [-5] * 5  # by value
+    counter = ex.spawn_agent(ct.Counter, 0)
+
+    async def gathered():  # awaitable in asyncio code, as on one machine
+        return await asyncio.gather(ex.submit(ct.square, 7), counter.call("add", 3))
+
+    assert asyncio.run(gathered()) == [49, 3]
+    counter.stop()
+    counter.result(timeout=30)
 
 
 def test_errors_come_back_with_the_remote_traceback(ex):

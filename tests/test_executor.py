@@ -116,6 +116,41 @@ def test_asyncio_wrap_future_and_run_in_executor(ex):
     assert asyncio.run(main()) == (81, 5, [i * i for i in range(10)])
 
 
+def test_futures_are_awaitable_in_asyncio_code(ex):
+    """As Ray's object refs and Dask's futures: ``await ex.submit(...)``, ``await
+    ref.call(...)``, ``asyncio.gather`` of them, an error raised at the await, and a
+    timeout that cancels the awaiting task cancels a future not started."""
+    import tests.agents_lib as L
+
+    counter = ex.spawn_agent(L.Counter)
+
+    async def main():
+        a = await ex.submit(tasks.square, 9)
+        b = await counter.call("add", 2)
+        c = await asyncio.gather(*[ex.submit(tasks.square, i) for i in range(5)],
+                                 counter.call("add", 1))
+        with pytest.raises(ValueError, match="bad input 1"):
+            await ex.submit(tasks.raise_value_error, "bad input 1")
+        blocker = [ex.submit(tasks.sleep_then, 0.5) for _ in range(2)]
+        deadline = time.monotonic() + 30
+        while not all(f.running() for f in blocker):  # both workers busy: the next waits
+            assert time.monotonic() < deadline, "the blockers never started"
+            await asyncio.sleep(0.001)
+        queued = ex.submit(tasks.square, 4)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.ensure_future(_awaited(queued)), 0.05)
+        await asyncio.gather(*blocker)
+        return a, b, c, queued.cancelled()
+
+    assert asyncio.run(main()) == (81, 2, [0, 1, 4, 9, 16, 3], True)
+    counter.stop()
+    counter.result(10)
+
+
+async def _awaited(f):
+    return await f
+
+
 def test_done_callbacks_run(ex):
     seen = []
     ev = threading.Event()

@@ -11,6 +11,7 @@ from concurrent.futures import Future
 from concurrent.futures import _base as _fbase
 from typing import Any
 
+from stealer.futures import AwaitableFuture
 from stealer.shared._layout import S_RUNNING
 from stealer.shared.records import Outcome
 
@@ -75,7 +76,7 @@ _CB_LOCK = threading.Lock()
 _SETTLED_STATES = frozenset((_fbase.CANCELLED, _fbase.CANCELLED_AND_NOTIFIED, _fbase.FINISHED))
 
 
-class _Future(Future):
+class _Future(AwaitableFuture):
     """A Future that withdraws its queued task on cancel() and is cheap to create.
 
     ``concurrent.futures.Future`` builds a ``threading.Condition`` per future

@@ -29,6 +29,7 @@ from stealer.errors import (
     NodeLostError,
     SerializationError,
 )
+from stealer.futures import AwaitableFuture
 
 __all__ = ["AgentsOnCluster", "STATE_EVERY", "ClusterAgentRef"]
 
@@ -330,7 +331,7 @@ class AgentsOnCluster:
         return [r.call(method, *a) for r, a in zip(refs, args)]
 
     def _agent_op(self, a: AgentRecord, kind: str, arg: Any) -> Future:
-        fut: Future = Future()
+        fut: Future = AwaitableFuture()
         with self._lock:
             if self._shutdown and kind in ("call", "send"):
                 raise ExecutorShutdownError("cannot message agents after shutdown")

@@ -74,6 +74,7 @@ from stealer.errors import (
     SerializationError,
     with_remote_tb,
 )
+from stealer.futures import AwaitableFuture
 
 __all__ = ["ClusterAgentRef", "ClusterExecutor", "ClusterStats"]
 
@@ -308,7 +309,7 @@ class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, _fbase.Exec
     # -- submit ------------------------------------------------------------------------------
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
-        fut: Future = Future()
+        fut: Future = AwaitableFuture()
         with self._lock:
             if self._shutdown:
                 raise ExecutorShutdownError("cannot schedule new futures after shutdown")
@@ -325,7 +326,7 @@ class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, _fbase.Exec
                   **kwargs: Any) -> Future:
         """``submit`` to a chosen node (data already there, or a test of stealing): it is
         queued there, and idle nodes may still steal it."""
-        fut: Future = Future()
+        fut: Future = AwaitableFuture()
         with self._lock:
             if self._shutdown:
                 raise ExecutorShutdownError("cannot schedule new futures after shutdown")

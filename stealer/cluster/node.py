@@ -226,7 +226,7 @@ class NodeAgent:
         self.ll_free: set[str] = set()
         self.epoch = 0  # of our own lifeline calls
         self.agents: dict[int, Any] = {}  # client's agent id -> local AgentRef
-        self.aid_by_h: dict[int, int] = {}  # local agent handle -> client's id (_aid_of)
+        self.aid_by_h: dict[int, int] = {}  # local agent handle -> client's id (_asked)
         # agent id -> its operations handed to its local agent and not answered yet: an
         # agent with some holds a worker (the occupied fraction, and Load.active)
         self.agent_out: dict[int, int] = {}
@@ -392,18 +392,8 @@ class NodeAgent:
         ``who``: the local handle of the agent that waits for the call's reply, sent as the
         client's id of that agent (None: a task, an agent the client did not spawn here)."""
         with self.lock:
-            self.asks.append((key, op, payload, None if who is None else self._aid_of(who)))
+            self.asks.append((key, op, payload, None if who is None else self.aid_by_h.get(who)))
         self._notify()
-
-    def _aid_of(self, h: int) -> int | None:
-        """The client's id of the local agent ``h`` (under the lock), from a reverse map
-        made again when it does not know ``h`` or names an agent that left."""
-        aid = self.aid_by_h.get(h)
-        ref = None if aid is None else self.agents.get(aid)
-        if ref is None or ref.id != h:
-            self.aid_by_h = {r.id: a for a, r in list(self.agents.items())}
-            aid = self.aid_by_h.get(h)
-        return aid
 
     @ray.method(concurrency_group="health")
     def stop(self) -> None:
@@ -628,8 +618,9 @@ class NodeAgent:
                     self._finished(tid, True, None)
                     return
                 cls, args, init_kwargs, options = op.a
-                self.agents[op.aid] = self.ex.spawn_agent(cls, *args, init_kwargs=init_kwargs,
-                                                          **options)
+                ref = self.agents[op.aid] = self.ex.spawn_agent(cls, *args,
+                                                                init_kwargs=init_kwargs, **options)
+                self.aid_by_h[ref.id] = op.aid  # (handles carry their generation: not reused)
                 self._finished(tid, True, None)
                 return
             ref = self.agents[op.aid]
@@ -670,6 +661,7 @@ class NodeAgent:
         if evict and ok:  # its state is the client's now: the agent leaves this node
             ref = self.agents.pop(aid, None)
             if ref is not None:
+                self.aid_by_h.pop(ref.id, None)
                 self.evicted += 1
                 with contextlib.suppress(Exception):
                     ref.stop()  # (no message of its is left here: the client holds them)

@@ -509,8 +509,9 @@ def test_a_pending_call_inside_an_agent_is_not_a_future(ex):
 
 
 def test_named_agents_without_a_journal_are_found_by_name(ex):
-    """As Ray's named actors: ``name=`` without a journal names the agent for this
-    executor's run; ``ex.agent(name)`` finds it, a second agent of that name is refused."""
+    """As Ray's named actors: ``name=`` without a journal names the agent while it lives;
+    ``ex.agent(name)`` finds it, a second live agent of that name is refused, an ended
+    one's name is free again, and the names of ended agents do not pile up."""
     a = ex.spawn_agent(L.Counter, 5, name="counter-a")
     assert ex.agent("counter-a") == a
     assert ex.agent("counter-a").call("add", 1).result(T) == 6
@@ -527,6 +528,20 @@ def test_named_agents_without_a_journal_are_found_by_name(ex):
     ex.agent("counter-a").stop()
     assert a.result(T) == "stopped at 6"
     assert ex.agent("counter-a").result(T) == "stopped at 6"  # a finished agent's value
+    b = ex.spawn_agent(L.Counter, 1, name="counter-a")  # an ended agent's name is free
+    assert ex.agent("counter-a") == b != a and b.call("get").result(T) == 1
+    c = ex._pool.agents  # (white box: the names of ended agents are dropped)
+    many = [ex.spawn_agent(L.Counter, name=f"n{i}") for i in range(70)]
+    for r in many:
+        r.stop()
+    for r in many:
+        r.result(T)
+    more = [ex.spawn_agent(L.Counter, name=f"m{i}")  # up to the size that prunes the names
+            for i in range(c.names_prune_at - len(c.live_names))]
+    assert not any(n.startswith("n") for n in c.live_names), sorted(c.live_names)
+    assert {"counter-a", *(f"m{i}" for i in range(len(more)))} == set(c.live_names)
+    for r in (b, *more):
+        r.stop()
 
 
 def test_run_blocking_does_not_stall_the_worker(ex1):

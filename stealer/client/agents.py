@@ -109,6 +109,7 @@ class AgentClient:
         self.names: dict[str, str] = {}  # agent name -> uid (this journal, every epoch)
         # agent name -> handle, without a journal (this executor's run; under jlock)
         self.live_names: dict[str, int] = {}
+        self.names_prune_at = 64  # its size at which the names of ended agents are dropped
         self.by_uid: dict[str, int] = {}  # uid -> handle of a live agent spawned or recovered
         self.ended: dict[str, tuple[int, bytes, int]] = {}  # uid -> final value, recovered
         self.record_waits = 0  # sends, calls and spawns that found no free record (tests)
@@ -190,20 +191,30 @@ class AgentClient:
             self.by_uid[uid] = h
         elif name is not None:
             with self.jlock:
-                if name in self.live_names:  # (spawned by another thread meanwhile)
+                try:
+                    self._check_name(name)  # (another thread may have taken it meanwhile)
+                except ValueError:
                     self.stop(h)
-                    self._check_name(name)
-                self.live_names[name] = h
+                    raise
+                names = self.live_names
+                names[name] = h
+                if len(names) >= self.names_prune_at:  # (names of ended agents: dropped)
+                    for n, held in list(names.items()):
+                        if self._ended(held):
+                            del names[n]
+                    self.names_prune_at = max(64, 2 * len(names))
         return AgentRef(h, self.name, self, uid)
 
     def _check_name(self, name: str) -> None:
         """A name for an agent of an executor without a journal: a non-empty str that no
-        other agent of this executor has had (as a journal's names, for its run)."""
+        live agent of this executor has (as Ray's named actors: an ended agent's name is
+        free again; with a journal names are the journal's, never reused)."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"an agent's name is a non-empty str, not {name!r}")
-        if name in self.live_names:
+        h = self.live_names.get(name)
+        if h is not None and not self._ended(h):
             raise ValueError(f"this executor already has an agent named {name!r} (names "
-                             "are unique per executor; ex.agent(name) finds it)")
+                             "are unique among its live agents; ex.agent(name) finds it)")
 
     def queue_agent(self, h: int, data: bytes, bufs: list, mailbox: int, flags: int,
                     retries: int, place: bool = False) -> None:
@@ -488,10 +499,16 @@ class AgentClient:
 
     # -- messages ---------------------------------------------------------------------
     def _check(self, h: int) -> None:
+        if self._ended(h):
+            raise self._stopped(h)
+
+    def _ended(self, h: int) -> bool:
+        """Agent ``h`` stopped, finished or failed (its record done or reused, its mailbox
+        closed): it takes no more messages."""
         st = self.a.tr.state(h) if h >= 0 else None
         # acquire load of D_HEAD: pairs with the owner's closing CAS
-        if st is None or st[0] == S_DONE or self.pool.region.load64(self.dir.entry(h)) & CLOSED:
-            raise self._stopped(h)
+        return (st is None or st[0] == S_DONE
+                or bool(self.pool.region.load64(self.dir.entry(h)) & CLOSED))
 
     @staticmethod
     def _stopped(h: int) -> AgentStopped:

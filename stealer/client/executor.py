@@ -663,9 +663,10 @@ class Executor(_fbase.Executor):
         between in-memory checkpoints, ``cpu_share`` (fraction of one worker
         before the agent is demoted to bulk), ``retries`` (restarts after
         worker deaths, default the executor's).  ``name`` names the agent,
-        unique per executor (with a journal, ``Executor(journal=PATH)``, per
-        journal): ``ex.agent(name)`` finds it (with a journal, also after a
-        recovery), as Ray's named actors.
+        unique among the executor's live agents (with a journal,
+        ``Executor(journal=PATH)``, unique in the journal, never reused):
+        ``ex.agent(name)`` finds it (with a journal, also after a recovery), as
+        Ray's named actors.
         Returns an :class:`~stealer.AgentRef`.  See stealer/agents/ and README.md.
         """
         r, opts = self._spawn_checks("spawn_agent", cls, retries, options)
@@ -717,8 +718,8 @@ class Executor(_fbase.Executor):
     def agent(self, name: str) -> AgentRef:
         """The agent spawned with ``name`` (``spawn_agent(..., name=...)``) in this executor
         or its journal (in this run or, after ``recover=True``, in an earlier one); a
-        finished agent's ref gives its final value (without a journal: until its record is
-        used again).  Raises :class:`~stealer.AgentNotFound` if there is none."""
+        finished agent's ref gives its final value (without a journal: until another agent
+        takes its name).  Raises :class:`~stealer.AgentNotFound` if there is none."""
         return self._pool.agents.ref(name)
 
     def agents(self) -> dict[str, AgentRef]:

@@ -140,7 +140,7 @@ def test_futures_are_awaitable_in_asyncio_code(ex):
     with stealer.Executor(1) as one:  # (its own: the module's may hold a long task)
 
         async def cancelled() -> bool:
-            blocker = one.submit(tasks.sleep_then, 0.5)
+            blocker = one.submit(tasks.sleep_then, 2.0)  # (a wide margin over the 0.05 s)
             deadline = time.monotonic() + 30
             while not blocker.running():  # the one worker busy: the next one waits
                 assert time.monotonic() < deadline, "the blocker never started"

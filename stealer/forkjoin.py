@@ -47,8 +47,8 @@ from typing import Any
 
 from stealer.errors import NotInTaskError
 
-__all__ = ["Child", "ChildFuture", "NestedExecutor", "join", "spawn", "run_inline", "run_chunk",
-           "run_items"]
+__all__ = ["Child", "ChildFuture", "NestedExecutor", "TaskCall", "join", "spawn", "run_inline",
+           "run_chunk", "run_items"]
 
 
 class Child:
@@ -73,6 +73,19 @@ class Child:
     def __await__(self) -> Any:
         """``await`` it in an ``async def`` agent handler or step: the same as ``yield``."""
         return (yield self)
+
+
+class TaskCall(Child):
+    """A call a task made to an agent (``ref.call`` inside a task): ``yield`` it (alone, or
+    in a list with children) in a generator task, or ``result()`` / :func:`join` it in a
+    plain one, for the agent's reply (its exception is raised there).  It is a child of
+    the task as a spawned one is: the task's end waits for its reply too."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        state = "answered" if self.done else "waiting"
+        return f"<stealer.TaskCall {self.handle:#x} {state}>"
 
 
 # Set by a worker process while it runs a task (stealer.worker.loop.Worker), or
@@ -113,9 +126,10 @@ def join(children: Child | list[Child] | tuple[Child, ...], timeout: float | Non
 
     Returns the child's result (or the list of results, for a list); a child's
     exception is raised here.  While it waits, the worker runs the waiting task's
-    own descendants (its children not yet stolen, and theirs), never unrelated work,
-    while free workers steal the rest; so joins nest to any depth without deadlock
-    or extra processes.  ``timeout`` (seconds) raises TimeoutError; the
+    own descendants (its children not yet stolen, and theirs) and its agents' turns
+    (which never block), never another task, while free workers steal the rest; so
+    joins nest to any depth without deadlock or extra processes.  A
+    :class:`TaskCall` (``ref.call`` in a task) is joined the same way.  ``timeout`` (seconds) raises TimeoutError; the
     children still finish (a task's end waits for all of its children).  A child
     this worker runs itself while it waits is not interrupted: the timeout is seen
     between children.

@@ -67,6 +67,19 @@ class Counter(stealer.Agent):
         return f"stopped at {self.n}"
 
 
+def gets_from_task(ref: stealer.AgentRef, n: int) -> list[int]:
+    """A plain task that calls an agent ``n`` times and waits for each reply."""
+    return [ref.call("get").result(60) for _ in range(n)]
+
+
+def gets_from_generator(ref: stealer.AgentRef, n: int) -> Any:
+    """A generator task that calls an agent ``n`` times, yielding each call."""
+    got = []
+    for _ in range(n):
+        got.append((yield ref.call("get")))
+    return got
+
+
 class Stepper(stealer.Agent):
     """Self-driven: ``steps`` steps of ``work`` seconds; its state is a counter and an array."""
 

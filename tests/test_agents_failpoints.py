@@ -5,7 +5,8 @@ The load: a task that keeps one worker busy at first (so the other adopts every 
 publishes agents for the first once its task ends: migrations), a slow agent, 24 self-driven
 agents whose state is a counter
 and a numpy array, checkpointed every 3 events and poked with messages, counters taking
-sends and calls, and agents stopped at the end.
+sends and calls (from the client and from tasks that wait for the replies), and agents
+stopped at the end.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ def _load(ex: stealer.Executor) -> None:
                 for _ in range(24)]
     counters = [ex.spawn_agent(L.Counter, 0, checkpoint_every=3) for _ in range(4)]
     calls = []
+    # tasks that call agents and wait (agent.task_call_before_send)
+    tasks = [ex.submit(L.gets_from_task, counters[0], 3),
+             ex.submit(L.gets_from_generator, counters[1], 3)]
     for _round in range(4):
         for s in steppers:
             s.send("poke", 1)
@@ -42,6 +46,9 @@ def _load(ex: stealer.Executor) -> None:
     assert [s.result(T) for s in steppers] == [(16, 16.0 * 200, 4)] * 24
     for f in calls:
         assert 1 <= f.result(T) <= 4
+    for t in tasks:
+        got = t.result(T)
+        assert len(got) == 3 and got == sorted(got) and set(got) <= {0, 1, 2, 3, 4}
     assert [c.call("get").result(T) for c in counters] == [4] * 4
     for c in counters:
         c.stop()

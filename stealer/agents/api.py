@@ -357,7 +357,7 @@ class AgentRef:
     Refs pickle: pass them to other agents and tasks of the same executor.
     Inside an agent, ``ref.call`` returns something to ``yield`` (the
     caller is resumed with the reply); in the client it returns a
-    ``concurrent.futures.Future``.
+    ``concurrent.futures.Future``; in a task, a child to ``result()`` or ``yield``.
     """
 
     __slots__ = ("_deadline", "_h", "_rt", "_seg", "_uid")
@@ -410,7 +410,9 @@ class AgentRef:
         """Request/reply: run handler ``method`` and get its return value.
 
         From the client: a Future.  From inside an agent: ``yield`` the
-        returned object; the agent is resumed with the reply.  Inside an agent's
+        returned object; the agent is resumed with the reply.  From a task: a
+        :class:`~stealer.forkjoin.TaskCall` child, to ``result()`` (the worker runs
+        its agents while it waits) or ``yield`` in a generator task.  Inside an agent's
         generator, a call to itself or to an agent that waits for its reply (a cycle
         of calls, which would wait forever) raises AgentDeadlock, before sending.
         """

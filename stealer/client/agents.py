@@ -42,7 +42,9 @@ from stealer.shared._layout import (
     AF_CONTROL,
     D_CKPT,
     F_AGENT,
+    F_TASKCALL,
     INLINE,
+    K_CHILD,
     K_CKPT,
     K_MASK,
     K_MSG,
@@ -755,14 +757,18 @@ class AgentClient:
                 if f is not None:
                     self.pool.resolve(f, ST_ERROR, (exc, ""))
             return
-        if kind & K_MASK == K_REPLY and tr.cas(rh, S_QUEUED, 0, S_RECOVERING, 0) is Outcome.OK:
+        task = kind & (K_MASK | F_TASKCALL) == K_CHILD | F_TASKCALL  # a task's call
+        if ((task or kind & K_MASK == K_REPLY)
+                and tr.cas(rh, S_QUEUED, 0, S_RECOVERING, 0) is Outcome.OK):
             data, bufs = serialize.dumps((exc, ""))
             off = a.off(rh)
             a.put_result(off, data, bufs)
             a.set_status(off, ST_ERROR)
             tr.fail(rh, 0)  # RECOVERING|0 -> DONE|0; seq_cst releases the result
-            d = self.dir
-            d.notify(link)  # the calling agent collects it
+            if task:
+                self.pool.pings.ping(link)  # the calling task's frame collects it
+            else:
+                self.dir.notify(link)  # the calling agent collects it
 
     def stop(self, h: int) -> None:
         from stealer.shared._layout import AF_STOP, D_FLAGS

@@ -190,8 +190,10 @@ class RemoteAgentRef:
         w = forkjoin._current
         host = getattr(w, "host", None)
         if host is None or host.current is None:
-            raise NotInTaskError("ref.call() on a worker must be made from inside an agent "
-                                 "(and yielded); a plain task can ref.send()")
+            raise NotInTaskError("on a cluster, ref.call() on a worker is made from inside "
+                                 "an agent (and yielded); a task cannot wait for a cluster "
+                                 "agent's reply yet: ref.send() from it, or make the caller "
+                                 "an agent")
         e = host.current
         who = e.h if e.it is not None else None  # (from a generator: it may wait: F_AWAITED)
         return host.run_blocking(_ask, ("call", self._payload("call", method, args, kwargs),

@@ -65,6 +65,8 @@ F_BUFFERS = 0x100  # the call payload is a frame with out-of-band buffers
 F_RBUFFERS = 0x200  # the result payload is a frame with out-of-band buffers
 F_AWAITED = 0x800  # with K_REPLY: the call came from an agent's generator, which may wait
 #                    for it (the callee's call chain, worker/agents/calls.py Calls.waiters)
+F_TASKCALL = 0x1000  # with K_CHILD: the reply slot of a call a task made to an agent (QUEUED
+#                     on no queue, answered by the agent as a K_REPLY; its DONE pings the task)
 OVERFLOW = 0xFFFF  # payload class of an overflow file
 
 ST_OK = 0  # the result is the return value

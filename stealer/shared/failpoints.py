@@ -56,6 +56,8 @@ POINTS = {
     "agent.ckpt_after_switch": "D_CKPT switched, before the old checkpoint and messages are freed",
     "agent.migrate_after_ckpt": "a migrating agent is checkpointed, before RUNNING -> QUEUED",
     "agent.migrate_after_cas": "a migrating agent is QUEUED (leased), before its push",
+    "agent.task_call_before_send": "a task's call to an agent: its reply slot is set up and "
+    "a child of the task, before the message is sent",
     "agent.finish_after_close": "a finishing agent's mailbox is closed, before calls are failed",
     "agent.inline_turn": "a control agent's turn nested in another's step, before its messages",
     "dormant.adopt_built": "an idle agent's object is built, before it is held dormant",

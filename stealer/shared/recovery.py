@@ -57,6 +57,7 @@ from stealer.shared._layout import (
     D_FLAGS,
     DIR_BYTES,
     F_AGENT,
+    F_TASKCALL,
     GEN_MASK,
     K_CHILD,
     K_MASK,
@@ -196,10 +197,11 @@ def _no_room(owner: int, h: int) -> None:
 
 
 def reply_slot(mm: Any, off: int) -> bool:
-    """Whether the record at ``off`` is a reply slot: an agent's (K_REPLY), or a client
-    call's (a K_ROOT that is no agent and has no call payload: tasks always have one)."""
+    """Whether the record at ``off`` is a reply slot: an agent's (K_REPLY), a task's
+    (K_CHILD | F_TASKCALL), or a client call's (a K_ROOT that is no agent and has no call
+    payload: tasks always have one)."""
     kind = _U32.unpack_from(mm, off + R_KIND)[0]
-    if kind & K_MASK == K_REPLY:
+    if kind & K_MASK == K_REPLY or kind & (K_MASK | F_TASKCALL) == K_CHILD | F_TASKCALL:
         return True
     return (kind & K_MASK == K_ROOT and not kind & F_AGENT
             and _U32.unpack_from(mm, off + R_PCLASS)[0] == 0
@@ -388,7 +390,8 @@ class Recovery:
         a = self.a
         if kids is None:
             kids = self.children(h)
-        if any(s in (S_QUEUED, S_RUNNING) for _k, s, _w in kids):
+        kids = self.drop_calls(kids)
+        if kids is None or any(s in (S_QUEUED, S_RUNNING) for _k, s, _w in kids):
             return False
         if a.tr.take_over(h, state, dead, self.me) is not Outcome.OK:
             return True  # somebody else recovered it, or it moved on
@@ -425,6 +428,23 @@ class Recovery:
             f"time (retries={retries}). Other tasks go on.")
         self.fail(h, exc, complete_root)
         return True
+
+    def drop_calls(self, kids: list[tuple[int, int, int]]
+                   ) -> list[tuple[int, int, int]] | None:
+        """The dead frame's calls to agents not answered yet (QUEUED task reply slots) are
+        freed: the task runs again and calls again (a message may never have been sent, so
+        waiting for its reply could wait forever; an answer that comes later finds the
+        slot's generation changed and is dropped).  The other children are returned; None
+        if an agent claimed one of them first (its answer pings the frame again)."""
+        a = self.a
+        out = []
+        for k, s, w in kids:
+            if s == S_QUEUED and reply_slot(a.mm, a.off(k)):
+                if a.release(k, S_QUEUED, 0, self.me) is not Outcome.OK:
+                    return None
+                continue
+            out.append((k, s, w))
+        return out
 
     def fail(self, h: int, exc: BaseException, complete_root: Callable[[int, int, Any], None]
              ) -> None:

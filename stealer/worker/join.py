@@ -21,7 +21,7 @@ from typing import Any
 from stealer import forkjoin
 from stealer.errors import WorkerCrashedError, result_value
 from stealer.errors import with_remote_tb as _with_remote_tb
-from stealer.forkjoin import Child, children_of
+from stealer.forkjoin import Child, TaskCall, children_of
 from stealer.shared import failpoints, metrics, serialize
 from stealer.shared._layout import (
     F_AGENT,
@@ -100,6 +100,9 @@ class ForkJoinHandling:
     pass_on: Any  # (PingHandling's: not stubbed here, this class comes first)
 
     def execute(self, h: int) -> None:  # (Worker's)
+        raise NotImplementedError
+
+    def push_any(self, h: int) -> None:  # (Worker's)
         raise NotImplementedError
 
     def report(self, h: int, kind: int, link: int, status: int, value: Any) -> None:  # (Worker's)
@@ -201,8 +204,10 @@ class ForkJoinHandling:
         and return their results as a generator's ``yield`` would (a helping join).
 
         Meanwhile this worker runs the waiting task's *descendants* from its own deque
-        only (its children, newest first, and theirs), and resumes their suspended
-        frames when pinged.  A task outside that subtree, run on top of this one, could
+        only (its children, newest first, and theirs), resumes their suspended frames
+        when pinged, and runs its agents' turns (an agent never blocks, so nothing it
+        runs waits for this task; a descendant a peer stole may wait for an agent's reply
+        that only this worker can give; TaskCall children are agents' replies).  A task outside that subtree, run on top of this one, could
         wait for a task that waits for this one: a deadlock across workers.  It steals
         nothing either: only free workers steal (a stolen task is at the bottom of its
         thief's stack), so every stack is a chain of descendants and each join waits
@@ -229,6 +234,14 @@ class ForkJoinHandling:
         joined = self.joined_ns
         deadline = None if timeout is None else time.monotonic() + timeout
         joining = self.joining
+        host = self.host
+        # This worker's agents run meanwhile: their turns never block (nothing they wait
+        # for waits for this task), and a task (this one, or a descendant a peer stole)
+        # may wait for the reply of an agent that only this worker runs.  Waiting for a
+        # reply itself (TaskCall), it also adopts agents queued on the injector: a new or
+        # recovered agent goes there when every worker runs a task, and could be the one
+        # called.
+        calls = any(isinstance(c, TaskCall) for c in kids)
         joining.add(top)
         self.in_body = False  # Ctrl-C is ignored here (as when idle): nothing half-moved
         try:
@@ -250,6 +263,11 @@ class ForkJoinHandling:
                             deferred.append(h)  # pinged again after the join (bit still set)
                     else:
                         self.pings.clear(h)  # (before pass_on looks, as in on_ping)
+                        if (host.agents or host.dormant) and host.notify(h):
+                            continue  # an agent of ours: runnable now (below)
+                        if self.queued_agent(h):  # handed to us: adopted now
+                            self._nested(self.execute, h, frame, cur)
+                            continue
                         if not self.pass_on(h):
                             deferred.append(h)  # an agent's: after the join
                     continue
@@ -263,6 +281,18 @@ class ForkJoinHandling:
                 if h >= 0:
                     self._nested(self.execute, h, frame, cur)
                     continue
+                if host.timers or host.blocked:
+                    host.poll()  # due sleeps; sends waiting for room (a call's)
+                if host.rq.n:
+                    self._nested(self._agent_turn, -1, frame, cur)
+                    continue
+                if calls and len(self.injector):
+                    h = self.injector.pop()  # leased
+                    if h >= 0 and self.queued_agent(h):
+                        self._nested(self.execute, h, frame, cur)
+                        continue
+                    if h >= 0:  # a task: back for a free worker (a copy left by the
+                        self.push_any(h)  # lease is dropped when it is started twice)
                 if self.host.dir.held:  # notifications that found a peer's inbox full
                     self.host.dir.deliver_held(self.k)
                 if (not self.idle.wait_ping(self.k, inbox.__len__, JOIN_WAIT)
@@ -281,6 +311,18 @@ class ForkJoinHandling:
         if exc is not None:
             raise exc
         return send
+
+    def queued_agent(self, h: int) -> bool:
+        """Whether ``h`` is an agent record waiting to be adopted (QUEUED)."""
+        a = self.arena
+        if not a.kind_link(a.off(h))[0] & F_AGENT:
+            return False
+        st = a.tr.state(h)
+        return st is not None and st[0] == S_QUEUED
+
+    def _agent_turn(self, _h: int) -> None:
+        """One agent turn on top of a task that waits for an agent's reply."""
+        self.host.run_next()
 
     def child_done(self, c: Child) -> bool:
         st = self.arena.tr.state(c.handle)
@@ -376,14 +418,22 @@ class ForkJoinHandling:
         self.report(frame.h, frame.kind, frame.link, status, value)
 
     # -- fork-join -----------------------------------------------------------
-    def spawn(self, fn: Any, args: tuple, kwargs: dict) -> Child:
-        a = self.arena
+    def task_frame(self) -> _Frame | None:
+        """The running task's frame, made at its first spawn or call to an agent (None
+        when no task runs)."""
         frame = self.frame
         if frame is None:
             if self.cur is None:
-                raise RuntimeError("spawn() outside a running task")
+                return None
             h0, kind0, link0 = self.cur
             frame = self.frame = self.new_frame(h0, kind0, link0)
+        return frame
+
+    def spawn(self, fn: Any, args: tuple, kwargs: dict) -> Child:
+        a = self.arena
+        frame = self.task_frame()
+        if frame is None:
+            raise RuntimeError("spawn() outside a running task")
         fid = self.fns.id_known(fn)
         data, bufs = serialize.dumps((fid if fid >= 0 else fn, args, kwargs or None),
                                      "spawned task")

@@ -14,7 +14,7 @@ import functools
 import time
 from typing import Any
 
-from stealer.agents.api import AgentRef, Pending, PendingAll
+from stealer.agents.api import AgentRef, Pending, PendingAll, _Kids
 from stealer.agents.jblob import pack as journal_pack
 from stealer.agents.message import AGENT_FID, encode_message
 from stealer.agents.options import DEFAULT_OPTIONS, AgentOptions
@@ -26,6 +26,7 @@ from stealer.errors import (
     result_value,
     with_remote_tb,
 )
+from stealer.forkjoin import TaskCall
 from stealer.shared import failpoints as FP
 from stealer.shared import serialize
 from stealer.shared._layout import (
@@ -34,6 +35,8 @@ from stealer.shared._layout import (
     D_FLAGS,
     F_AGENT,
     F_AWAITED,
+    F_TASKCALL,
+    K_CHILD,
     K_MASK,
     K_MSG,
     K_REPLY,
@@ -181,8 +184,7 @@ class Calls:
              deadline: float | None, uid: str | None = None) -> CallPending:
         e = self.current
         if e is None:
-            raise NotInTaskError("ref.call() on a worker must be made from inside an agent "
-                                 "(and yielded); a plain task can ref.send()")
+            return self.task_call(h, method, args, kwargs, deadline, uid)
         j = self.journal if uid is not None and e.uid is not None else None
         if j is not None:
             sender, seq = self._next_seq(e)
@@ -229,6 +231,46 @@ class Calls:
             return p
         return CallPending(rh)
 
+    def task_call(self, h: int, method: str, args: tuple, kwargs: dict,
+                  deadline: float | None, uid: str | None) -> TaskCall:
+        """``ref.call`` from a task: a child of the task that the agent completes (a reply
+        slot, K_CHILD | F_TASKCALL, QUEUED on no queue, linked to the task's frame): its
+        answer pings the task as a finished child would, so ``yield`` and the blocking
+        join (which runs this worker's agents while it waits) take it as one.  Not
+        journaled: a task is re-run whole after a crash, and calls again."""
+        frame = self.w.task_frame()
+        if frame is None:
+            raise NotInTaskError("ref.call() on a worker is made from a task or an agent "
+                                 "running there")
+        if h < 0:
+            return self._answered(AgentStopped(f"agent {uid!r} had finished before the "
+                                               "recovery", h))
+        a = self.a
+        rh = self.alloc()
+        # QUEUED on no queue: the agent claims it when it answers (a recoverer frees it if
+        # this task's worker dies first: drop_calls)
+        a.setup(rh, K_CHILD | F_TASKCALL, frame.h, time.monotonic_ns())
+        data, bufs = encode_message(h, method, args, kwargs, rh, deadline)
+        c = TaskCall(rh)
+        frame.kids[rh] = c  # before the send: the task's end waits for the reply
+        if FP.ON:
+            FP.hit("agent.task_call_before_send")
+        try:
+            self._send(h, data, bufs, True)
+        except BaseException as exc:
+            del frame.kids[rh]
+            a.free(rh)
+            if isinstance(exc, AgentStopped):
+                return self._answered(exc)
+            raise
+        return c
+
+    @staticmethod
+    def _answered(exc: BaseException) -> TaskCall:
+        c = TaskCall(-1)
+        c.done, c.exc = True, exc
+        return c
+
     def waiters(self, e: _Entry) -> tuple:
         """The agents waiting, each in a generator, for the reply of the generator handler
         ``e`` runs now (outermost first): the chain its message carried, then its caller,
@@ -263,10 +305,13 @@ class Calls:
             "call back later", e.h, e.gen)
 
     def call_all(self, targets: list[tuple[int, str | None, float | None]], method: str,
-                 arglists: list[tuple]) -> PendingAll:
+                 arglists: list[tuple]) -> PendingAll | _Kids:
         """api.call_all inside an agent: ``yield`` it for the list of replies."""
         e = self.current
-        if e is not None and e.it is not None:  # every target checked before any is sent
+        if e is None:  # a task's: its children, to yield (a list) or join
+            return _Kids([self.call(h, method, args, {}, dl, uid)
+                          for (h, uid, dl), args in zip(targets, arglists)])
+        if e.it is not None:  # every target checked before any is sent
             chain = self.waiters(e)
             for h, _uid, _dl in targets:
                 self.refuse_cycle(e, chain, h, method)

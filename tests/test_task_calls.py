@@ -1,0 +1,207 @@
+"""A task calls an agent and waits for the reply (Ray's ``ray.get(actor.f.remote())`` in a
+task): ``ref.call`` in a task returns a :class:`stealer.forkjoin.TaskCall`, a child of the
+task that the agent completes.  A plain task blocks on ``result()`` (its worker runs its own
+agents meanwhile: on one worker the agent called lives on the very worker that waits); a
+generator task ``yield``s it, alone or with children.  Every test ends with every record
+freed: a reply slot left behind would be a leak the size of a record per call.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import stealer
+from stealer.forkjoin import TaskCall
+from tests import agents_lib as L
+from tests.probes import records_in_use
+
+T = 60
+
+
+def calls_in_plain_task(ref: stealer.AgentRef, n: int) -> list[int]:
+    return [ref.call("add", 1).result(T) for _ in range(n)]
+
+
+def relay_calls(ref: stealer.AgentRef, n: int) -> list[int]:
+    return [ref.call("relay", 1).result(T) // 10 for _ in range(n)]
+
+
+def calls_in_generator(ref: stealer.AgentRef, n: int):
+    got = []
+    for _ in range(n):
+        got.append((yield ref.call("add", 1)))
+    return got
+
+
+def mixed_join(ref: stealer.AgentRef):
+    kid, reply = yield [stealer.spawn(pow, 2, 10), ref.call("add", 5)]
+    both = yield stealer.call_all([ref, ref], "add", [(1,), (2,)])
+    return kid, reply, both
+
+
+def error_of(ref: stealer.AgentRef, method: str, *args) -> str:
+    try:
+        ref.call(method, *args).result(T)
+    except BaseException as exc:
+        return type(exc).__name__
+    return "no error"
+
+
+def error_in_generator(ref: stealer.AgentRef):
+    try:
+        yield ref.call("boom")
+    except ValueError as exc:
+        return f"caught {exc}"
+    return "no error"
+
+
+def what_call_returns(ref: stealer.AgentRef) -> tuple[bool, str]:
+    c = ref.call("get")
+    return isinstance(c, TaskCall), c.result(T) and repr(c)
+
+
+def times_out(ref: stealer.AgentRef) -> tuple[str, int]:
+    c = ref.call("relay", 1)
+    try:
+        c.result(0.02)
+    except TimeoutError:
+        what = "timed out"
+    else:
+        what = "answered"
+    return what, c.result(T)  # still answered, later
+
+
+def stop(ref: stealer.AgentRef) -> None:
+    ref.stop()
+
+
+def stopped_then_called(ref: stealer.AgentRef) -> str:
+    return error_of(ref, "get")
+
+
+def _stop_all(ex: stealer.Executor, refs: list) -> None:
+    for r in refs:
+        r.stop()
+    for r in refs:
+        r.result(T)
+    assert records_in_use(ex) == 0  # reply slots, messages: all freed
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_plain_and_generator_tasks_get_replies(workers):
+    with stealer.Executor(workers) as ex:
+        ref = ex.spawn_agent(L.Counter, 0)
+        assert ex.submit(calls_in_plain_task, ref, 5).result(T) == [1, 2, 3, 4, 5]
+        assert ex.submit(calls_in_generator, ref, 3).result(T) == [6, 7, 8]
+        assert ex.submit(mixed_join, ref).result(T) == (1024, 13, [14, 16])
+        isa, rep = ex.submit(what_call_returns, ref).result(T)
+        assert isa and rep.startswith("<stealer.TaskCall") and rep.endswith("answered>")
+        _stop_all(ex, [ref])
+
+
+def test_many_tasks_call_one_agent_each_call_once():
+    """Tasks on both workers call one agent at once: every add is applied exactly once and
+    every caller sees its own reply (the n-th add answers n)."""
+    with stealer.Executor(2) as ex:
+        ref = ex.spawn_agent(L.Counter, 0)
+        futs = [ex.submit(calls_in_plain_task, ref, 40) for _ in range(6)]
+        futs += [ex.submit(calls_in_generator, ref, 40) for _ in range(6)]
+        seen = sorted(v for f in futs for v in f.result(T))
+        assert seen == list(range(1, 481))
+        assert ref.call("get").result(T) == 480
+        _stop_all(ex, [ref])
+
+
+def test_calls_to_agents_on_the_waiting_worker_and_its_peer():
+    """A plain task waits for replies from agents of both workers (one of them its own);
+    the agents it calls may themselves call others (their generators are resumed on the
+    worker that waits, between its looks at the reply)."""
+    with stealer.Executor(2) as ex:
+        counters = [ex.spawn_agent(L.Counter, 0) for _ in range(4)]
+        relays = [ex.spawn_agent(L.Relay, c) for c in counters]
+        fs = [ex.submit(relay_calls, r, 10) for r in relays]
+        fs += [ex.submit(calls_in_plain_task, c, 10) for c in counters]
+        for f in fs:
+            got = f.result(T)
+            assert got == sorted(got) and len(set(got)) == 10
+        assert sorted(c.call("get").result(T) for c in counters) == [20] * 4
+        _stop_all(ex, relays + counters)
+
+
+def test_errors_reach_the_task():
+    with stealer.Executor(1) as ex:
+        ref = ex.spawn_agent(L.Counter, 0)
+        assert ex.submit(error_of, ref, "boom").result(T) == "ValueError"
+        assert ex.submit(error_in_generator, ref).result(T) == "caught boom in a handler"
+        assert ex.submit(error_of, ref, "no_such_method").result(T) == "AttributeError"
+        ref.stop()
+        ref.result(T)
+        assert ex.submit(stopped_then_called, ref).result(T) == "AgentStopped"
+        assert records_in_use(ex) == 0
+
+
+def test_calls_waiting_in_a_stopped_agents_mailbox_fail_with_agent_stopped():
+    with stealer.Executor(2) as ex:
+        ref = ex.spawn_agent(L.Counter, 0, 0.05)
+        futs = [ex.submit(error_of, ref, "add", 1) for _ in range(6)]
+        ex.submit(stop, ref).result(T)
+        outcomes = [f.result(T) for f in futs]
+        assert set(outcomes) <= {"no error", "AgentStopped"}
+        assert ref.result(T) == f"stopped at {outcomes.count('no error')}"
+        assert records_in_use(ex) == 0
+
+
+def test_full_mailbox_holds_the_task_back_without_losing_a_call():
+    """A mailbox of 2 and a slow handler: the tasks' calls wait for room (backpressure);
+    none is dropped, none answered twice."""
+    with stealer.Executor(2) as ex:
+        ref = ex.spawn_agent(L.Counter, 0, 0.002, mailbox=2)
+        futs = [ex.submit(calls_in_plain_task, ref, 15) for _ in range(4)]
+        futs.append(ex.submit(calls_in_generator, ref, 15))
+        assert sorted(v for f in futs for v in f.result(T)) == list(range(1, 76))
+        _stop_all(ex, [ref])
+
+
+def test_a_join_timeout_leaves_the_call_to_be_answered():
+    """The relay's turn ends at once (it waits for the slow counter): the join's timeout
+    is seen after the counter's 0.2 s turn, which this very worker runs (one worker); the
+    reply still comes, and the task's later result() takes it."""
+    with stealer.Executor(1) as ex:
+        slow = ex.spawn_agent(L.Counter, 0, 0.2)
+        ref = ex.spawn_agent(L.Relay, slow)
+        assert ex.submit(times_out, ref).result(T) == ("timed out", 10)
+        _stop_all(ex, [ref, slow])
+
+
+def test_a_call_outside_any_task_still_says_where_it_may_be_made():
+    with stealer.Executor(1) as ex:
+        ref = ex.spawn_agent(L.Counter, 0)
+        # the client's call: a Future, not a TaskCall
+        assert not isinstance(ref.call("get"), TaskCall)
+        _stop_all(ex, [ref])
+
+
+@pytest.mark.kills_workers
+@pytest.mark.parametrize("point", ["agent.task_call_before_send", "worker.in_join",
+                                   "worker.join_after_nested"])
+def test_caller_killed_while_calling(monkeypatch, tmp_path, point):
+    """The task's worker dies between setting up the reply slot and sending (the message
+    is never sent), or while the task waits for the reply (suspended in a generator, or
+    in a blocking join after running an agent's turn): the task runs again and calls
+    again (at least once), every task's result comes, and no reply slot is left behind."""
+    monkeypatch.setenv("STEALER_FAILPOINTS", f"{point}=kill@3!once")
+    monkeypatch.setenv("STEALER_FAILPOINTS_DIR", str(tmp_path))
+    with stealer.Executor(2) as ex:
+        ref = ex.spawn_agent(L.Counter, 0, 0.002)
+        futs = [ex.submit(calls_in_generator, ref, 5) for _ in range(3)]
+        futs += [ex.submit(calls_in_plain_task, ref, 5) for _ in range(3)]
+        got = [f.result(T) for f in futs]
+        assert os.path.exists(tmp_path / point), f"{point} was never reached"
+        assert ex._pool.crashes >= 1
+        for g in got:
+            assert len(g) == 5 and g == sorted(g) and len(set(g)) == 5
+        n = ref.call("get").result(T)
+        assert 30 <= n <= 60  # each call at least once; a re-run task calls again
+        _stop_all(ex, [ref])

@@ -323,7 +323,8 @@ def _runtime(seg: str) -> Any:
     if rt is None:
         raise NotInTaskError(
             "this agent ref belongs to an executor that is not running here (it was shut "
-            "down, or the ref was sent to another process that does not host it)")
+            "down, or the ref was sent to another process that does not host it: a task "
+            "of another executor, such as the joblib backend's own, cannot call it)")
     return rt
 
 

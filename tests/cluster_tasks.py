@@ -125,6 +125,26 @@ class Hop(stealer.Agent):
         return (yield self.nxt.call("no_such_handler"))
 
 
+def adds_from_task(refs: list, n: int) -> list:
+    """A plain task that calls each agent ``n`` times and waits for every reply."""
+    return [r.call("add", 1).result(timeout=60) for r in refs for _ in range(n)]
+
+
+def adds_from_generator(refs: list) -> Any:
+    """A generator task: one call to every agent at once (yielded), then one more."""
+    got = yield stealer.call_all(refs, "add", [(1,)] * len(refs))
+    last = yield refs[0].call("get")
+    return got, last
+
+
+def error_from_task(ref: Any) -> str:
+    try:
+        ref.call("no_such_handler").result(timeout=60)
+    except AttributeError as exc:
+        return f"AttributeError: {exc}"
+    return "no error"
+
+
 def send_to(ref: Any, method: str, *args: Any) -> str:
     """A plain task that sends to an agent it was given."""
     ref.send(method, *args)

@@ -97,8 +97,8 @@ def test_outside_a_node_a_ref_says_where_to_use_it(monkeypatch):
     monkeypatch.delenv(asks.ENV_PATH, raising=False)
     with pytest.raises(ClusterError, match="outside the nodes"):
         asks.RemoteAgentRef(1, None, "t").send("m")
-    with pytest.raises(NotInTaskError, match="inside an agent"):
-        asks.RemoteAgentRef(1, None, "t").call("m")  # (a call is yielded by an agent)
+    with pytest.raises(NotInTaskError, match="in a task or an agent of its executor"):
+        asks.RemoteAgentRef(1, None, "t").call("m")  # (not from a process of no node)
     with pytest.raises(ClusterError, match="driver"):
         asks.RemoteAgentRef(1, None, "t").result()
 

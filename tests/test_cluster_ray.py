@@ -287,6 +287,24 @@ def test_agents_call_agents_on_other_nodes_through_refs_they_were_given(ex):
         r.result(timeout=30)
 
 
+def test_tasks_call_agents_on_both_nodes_and_wait_for_the_replies(ex):
+    """Ray's ray.get(actor.f.remote()) in a task: a task on either node calls agents on
+    both (its own node's too, while its worker waits) and gets every reply once."""
+    refs = [ex.spawn_agent(ct.Counter, 100 * i, node=ex.nodes[i % 2]) for i in range(4)]
+    futs = [ex.submit_to(ex.nodes[i % 2], ct.adds_from_task, refs, 3) for i in range(2)]
+    got = [f.result(timeout=60) for f in futs]
+    for i in range(4):  # agent i's replies, from both tasks: each of 6 adds seen once
+        mine = sorted(v for g in got for v in g[3 * i:3 * i + 3])
+        assert mine == [100 * i + k for k in range(1, 7)], (i, got)
+    replies, last = ex.submit_to(ex.nodes[1], ct.adds_from_generator, refs).result(timeout=60)
+    assert replies == [100 * i + 7 for i in range(4)] and last == 7
+    err = ex.submit(ct.error_from_task, refs[1]).result(timeout=60)
+    assert err.startswith("AttributeError") and "no_such_handler" in err, err
+    for r in refs:
+        r.stop()
+    assert [r.result(timeout=30) for r in refs] == [100 * i + 7 for i in range(4)]
+
+
 def test_stealer_top_renders_a_running_cluster_executor(ex, capsys):
     """The client publishes its figures (owner-only, under ex.id in /dev/shm) about four
     times a second; `stealer top` lists it with the local executors and renders one row

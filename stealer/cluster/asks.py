@@ -184,17 +184,20 @@ class RemoteAgentRef:
         return dumps((self._aid, op, method, args, kwargs, self._token, self._uid))
 
     def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
-        """Request/reply, from inside an agent: ``yield`` what it returns."""
+        """Request/reply: inside an agent, ``yield`` (or ``await``) what it returns; in a
+        task, ``result()`` it (or ``yield`` it in a generator task)."""
         from stealer import forkjoin
 
         w = forkjoin._current
         host = getattr(w, "host", None)
-        if host is None or host.current is None:
-            raise NotInTaskError("on a cluster, ref.call() on a worker is made from inside "
-                                 "an agent (and yielded); a task cannot wait for a cluster "
-                                 "agent's reply yet: ref.send() from it, or make the caller "
-                                 "an agent")
+        if host is None:
+            raise NotInTaskError("a cluster agent is called from the driver (on the ref "
+                                 "spawn_agent returned, or ex.agent(name)), or in a task or "
+                                 "an agent of its executor")
         e = host.current
+        if e is None:  # a task's: a child it yields or joins (result())
+            return host.task_blocking(_ask, ("call", self._payload("call", method, args,
+                                                                   kwargs), None))
         who = e.h if e.it is not None else None  # (from a generator: it may wait: F_AWAITED)
         return host.run_blocking(_ask, ("call", self._payload("call", method, args, kwargs),
                                         who), {})

@@ -263,6 +263,8 @@ class ForkJoinHandling:
                             deferred.append(h)  # pinged again after the join (bit still set)
                     else:
                         self.pings.clear(h)  # (before pass_on looks, as in on_ping)
+                        if host.answers and host.take_answer(h):
+                            continue  # a call's answer: its slot pings the task (us)
                         if (host.agents or host.dormant) and host.notify(h):
                             continue  # an agent of ours: runnable now (below)
                         if self.queued_agent(h):  # handed to us: adopted now
@@ -364,6 +366,8 @@ class ForkJoinHandling:
         self.pings.clear(h)  # first: a child done after our look below pings again
         if FP.ON:
             FP.hit("worker.ping_after_clear")
+        if self.host.answers and self.host.take_answer(h):
+            return  # a task's blocking call answered: its reply slot pings the task
         if (self.host.agents or self.host.dormant) and self.host.notify(h):
             return  # an agent of ours: messages, a reply, children, a stop
         frame = self.conts.get(h)

@@ -405,15 +405,62 @@ class Calls:
         a.notify_one()
         return AgentRef(h, self.name, self, uid)
 
+    def _threads(self) -> Any:
+        """The thread pool of blocking calls (made on first use)."""
+        if self.blocking is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.blocking = ThreadPoolExecutor(4, thread_name_prefix="stealer-blocking")
+        return self.blocking
+
+    def task_blocking(self, fn: Any, args: tuple) -> TaskCall:
+        """A task's call that ``fn(*args)`` answers on the blocking thread pool (a cluster
+        agent's reply, stealer/cluster/asks.py): a TaskCall child of the running task,
+        completed by this worker's loop (:meth:`take_answer`) when the thread is done, so
+        the task yields or joins it as any call, and the worker runs its agents meanwhile
+        (the agent called may live on this node)."""
+        frame = self.w.task_frame()
+        if frame is None:
+            raise NotInTaskError("ref.call() on a worker is made from a task or an agent "
+                                 "running there")
+        a = self.a
+        rh = self.alloc()
+        a.setup(rh, K_CHILD | F_TASKCALL, frame.h, time.monotonic_ns())  # QUEUED, no queue
+        c = TaskCall(rh)
+        frame.kids[rh] = c
+        answers = self.answers
+        inbox = self.w.inbox
+        idle = self.w.idle
+        k = self.k
+
+        def done(f: Any) -> None:
+            answers[rh] = f  # (a dict store: atomic under the GIL)
+            while not inbox.push(rh):  # our own inbox: the loop completes the slot
+                time.sleep(0.0001)
+            idle.notify_worker(k)
+
+        self._threads().submit(fn, *args).add_done_callback(done)
+        return c
+
+    def take_answer(self, rh: int) -> bool:
+        """An inbox entry ``rh``: if it is a :meth:`task_blocking` slot whose thread is
+        done, store its outcome there (the reply pings the task).  False otherwise."""
+        f = self.answers.pop(rh, None)
+        if f is None:
+            return False
+        exc = f.exception()
+        if exc is None:
+            self.reply(rh, ST_OK, f.result())
+        else:
+            self.reply(rh, ST_ERROR, exc)
+        return True
+
     @_api
     def run_blocking(self, fn: Any, args: tuple, kwargs: dict) -> Pending:
         e = self.current
         if e is None:
             raise NotInTaskError("ctx.run_blocking() is for agents")
-        if self.blocking is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self.blocking = ThreadPoolExecutor(4, thread_name_prefix="stealer-blocking")
+        self._threads()
         p = Pending()
         h = e.h
         inbox = self.w.inbox

@@ -154,6 +154,9 @@ class Host(Adoption, Messages, Generators, Calls, Leaving):
         self.task_sends = _Entry(-1, 0)  # the outbox of plain tasks' sends (never a turn)
         self.task_sends.state = FINISHED
         self.blocking: Any = None  # thread pool of run_blocking, made on first use
+        # reply slot -> the done Future of a task's blocking call (Calls.task_blocking),
+        # set by the pool's thread before it pushes the slot on our inbox
+        self.answers: dict[int, Any] = {}
         self.current: _Entry | None = None
         self.in_step = False
         # inline.on_signal came outside a step's user code: set up (Host.step), or in one of

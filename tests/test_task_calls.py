@@ -8,7 +8,11 @@ freed: a reply slot left behind would be a leak the size of a record per call.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
+import signal
+import threading
 
 import pytest
 
@@ -205,3 +209,59 @@ def test_caller_killed_while_calling(monkeypatch, tmp_path, point):
         n = ref.call("get").result(T)
         assert 30 <= n <= 60  # each call at least once; a re-run task calls again
         _stop_all(ex, [ref])
+
+
+def _kill_workers(ex: stealer.Executor, kills: int, every: float, stop: threading.Event,
+                  done: list) -> None:
+    rng = random.Random(7)
+    while len(done) < kills and not stop.wait(every):
+        pids = [p for p in ex.worker_pids() if p]
+        if pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rng.choice(pids), signal.SIGKILL)
+                done.append(1)
+
+
+def adds_round_robin(refs: list, n: int) -> list[tuple[int, int]]:
+    return [(i % len(refs), refs[i % len(refs)].call("add", 1).result(T)) for i in range(n)]
+
+
+def adds_round_robin_yielded(refs: list, n: int):
+    got = []
+    for i in range(n):
+        got.append((i % len(refs), (yield refs[i % len(refs)].call("add", 1))))
+    return got
+
+
+@pytest.mark.kills_workers
+def test_sigkill_chaos_while_tasks_call_agents():
+    """Random SIGKILLs of both workers (one every 0.2 s, at least 3) while 48 tasks call
+    4 agents: every task's result
+    comes (retries are plenty), each task saw its replies from one agent increase (a
+    re-run task starts over: at least once), no add an agent answered is lost from its
+    count (checkpoint + replay: no reply exceeds the final count), and no reply slot or
+    message is left behind."""
+    with stealer.Executor(2, retries=20) as ex:
+        refs = [ex.spawn_agent(L.Counter, 0, 0.002, checkpoint_every=5) for _ in range(4)]
+        stop, killed = threading.Event(), []
+        killer = threading.Thread(target=_kill_workers, args=(ex, 6, 0.2, stop, killed))
+        killer.start()
+        try:
+            futs = [ex.submit(adds_round_robin if i % 2 else adds_round_robin_yielded,
+                              refs, 20) for i in range(48)]
+            got = [f.result(T) for f in futs]
+        finally:
+            stop.set()
+            killer.join()
+        assert len(killed) >= 3, f"only {len(killed)} kills: the load ended too soon"
+        for g in got:
+            assert len(g) == 20
+            for k in range(4):
+                mine = [v for j, v in g if j == k]
+                assert mine == sorted(mine) and len(set(mine)) == len(mine), g
+        counts = [r.call("get").result(T) for r in refs]
+        # each agent got 5 adds per task run: at least once per task
+        assert all(c >= 5 * 48 for c in counts), counts
+        top = {k: max(v for g in got for j, v in g if j == k) for k in range(4)}
+        assert all(top[k] <= counts[k] for k in range(4)), (top, counts)
+        _stop_all(ex, refs)

@@ -9,10 +9,14 @@ freed: a reply slot left behind would be a leak the size of a record per call.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -265,3 +269,14 @@ def test_sigkill_chaos_while_tasks_call_agents():
         top = {k: max(v for g in got for j, v in g if j == k) for k in range(4)}
         assert all(top[k] <= counts[k] for k in range(4)), (top, counts)
         _stop_all(ex, refs)
+
+
+def test_the_task_calls_benchmark_runs_and_checks_its_counts():
+    """benchmarks/task_calls.py at a tiny size: every row, the agents' count checked."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "task_calls.py"
+    out = subprocess.run([sys.executable, str(script), "--tasks", "2", "--calls", "20",
+                          "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)["rows"]
+    assert len(rows) == 4 and all(r["calls"] == 40 and r["calls_per_s"] > 0
+                                  for r in rows.values()), rows

@@ -15,7 +15,8 @@ health checks (the settings are printed), node k's executor pinned to CPU k.  On
    children may be stolen across nodes) against the same on one node alone, and (with
    ``--forkjoin-only``) one UTS tree at a time likewise (UTS_QUICK: 21,201 nodes of
    20 µs, unbalanced); ``--forkjoin-only`` alternates ``--blocks`` blocks of each side
-   (fresh executors: two nodes, one node, one node, two nodes...);
+   (fresh executors: two nodes, one node, one node, two nodes...), its one tree fib(N)
+   with ``--tree-n N`` (a larger tree weighs the first steal's round trips less);
 4. node death: ``--death-tasks`` tasks of 20 ms, the second node removed mid-run; the time
    from the removal to the client's re-placing of that node's tasks, and a check that every
    result came back exactly once;
@@ -152,7 +153,7 @@ def _tree_times(ex, node: str, repeat: int, want, fn, *args) -> list[float]:
     return times
 
 
-def forkjoin_block(two: bool, children: bool, repeat: int) -> dict:
+def forkjoin_block(two: bool, children: bool, repeat: int, tree_n: int = 33) -> dict:
     """One block of section 3 on a fresh executor: over both nodes (``two``: stealing on;
     ``children``: fork-join children may move between nodes) or on the first node alone
     (``steal=None``).  The seconds of the 8 fib(30) roots, and of ``repeat`` fib(33) trees
@@ -169,7 +170,7 @@ def forkjoin_block(two: bool, children: bool, repeat: int) -> dict:
     else:
         ex, node, roots = roots_on_one_node()
     try:
-        out = {"roots": [roots], "fib": one_tree(ex, node, repeat=repeat),
+        out = {"roots": [roots], "fib": one_tree(ex, node, n=tree_n, repeat=repeat),
                "uts": one_uts(ex, node, repeat=repeat)}
         if two:
             out["children"] = {n[:12]: v.get("children") for n, v in ex.stats().nodes.items()}
@@ -178,7 +179,8 @@ def forkjoin_block(two: bool, children: bool, repeat: int) -> dict:
         ex.shutdown()
 
 
-def forkjoin_only(out: dict, children: bool = True, blocks: int = 4, repeat: int = 3) -> None:
+def forkjoin_only(out: dict, children: bool = True, blocks: int = 4, repeat: int = 3,
+                  tree_n: int = 33) -> None:
     """Section 3 alone, on a fresh cluster (already up): ``blocks`` blocks on two nodes
     and as many on one node, alternated (two, one, one, two, two, one...), so that a
     slower spell of the shared machine weighs on both sides alike (one after the other,
@@ -192,7 +194,7 @@ def forkjoin_only(out: dict, children: bool = True, blocks: int = 4, repeat: int
     sides: dict[bool, list[dict]] = {True: [], False: []}
     for k in range(blocks):
         for two in ((True, False) if k % 2 == 0 else (False, True)):
-            sides[two].append(forkjoin_block(two, children, repeat))
+            sides[two].append(forkjoin_block(two, children, repeat, tree_n))
     for row, key in (("forkjoin_roots", "roots"), ("forkjoin_one_tree", "fib"),
                      ("forkjoin_one_uts", "uts")):
         def runs(two: bool, key=key) -> list[float]:
@@ -304,6 +306,9 @@ def main() -> None:
     ap.add_argument("--forkjoin-only", action="store_true",
                     help="only the fork-join rows (8 trees over two nodes, one tree "
                          "started on one node), each beside one node alone")
+    ap.add_argument("--tree-n", type=int, default=33,
+                    help="with --forkjoin-only: the one tree is fib(N) (cutoff 18); 33 "
+                         "takes about 0.4 s on one node, 35 about 1.2 s")
     ap.add_argument("--blocks", type=int, default=4,
                     help="with --forkjoin-only: alternated blocks per side (3 trees "
                          "of each kind a block)")
@@ -327,7 +332,7 @@ def main() -> None:
                 print(f"{k}: {v}")
             return
         if a.forkjoin_only:
-            forkjoin_only(out, not a.no_children, a.blocks)
+            forkjoin_only(out, not a.no_children, a.blocks, tree_n=a.tree_n)
             for k, v in out.items():
                 print(f"{k}: {v}")
             return

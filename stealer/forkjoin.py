@@ -128,11 +128,11 @@ def join(children: Child | list[Child] | tuple[Child, ...], timeout: float | Non
     exception is raised here.  While it waits, the worker runs the waiting task's
     own descendants (its children not yet stolen, and theirs) and its agents' turns
     (which never block), never another task, while free workers steal the rest; so
-    joins nest to any depth without deadlock or extra processes.  A
-    :class:`TaskCall` (``ref.call`` in a task) is joined the same way.  ``timeout`` (seconds) raises TimeoutError; the
-    children still finish (a task's end waits for all of its children).  A child
-    this worker runs itself while it waits is not interrupted: the timeout is seen
-    between children.
+    joins nest to any depth without deadlock or extra processes.  A :class:`TaskCall`
+    (``ref.call`` in a task) is joined the same way.  ``timeout`` (seconds) raises
+    TimeoutError; the children still finish (a task's end waits for all of its
+    children).  A child (or an agent's turn) this worker runs itself while it waits
+    is not interrupted: the timeout is seen between them.
 
     In a generator task, ``yield`` the children instead: the worker then runs other
     work while they are pending.  Agents must yield (a blocking join would hold

@@ -67,6 +67,14 @@ class Counter(stealer.Agent):
         return f"stopped at {self.n}"
 
 
+class HandlerForker(stealer.Agent):
+    """A handler that spawns a child task and waits for it (fork-join from an agent)."""
+
+    def work(self, x: int) -> Any:
+        v = yield stealer.spawn(_square, x)
+        return v + 1
+
+
 def gets_from_task(ref: stealer.AgentRef, n: int) -> list[int]:
     """A plain task that calls an agent ``n`` times and waits for each reply."""
     return [ref.call("get").result(60) for _ in range(n)]

@@ -280,3 +280,22 @@ def test_the_task_calls_benchmark_runs_and_checks_its_counts():
     rows = json.loads(out.stdout)["rows"]
     assert len(rows) == 4 and all(r["calls"] == 40 and r["calls_per_s"] > 0
                                   for r in rows.values()), rows
+
+
+def forker_from_task(ref: stealer.AgentRef, x: int) -> int:
+    return ref.call("work", x).result(T)
+
+
+def test_an_agent_that_forks_while_a_task_waits_for_it():
+    """One worker: the task waits for an agent whose handler spawns a child and yields
+    it; the child, on this very worker's deque, is run by the waiting join (an agent's
+    child: nothing it runs waits for the task) instead of waiting there forever."""
+    with stealer.Executor(1) as ex:
+        ref = ex.spawn_agent(L.HandlerForker)
+        assert ex.submit(forker_from_task, ref, 7).result(T) == 50
+        assert ex.submit(calls_in_generator_to, ref, "work", 3).result(T) == [10, 10]
+        _stop_all(ex, [ref])
+
+
+def calls_in_generator_to(ref: stealer.AgentRef, method: str, x: int):
+    return [(yield ref.call(method, x)), (yield ref.call(method, x))]

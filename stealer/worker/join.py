@@ -205,9 +205,10 @@ class ForkJoinHandling:
 
         Meanwhile this worker runs the waiting task's *descendants* from its own deque
         only (its children, newest first, and theirs), resumes their suspended frames
-        when pinged, and runs its agents' turns (an agent never blocks, so nothing it
-        runs waits for this task; a descendant a peer stole may wait for an agent's reply
-        that only this worker can give; TaskCall children are agents' replies).  A task outside that subtree, run on top of this one, could
+        when pinged, and runs its agents' turns and the children they spawn (an agent
+        never blocks, so nothing it runs waits for this task; a descendant a peer stole
+        may wait for an agent's reply that only this worker can give; TaskCall children
+        are agents' replies).  A task outside that subtree, run on top of this one, could
         wait for a task that waits for this one: a deadlock across workers.  It steals
         nothing either: only free workers steal (a stolen task is at the bottom of its
         thief's stack), so every stack is a chain of descendants and each join waits
@@ -276,7 +277,7 @@ class ForkJoinHandling:
                 h = deque.pop()  # leased: killed from here on, a recoverer pushes it again
                 if FP.ON and h >= 0:
                     FP.hit("worker.join_after_pop")
-                if h >= 0 and not self._descends(h, top):
+                if h >= 0 and not self._descends(h, top) and not self._agents_child(h):
                     # back where it was: cannot fail (we own the deque and just popped it)
                     deque.push(h)
                     h = -1
@@ -353,6 +354,18 @@ class ForkJoinHandling:
                 return False
             if link == top:
                 return True
+            h = link
+        return False
+
+    def _agents_child(self, h: int) -> bool:
+        """Whether record ``h`` descends from an agent (a child an agent's turn spawned, or
+        theirs): run here as the agent's turns are (an agent that waits for it could be
+        the one this task waits for, and nothing it runs waits for this task)."""
+        a = self.arena
+        for _ in range(MAX_NEST):
+            kind, _status, link = a.kind_link(a.off(h))  # set before its push: stable
+            if kind & K_MASK != K_CHILD:
+                return bool(kind & F_AGENT)
             h = link
         return False
 

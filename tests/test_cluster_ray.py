@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures as cf
 import os
 import pickle
+import sys
 import time
 from pathlib import Path
 
@@ -303,6 +304,41 @@ def test_tasks_call_agents_on_both_nodes_and_wait_for_the_replies(ex):
     for r in refs:
         r.stop()
     assert [r.result(timeout=30) for r in refs] == [100 * i + 7 for i in range(4)]
+
+
+DRIVER_ONLY = """
+import stealer
+
+class Echo(stealer.Agent):
+    def echo(self, x):
+        return x
+
+def double(x):
+    return 2 * x
+"""
+
+
+def test_code_the_nodes_cannot_import_fails_its_futures_not_the_nodes(ex, tmp_path,
+                                                                       monkeypatch):
+    """A function and an agent class of a module only the driver can import (on no
+    node's path): their futures fail with what to do; the tasks batched with them run,
+    and the nodes live on (this once made every node "lost", then hung the executor)."""
+    (tmp_path / "driver_only_mod.py").write_text(DRIVER_ONLY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import driver_only_mod as m
+
+    before = [ex.submit(abs, -i) for i in range(40)]
+    bad = ex.submit(m.double, 21)
+    after = [ex.submit(abs, -i) for i in range(40)]
+    with pytest.raises(stealer.SerializationError, match="importable on every node"):
+        bad.result(timeout=60)
+    assert [f.result(timeout=60) for f in before + after] == list(range(40)) * 2
+    ref = ex.spawn_agent(m.Echo)
+    with pytest.raises(stealer.SerializationError, match="No module named"):
+        ref.call("echo", 1).result(timeout=60)
+    assert ex.submit(abs, -3).result(timeout=60) == 3
+    assert len(ex.nodes) == 2
+    monkeypatch.delitem(sys.modules, "driver_only_mod")
 
 
 def test_stealer_top_renders_a_running_cluster_executor(ex, capsys):

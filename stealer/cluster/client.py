@@ -64,7 +64,7 @@ from stealer.cluster.balance import BalanceConfig, Balancer
 from stealer.cluster.journal import ClusterJournal, JournalOnCluster
 from stealer.cluster.ledger import AgentRecord, ClusterStats, NodeView, Task
 from stealer.cluster.moves import AgentMoves
-from stealer.cluster.node import NodeAgent, run_chunk
+from stealer.cluster.node import AgentOp, NodeAgent, run_chunk
 from stealer.cluster.policy import Load, StealConfig, place
 from stealer.errors import (
     ClusterError,
@@ -425,6 +425,51 @@ class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, _fbase.Exec
             raise exc  # not a pickling problem after all
         return good
 
+    def _unloadable(self, node: NodeView, extra: tuple, exc: RayTaskError) -> None:
+        """Batch ``extra`` (batch, seq) failed on a live node: Ray could not load its
+        arguments there (a function, class or argument of a module the node cannot
+        import), so ``submit`` never ran.  The node's sequence gets the number, empty (the
+        batches after it wait for it there); each task goes again alone and unnumbered
+        (a probe): the ones that fail alone fail their futures (:meth:`_refused`), the
+        others run.  (Not a node loss: that made every node "lost" in turn, each of the
+        batch's tasks re-placed on the next, and then hung the executor.)"""
+        batch, seq = extra
+        with self._lock:
+            node.in_flight += 1
+        try:
+            ref = node.handle.submit.remote([], seq)
+        except BaseException:
+            with self._lock:
+                node.in_flight -= 1
+            raise
+        with self._lock:
+            self._waits[ref] = ("submit", node, ([], seq))
+        if len(batch) == 1:
+            self._refused(batch[0], exc)
+            return
+        for b in batch:
+            r = node.handle.submit.remote([b], None)
+            with self._lock:
+                self._waits[r] = ("probe", node, b)
+
+    def _refused(self, b: tuple, exc: RayTaskError) -> None:
+        """Batch item ``b`` could not be loaded on its node: its future fails, with what
+        to do (an agent's spawn fails the agent: its calls fail with the same error)."""
+        cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+        err = SerializationError(
+            f"a node could not load this task or agent: {type(cause).__name__}: "
+            f"{str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}. On a "
+            "cluster the code and arguments must be importable on every node: install its "
+            "package there, ship it with ray.init(runtime_env={'py_modules': [module]}), "
+            "or pickle the module by value (cloudpickle.register_pickle_by_value(module))")
+        with self._lock:
+            t = self._ledger.pop(b[0], None)
+            if t is not None and t.agent is not None and t.agent.failed is None \
+                    and isinstance(b[1], AgentOp) and b[1].kind == "spawn":
+                t.agent.failed = err
+        if t is not None and not t.fut.done():
+            t.fut.set_exception(err)
+
     def _running(self, tid: int, now: float) -> bool:
         """Mark a task's future running as its batch leaves (under the lock); False if the
         user cancelled it, which drops it."""
@@ -485,6 +530,10 @@ class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, _fbase.Exec
                 except RayTaskError as exc:
                     if isinstance(exc.cause, NodeFencedError) or "NodeFencedError" in str(exc):
                         self._lost(node, "fenced")
+                    elif kind == "submit":  # the node is up; its batch did not load there
+                        self._unloadable(node, extra, exc)
+                    elif kind == "probe":
+                        self._refused(extra, exc)
                     else:
                         self._lost(node, f"{type(exc).__name__}: {exc}")
                     continue
@@ -509,7 +558,7 @@ class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, _fbase.Exec
             for n in full:
                 self._send(n)
             self._poll(node)
-        elif kind == "submit" or kind == "ping":
+        elif kind == "submit" or kind == "ping" or kind == "probe":
             node.load = value
             if kind == "submit" and not node.in_flight and node.pending:
                 self._send(node)  # what came while the call was out: now, not at batch_s
@@ -550,6 +599,8 @@ class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, _fbase.Exec
                 if t is None:
                     st.duplicates += 1
                     continue
+                if not ok and t.agent is not None and t.agent.failed is not None:
+                    value = (t.agent.failed, "")  # (its spawn failed: that is the reason)
                 done.append((t.fut, ok, value))
                 lat.append(now - t.at)
             st.done += len(done)

@@ -69,7 +69,7 @@ from stealer.agents.message import SET_STATE, STATE
 from stealer.cluster import children
 from stealer.cluster.asks import AskServer
 from stealer.cluster.policy import Load, RoundTrip, StealConfig, Thief, Victim, linger_for
-from stealer.errors import NodeFencedError, RemoteError, RemoteTraceback
+from stealer.errors import AgentStopped, NodeFencedError, RemoteError, RemoteTraceback
 
 __all__ = ["AgentOp", "NodeAgent", "node_cpus", "run_chunk"]
 
@@ -623,7 +623,10 @@ class NodeAgent:
                 self.aid_by_h[ref.id] = op.aid  # (handles carry their generation: not reused)
                 self._finished(tid, True, None)
                 return
-            ref = self.agents[op.aid]
+            ref = self.agents.get(op.aid)
+            if ref is None:  # (its spawn could not be loaded here: the client says why)
+                raise AgentStopped(f"agent {op.aid} is not on node {self.node[:12]}: its "
+                                   "spawn failed there, or it has left", op.aid)
             if op.kind in ("call", "send"):
                 method, args, kwargs = op.a
                 f = ref.call(method, *args, **kwargs)

@@ -638,6 +638,10 @@ class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, _fbase.Exec
                 raise
             with self._lock:
                 self._waits[ref] = ("submit", node, extra)
+        elif kind == "probe":  # (one task of a batch that did not load: _unloadable)
+            ref = node.handle.submit.remote([extra], None)
+            with self._lock:
+                self._waits[ref] = ("probe", node, extra)
         elif kind == "ready":
             ref = node.handle.ping.remote()
             with self._lock:

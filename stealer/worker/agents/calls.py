@@ -181,7 +181,7 @@ class Calls:
 
     @_api
     def call(self, h: int, method: str, args: tuple, kwargs: dict,
-             deadline: float | None, uid: str | None = None) -> CallPending:
+             deadline: float | None, uid: str | None = None) -> CallPending | TaskCall:
         e = self.current
         if e is None:
             return self.task_call(h, method, args, kwargs, deadline, uid)

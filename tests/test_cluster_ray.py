@@ -341,6 +341,60 @@ def test_code_the_nodes_cannot_import_fails_its_futures_not_the_nodes(ex, tmp_pa
     monkeypatch.delitem(sys.modules, "driver_only_mod")
 
 
+def test_a_batch_a_node_cannot_load_is_probed_task_by_task(ex, tmp_path, monkeypatch):
+    """One batch of three tasks, the middle one of a module no node can import: the
+    batch fails on the node, each task goes again alone (a probe; the first probe meets
+    a transient ActorUnavailableError and goes again); the good two run, the bad one
+    fails with what to do, and the node's later batches still run."""
+    from ray.exceptions import ActorUnavailableError
+
+    import stealer.cluster.client as cc
+
+    (tmp_path / "driver_only_mod2.py").write_text(DRIVER_ONLY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import driver_only_mod2 as m
+
+    node = ex._nodes[ex.nodes[0]]
+    real_get = cc.ray.get
+    probes: set = set()
+    hit: list = []
+
+    class Waits(dict):  # notes the probes' refs as the client registers them
+        def __setitem__(self, ref, v):
+            if v[0] == "probe":
+                probes.add(ref)
+            super().__setitem__(ref, v)
+
+    def flaky_get(ref, *a, **k):
+        if ref in probes and not hit:
+            hit.append(ref)
+            raise ActorUnavailableError("injected by the test", None)
+        return real_get(ref, *a, **k)
+
+    with ex._lock:
+        ex._waits = Waits(ex._waits)
+        node.in_flight += 1  # as if a submit call were out: the three wait in one batch
+    monkeypatch.setattr(cc.ray, "get", flaky_get)
+    monkeypatch.setattr(ex, "_batch_s", 30.0)  # (no timer sends a part of the three)
+    try:
+        fs = [ex.submit_to(node.id, abs, -5), ex.submit_to(node.id, m.double, 21),
+              ex.submit_to(node.id, abs, -7)]
+        with ex._lock:
+            node.in_flight -= 1
+        ex._send(node)
+        with pytest.raises(stealer.SerializationError, match="importable on every node"):
+            fs[1].result(timeout=60)
+        assert [fs[0].result(timeout=60), fs[2].result(timeout=60)] == [5, 7]
+    finally:
+        monkeypatch.setattr(cc.ray, "get", real_get)
+        monkeypatch.setattr(ex, "_batch_s", 0.002)
+        with ex._lock:
+            ex._waits = dict(ex._waits)
+    assert len(probes) >= 4 and len(hit) == 1  # three probes, the first one sent twice
+    assert ex.submit_to(node.id, abs, -3).result(timeout=60) == 3
+    monkeypatch.delitem(sys.modules, "driver_only_mod2")
+
+
 def test_stealer_top_renders_a_running_cluster_executor(ex, capsys):
     """The client publishes its figures (owner-only, under ex.id in /dev/shm) about four
     times a second; `stealer top` lists it with the local executors and renders one row

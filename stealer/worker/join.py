@@ -258,7 +258,7 @@ class ForkJoinHandling:
                         # join looks at its children's states itself, after this clear)
                         self.pings.clear(h)
                     elif h in self.conts:
-                        if self._descends(h, top):
+                        if self._runs_here(h, top):
                             self._nested(self.on_ping, h, frame, cur)
                         else:
                             deferred.append(h)  # pinged again after the join (bit still set)
@@ -277,7 +277,7 @@ class ForkJoinHandling:
                 h = deque.pop()  # leased: killed from here on, a recoverer pushes it again
                 if FP.ON and h >= 0:
                     FP.hit("worker.join_after_pop")
-                if h >= 0 and not self._descends(h, top) and not self._agents_child(h):
+                if h >= 0 and not self._runs_here(h, top):
                     # back where it was: cannot fail (we own the deque and just popped it)
                     deque.push(h)
                     h = -1
@@ -345,27 +345,19 @@ class ForkJoinHandling:
         if FP.ON:
             FP.hit("worker.join_after_nested")
 
-    def _descends(self, h: int, top: int) -> bool:
-        """Whether record ``h`` is a child, grandchild... of task ``top``."""
+    def _runs_here(self, h: int, top: int) -> bool:
+        """Whether record ``h`` (a task to run or a frame to resume) may run on top of
+        task ``top``, which waits in a blocking join: it is a child, grandchild... of
+        ``top``, or of an agent (spawned by an agent's turn, or by such a child: an
+        agent waiting for it could be the one ``top`` waits for, and nothing an agent
+        runs waits for ``top``)."""
         a = self.arena
         for _ in range(MAX_NEST):
             kind, _status, link = a.kind_link(a.off(h))  # set before its push: stable
             if kind & K_MASK != K_CHILD:
-                return False
+                return bool(kind & F_AGENT)  # the root: an agent's children run here
             if link == top:
                 return True
-            h = link
-        return False
-
-    def _agents_child(self, h: int) -> bool:
-        """Whether record ``h`` descends from an agent (a child an agent's turn spawned, or
-        theirs): run here as the agent's turns are (an agent that waits for it could be
-        the one this task waits for, and nothing it runs waits for this task)."""
-        a = self.arena
-        for _ in range(MAX_NEST):
-            kind, _status, link = a.kind_link(a.off(h))  # set before its push: stable
-            if kind & K_MASK != K_CHILD:
-                return bool(kind & F_AGENT)
             h = link
         return False
 

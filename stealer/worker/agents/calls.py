@@ -16,7 +16,7 @@ from typing import Any
 
 from stealer.agents.api import AgentRef, Pending, PendingAll, _Kids
 from stealer.agents.jblob import pack as journal_pack
-from stealer.agents.message import AGENT_FID, encode_message
+from stealer.agents.message import AGENT_FID, encode_message, message_reply
 from stealer.agents.options import DEFAULT_OPTIONS, AgentOptions
 from stealer.errors import (
     AgentDeadlock,
@@ -151,10 +151,26 @@ class Calls:
 
     def deliver_to(self, h: int, m: int) -> None:
         if not self.dir.push(h, m):
-            self.a.free(m)  # closed: the agent is gone (the send is dropped, as to a dead pid)
             self.dir.give_back(h)
+            self.dropped(h, m)  # closed: the agent is gone
             return
         self.dir.notify(h, self.k)
+
+    def dropped(self, h: int, m: int) -> None:
+        """Message ``m`` never reached agent ``h`` (it stopped, finished or failed first):
+        freed, as a send to a dead pid; a call's caller gets AgentStopped as its reply
+        (the agent that closed its mailbox answered only what was in it: a call dropped
+        here was never answered, and a task waiting for it hung)."""
+        a = self.a
+        try:
+            rh = message_reply(a.read_call(a.off(m)))
+        except BaseException:
+            rh = -1
+        a.free(m)
+        if rh >= 0:
+            self.reply(rh, ST_ERROR, AgentStopped(
+                f"agent {h:#x} was stopped, finished or failed before this call reached it",
+                h))
 
     def flush_outboxes(self) -> None:
         still = []
@@ -165,7 +181,7 @@ class Calls:
                 st = self.a.tr.state(h)
                 if st is None or st[0] == S_DONE:
                     ob.popleft()
-                    self.a.free(m)
+                    self.dropped(h, m)
                     continue
                 if not self.dir.reserve(h):
                     break
@@ -238,31 +254,51 @@ class Calls:
         answer pings the task as a finished child would, so ``yield`` and the blocking
         join (which runs this worker's agents while it waits) take it as one.  Not
         journaled: a task is re-run whole after a crash, and calls again."""
-        frame = self.w.task_frame()
-        if frame is None:
-            raise NotInTaskError("ref.call() on a worker is made from a task or an agent "
-                                 "running there")
         if h < 0:
             return self._answered(AgentStopped(f"agent {uid!r} had finished before the "
                                                "recovery", h))
-        a = self.a
-        rh = self.alloc()
-        # QUEUED on no queue: the agent claims it when it answers (a recoverer frees it if
-        # this task's worker dies first: drop_calls)
-        a.setup(rh, K_CHILD | F_TASKCALL, frame.h, time.monotonic_ns())
-        data, bufs = encode_message(h, method, args, kwargs, rh, deadline)
-        c = TaskCall(rh)
-        frame.kids[rh] = c  # before the send: the task's end waits for the reply
-        if FP.ON:
-            FP.hit("agent.task_call_before_send")
-        try:
+
+        def send(rh: int) -> None:
+            data, bufs = encode_message(h, method, args, kwargs, rh, deadline)
+            if FP.ON:
+                FP.hit("agent.task_call_before_send")
             self._send(h, data, bufs, True)
-        except BaseException as exc:
-            del frame.kids[rh]
-            a.free(rh)
-            if isinstance(exc, AgentStopped):
-                return self._answered(exc)
-            raise
+
+        try:
+            return self._task_slot(send)
+        except AgentStopped as exc:
+            return self._answered(exc)
+
+    def _task_slot(self, send: Any) -> TaskCall:
+        """A task's reply slot (QUEUED on no queue: the agent claims it when it answers; a
+        recoverer frees it if this task's worker dies first, Recovery.drop_calls), made a
+        child of the running task's frame before ``send(rh)`` sends the call; undone if
+        that raises.  Ctrl-C is held back meanwhile (as in ForkJoinHandling.spawn): a slot
+        left out of the frame's children, or in them with no call sent, would leak or
+        hang the task's end."""
+        w = self.w
+        frame = w.task_frame()
+        if frame is None:
+            raise NotInTaskError("ref.call() on a worker is made from a task or an agent "
+                                 "running there")
+        a = self.a
+        w.in_spawn = True
+        try:
+            rh = self.alloc()
+            a.setup(rh, K_CHILD | F_TASKCALL, frame.h, time.monotonic_ns())
+            c = TaskCall(rh)
+            frame.kids[rh] = c  # before the send: the task's end waits for the reply
+            try:
+                send(rh)
+            except BaseException:
+                del frame.kids[rh]
+                a.free(rh)
+                raise
+        finally:
+            w.in_spawn = False
+        if w.interrupted:
+            w.interrupted = False
+            raise KeyboardInterrupt
         return c
 
     @staticmethod
@@ -419,28 +455,21 @@ class Calls:
         completed by this worker's loop (:meth:`take_answer`) when the thread is done, so
         the task yields or joins it as any call, and the worker runs its agents meanwhile
         (the agent called may live on this node)."""
-        frame = self.w.task_frame()
-        if frame is None:
-            raise NotInTaskError("ref.call() on a worker is made from a task or an agent "
-                                 "running there")
-        a = self.a
-        rh = self.alloc()
-        a.setup(rh, K_CHILD | F_TASKCALL, frame.h, time.monotonic_ns())  # QUEUED, no queue
-        c = TaskCall(rh)
-        frame.kids[rh] = c
         answers = self.answers
         inbox = self.w.inbox
         idle = self.w.idle
         k = self.k
 
-        def done(f: Any) -> None:
-            answers[rh] = f  # (a dict store: atomic under the GIL)
-            while not inbox.push(rh):  # our own inbox: the loop completes the slot
-                time.sleep(0.0001)
-            idle.notify_worker(k)
+        def send(rh: int) -> None:
+            def done(f: Any) -> None:
+                answers[rh] = f  # (a dict store: atomic under the GIL)
+                while not inbox.push(rh):  # our own inbox: the loop completes the slot
+                    time.sleep(0.0001)
+                idle.notify_worker(k)
 
-        self._threads().submit(fn, *args).add_done_callback(done)
-        return c
+            self._threads().submit(fn, *args).add_done_callback(done)
+
+        return self._task_slot(send)
 
     def take_answer(self, rh: int) -> bool:
         """An inbox entry ``rh``: if it is a :meth:`task_blocking` slot whose thread is

@@ -42,9 +42,7 @@ from stealer.shared._layout import (
     AF_CONTROL,
     D_CKPT,
     F_AGENT,
-    F_TASKCALL,
     INLINE,
-    K_CHILD,
     K_CKPT,
     K_MASK,
     K_MSG,
@@ -59,6 +57,7 @@ from stealer.shared._layout import (
     ST_OK,
 )
 from stealer.shared.records import Outcome
+from stealer.shared.recovery import task_call_slot
 from stealer.shared.shm import STATE_READY, STATE_STARTING, W_CURRENT, W_STATE
 
 __all__ = ["AgentClient", "AGENT_FID", "lookup", "encode_message"]
@@ -757,7 +756,7 @@ class AgentClient:
                 if f is not None:
                     self.pool.resolve(f, ST_ERROR, (exc, ""))
             return
-        task = kind & (K_MASK | F_TASKCALL) == K_CHILD | F_TASKCALL  # a task's call
+        task = task_call_slot(kind)  # a task's call
         if ((task or kind & K_MASK == K_REPLY)
                 and tr.cas(rh, S_QUEUED, 0, S_RECOVERING, 0) is Outcome.OK):
             data, bufs = serialize.dumps((exc, ""))

@@ -196,12 +196,18 @@ def _no_room(owner: int, h: int) -> None:
     raise RuntimeError(f"the inbox of worker {owner} is full (ping for {h:#x})")
 
 
+def task_call_slot(kind: int) -> bool:
+    """Whether a record of ``kind`` (R_KIND) is the reply slot of a call a task made to an
+    agent (K_CHILD | F_TASKCALL): answered by an agent, its DONE pings the task."""
+    return kind & (K_MASK | F_TASKCALL) == K_CHILD | F_TASKCALL
+
+
 def reply_slot(mm: Any, off: int) -> bool:
     """Whether the record at ``off`` is a reply slot: an agent's (K_REPLY), a task's
     (K_CHILD | F_TASKCALL), or a client call's (a K_ROOT that is no agent and has no call
     payload: tasks always have one)."""
     kind = _U32.unpack_from(mm, off + R_KIND)[0]
-    if kind & K_MASK == K_REPLY or kind & (K_MASK | F_TASKCALL) == K_CHILD | F_TASKCALL:
+    if kind & K_MASK == K_REPLY or task_call_slot(kind):
         return True
     return (kind & K_MASK == K_ROOT and not kind & F_AGENT
             and _U32.unpack_from(mm, off + R_PCLASS)[0] == 0

@@ -74,6 +74,16 @@ class HandlerForker(stealer.Agent):
         v = yield stealer.spawn(_square, x)
         return v + 1
 
+    def deep(self, x: int) -> Any:
+        """A child that is itself a generator waiting for a grandchild."""
+        v = yield stealer.spawn(_square_plus_one, x)
+        return v + 1
+
+
+def _square_plus_one(x: int) -> Any:
+    v = yield stealer.spawn(_square, x)
+    return v + 1
+
 
 def gets_from_task(ref: stealer.AgentRef, n: int) -> list[int]:
     """A plain task that calls an agent ``n`` times and waits for each reply."""

@@ -1,8 +1,9 @@
 """Module layers: the tools sit on top of the core, and no stealer modules import in a circle.
 
 The tools are the command line and what it runs (cli, top, tune, prometheus, bench/, and
-``python -m stealer``); the optional integrations (stealer.joblib: it imports joblib, and
-stealer.cluster: it imports Ray, neither of which the core depends on) sit on top too.  Every other module under stealer/ is the core, the
+``python -m stealer``); the optional integrations (stealer.joblib: it imports joblib,
+stealer.cluster: it imports Ray, stealer.gym: it imports gymnasium, none of which the core
+depends on) sit on top too.  Every other module under stealer/ is the core, the
 package's own ``__init__`` included.  The core never imports a tool or an integration, not
 even lazily inside a function, with one exception (``FACADE``): ``Executor(cluster=...)``
 imports the cluster integration lazily, inside ``Executor.__new__``, and only when asked;
@@ -34,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 TOOLS = ("stealer.cli", "stealer.top", "stealer.tune", "stealer.prometheus", "stealer.bench",
          "stealer.dashboard", "stealer.__main__")
 #: Optional integrations with third-party packages (extras): leaves on top of the core.
-INTEGRATIONS = ("stealer.joblib", "stealer.cluster")
+INTEGRATIONS = ("stealer.joblib", "stealer.cluster", "stealer.gym")
 #: The one way from the core to an integration: the facade's lazy import of the cluster
 #: executor (``Executor(cluster=...)``), inside a function only.
 FACADE = {("stealer.client.executor", "stealer.cluster.client")}

@@ -115,3 +115,12 @@ class LockedCountEnv(CountEnv):
 
 def make_locked_count_env(slow: float = 0.0) -> Any:
     return lambda: LockedCountEnv(slow)
+
+
+class TypeEnv(CountEnv):
+    """CountEnv whose info names the type of the action it got (a Discrete space's
+    actions are numpy scalars in gymnasium's vector environments)."""
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict]:
+        obs, r, te, tr, _ = super().step(action)
+        return obs, r, te, tr, {"atype": f"{type(action).__module__}.{type(action).__name__}"}

@@ -83,6 +83,22 @@ def test_steps_equal_sync_vector_env(ex, kind: str, mode: AutoresetMode) -> None
         s.close()
 
 
+def test_discrete_actions_reach_the_environment_as_numpy_scalars(ex) -> None:
+    """They travel as Python ints with their dtype (the fast path) and are numpy scalars
+    again in the environment, as SyncVectorEnv gives them."""
+    fns = [gym_lib.TypeEnv] * 3
+    a, s = AgentVectorEnv(fns, executor=ex), SyncVectorEnv(fns)
+    try:
+        a.reset(seed=0)
+        s.reset(seed=0)
+        act = np.array([1, 2, 3], dtype=np.int64)
+        ia, is_ = a.step(act)[4], s.step(act)[4]
+        assert list(ia["atype"]) == list(is_["atype"]) == ["numpy.int64"] * 3
+    finally:
+        a.close()
+        s.close()
+
+
 def test_reset_seeds_list_and_none(ex) -> None:
     fns = [gym_lib.make_dict_env] * 3
     a, s = AgentVectorEnv(fns, executor=ex), SyncVectorEnv(fns)
@@ -288,6 +304,21 @@ def test_a_killed_worker_cuts_the_episodes_of_unpicklable_environments() -> None
     after the death ends its episode (truncated, stealer_restarted), and it goes on."""
     cuts, killed = _steps_under_kills(gym_lib.make_locked_count_env)
     assert len(killed) == 6 and cuts >= 3
+
+
+def test_the_gym_vector_benchmark_runs_and_checks_the_observations() -> None:
+    """benchmarks/gym_vector.py at a tiny size (CartPole: no calibration): every system's
+    row, their final observations checked equal by the script (it exits 1 otherwise)."""
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gym_vector.py"
+    out = subprocess.run([sys.executable, str(script), "--steps", "8", "--blocks", "2",
+                          "--workers", "2", "--only", "cartpole", "--json"],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout)["CartPole-v1 x32"]
+    assert len(rows) == 3 and all(r["env_steps_per_s"] > 0 for r in rows.values()), rows
 
 
 def test_import_stealer_does_not_import_gymnasium() -> None:

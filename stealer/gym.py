@@ -46,7 +46,8 @@ Where stealer differs, and why:
   in ``same_step`` mode ``final_obs`` is that observation too, the true last one being
   lost): the trajectory is cut there, as a time limit cuts it.
 * **Executor**: ``executor=ex`` runs the environments on an executor of yours (several
-  vector environments may share one); else the vector environment starts its own
+  vector environments may share one; a cluster executor, ``Executor(cluster=...)``,
+  spreads them over the nodes); else the vector environment starts its own
   (``workers``, default every usable core) and shuts it down on ``close()``.  Other
   keyword arguments are agent options (``spawn_agents``): ``mailbox``, ``tier``,
   ``checkpoint_every``...
@@ -219,9 +220,14 @@ class AgentVectorEnv(VectorEnv):
         self._state: str | None = None  # "step" or "reset" between *_async and *_wait
         self._futs: list[Any] = []
         try:
-            self._refs = self._ex.spawn_agents(
-                EnvAgent, [(fn, self.autoreset_mode.value) for fn in env_fns],
-                **agent_options)
+            args = [(fn, self.autoreset_mode.value) for fn in env_fns]
+            many = getattr(self._ex, "spawn_agents", None)
+            if many is not None:
+                self._refs = many(EnvAgent, args, **agent_options)
+            else:  # a cluster executor: one spawn each (placed over the nodes)
+                self._refs = refs = []
+                for a in args:
+                    refs.append(self._ex.spawn_agent(EnvAgent, *a, **agent_options))
             spaces = _batch_of(self._ex.call_all(self._refs, "spaces"), None)
             self._setup(spaces, observation_mode)
         except BaseException:

@@ -758,9 +758,38 @@ def test_node_loss_resubmits_its_tasks_and_new_nodes_join(cluster, own):
         e.shutdown()
 
 
+def test_gymnasium_vector_env_on_the_cluster(ex):
+    """stealer.gym.AgentVectorEnv on a cluster executor: its environments are agents
+    spread over the nodes; every step equals SyncVectorEnv's."""
+    gym = pytest.importorskip("gymnasium")
+    import numpy as np
+    from gymnasium.vector import SyncVectorEnv
+
+    from stealer.gym import AgentVectorEnv
+
+    fns = [lambda: gym.make("CartPole-v1")] * 4
+    a, s = AgentVectorEnv(fns, executor=ex), SyncVectorEnv(fns)
+    try:
+        oa, _ = a.reset(seed=3)
+        os_, _ = s.reset(seed=3)
+        assert np.array_equal(oa, os_)
+        ends = 0
+        for t in range(80):
+            act = np.array([(t + i) % 2 for i in range(4)])
+            ra, rs = a.step(act), s.step(act)
+            for x, y in zip(ra[:4], rs[:4]):
+                assert np.array_equal(x, y), (t, x, y)
+            ends += int((ra[2] | ra[3]).sum())
+        assert ends > 0
+    finally:
+        a.close()
+        s.close()
+
+
 def test_nothing_is_left_behind(cluster, own):
     assert len(MADE) >= 4  # the shared executor's two, and the node-loss test's
     deadline = time.monotonic() + 10
     while segments() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not segments(), f"node executors left segments: {segments()}"
+

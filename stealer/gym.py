@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import random
+import time
 from collections.abc import Callable, Sequence
 from copy import deepcopy
 from typing import Any
@@ -172,16 +173,18 @@ class EnvAgent(stealer.Agent):
 
 
 def _batch_of(futs: Sequence[Any], timeout: float | None) -> list[Any]:
-    """Every future's value in order; the first error raised once all have settled (so the
-    replies of the others are taken and the next step finds the agents ready)."""
+    """Every future's value in order, within ``timeout`` seconds in all; the first error
+    raised once all have settled (so the replies of the others are taken and the next step
+    finds the agents ready).  A timeout, or Ctrl-C, is raised at once."""
     out: list[Any] = []
     err: BaseException | None = None
+    end = None if timeout is None else time.monotonic() + timeout
     for f in futs:
         try:
-            out.append(f.result(timeout))
+            out.append(f.result(None if end is None else max(0.0, end - time.monotonic())))
         except _TIMEOUTS:
             raise
-        except BaseException as exc:  # the environment's own error, or AgentStopped...
+        except Exception as exc:  # the environment's own error, or AgentStopped...
             if err is None:
                 err = exc
             out.append(None)

@@ -321,15 +321,7 @@ class AgentVectorEnv(VectorEnv):
 
     def reset_wait(self, timeout: float | None = None) -> tuple[Any, dict[str, Any]]:
         """The replies of :meth:`reset_async`: (observations, infos)."""
-        self._waiting("reset", "reset_wait")
-        try:
-            replies = _batch_of(self._futs, timeout)
-        except _TIMEOUTS:  # still waiting: *_wait may be called again
-            raise
-        except BaseException:
-            self._state = None
-            raise
-        self._state = None
+        replies = self._replies("reset", timeout)
         infos: dict[str, Any] = {}
         for i, (obs, info) in zip(self._which, replies):
             self._env_obs[i] = obs
@@ -369,15 +361,7 @@ class AgentVectorEnv(VectorEnv):
                   ) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         """The replies of :meth:`step_async`: (observations, rewards, terminations,
         truncations, infos)."""
-        self._waiting("step", "step_wait")
-        try:
-            replies = _batch_of(self._futs, timeout)
-        except _TIMEOUTS:  # still waiting: *_wait may be called again
-            raise
-        except BaseException:
-            self._state = None
-            raise
-        self._state = None
+        replies = self._replies("step", timeout)
         same = self.autoreset_mode is AutoresetMode.SAME_STEP
         infos: dict[str, Any] = {}
         rew, term, trunc, env_obs = self._rewards, self._terminations, self._truncations, \
@@ -470,6 +454,20 @@ class AgentVectorEnv(VectorEnv):
                 self.close()
             except Exception:  # (at interpreter exit the executor may be gone already)
                 pass
+
+    def _replies(self, state: str, timeout: float | None) -> list[Any]:
+        """The replies of the ``state`` sent (reset or step), the vector idle again after
+        them, or after an error; a timeout leaves it waiting (*_wait may be called again)."""
+        self._waiting(state, f"{state}_wait")
+        try:
+            replies = _batch_of(self._futs, timeout)
+        except _TIMEOUTS:
+            raise
+        except BaseException:
+            self._state = None
+            raise
+        self._state = None
+        return replies
 
     # -- state checks ------------------------------------------------------------------------
     def _idle(self, what: str) -> None:

@@ -211,8 +211,9 @@ def test_bad_arguments() -> None:
                            executor=e)
         # the refused constructions stopped their agents: the executor has none left
         deadline = time.monotonic() + 10
-        while e.stats().totals().get("agents_live", 0) and time.monotonic() < deadline:
+        while e.stats().agents_live and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert e.stats().agents_live == 0
         assert e.submit(abs, -3).result(10) == 3
 
 

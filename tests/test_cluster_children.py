@@ -233,7 +233,9 @@ class FakePeer:
                 srv.table.lost("peer")
                 srv.cv.notify_all()
             return
-        fn, args, kwargs = pickle.loads(payload)
+        fn_bytes, call = payload
+        fn = pickle.loads(fn_bytes)
+        args, kwargs = pickle.loads(call)
         value = stealer.run_inline(fn, *args, **kwargs)
         with self.srv.cv:
             self.srv.table.result(key, True, value)
@@ -345,3 +347,31 @@ def test_the_directories_of_dead_node_agents_are_removed_by_the_next():
         shutil.rmtree(other)
     finally:
         shutil.rmtree(mine, ignore_errors=True)
+
+
+def test_an_imported_child_names_its_function_by_id_registered_once():
+    """The node agent registers an imported child's function in its node executor's
+    function table at its first import and sends the workers its id; a function that
+    does not unpickle here goes on as its pickle (the worker reports what fails)."""
+    from stealer.bench.workloads import fib
+
+    seen = []
+
+    def fid_of(fn):
+        seen.append(fn)
+        return 7
+
+    d = children.make_dir()
+    srv = ChildServer(d, lambda *a: None, lambda: None, lambda node: None, fid_of)
+    try:
+        call = children._pack(((5, 2), {}))
+        payload = (children._fn_bytes(fib), call)
+        assert children._fn_bytes(fib) is payload[0]  # made once per function
+        assert srv._local(payload) == (7, None, call)
+        assert srv._local(payload) == (7, None, call)
+        assert seen == [fib]
+        assert srv._local((b"no pickle", call)) == (-1, b"no pickle", call)
+        assert children._call_of((-1, payload[0], call)) == (fib, (5, 2), {})
+    finally:
+        srv.close()
+        shutil.rmtree(d, ignore_errors=True)

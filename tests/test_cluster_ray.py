@@ -341,6 +341,73 @@ def test_code_the_nodes_cannot_import_fails_its_futures_not_the_nodes(ex, tmp_pa
     monkeypatch.delitem(sys.modules, "driver_only_mod")
 
 
+BY_VALUE = """
+import os
+import stealer
+
+
+class Oops(Exception):
+    pass
+
+
+def seq(n):
+    return n if n < 2 else seq(n - 1) + seq(n - 2)
+
+
+def fib_where(n):
+    if n < 14:
+        return seq(n), (os.environ.get("STEALER_NODE_CPUS", "?"),)
+    (x, wx), (y, wy) = yield [stealer.spawn(fib_where, n - 1), stealer.spawn(fib_where, n - 2)]
+    return x + y, tuple(sorted(set(wx) | set(wy)))
+
+
+def fails_at(n, bad):
+    if n == bad:
+        raise Oops(f"leaf {n}")
+    if n < 14:
+        return seq(n)
+    x, y = yield [stealer.spawn(fails_at, n - 1, bad), stealer.spawn(fails_at, n - 2, bad)]
+    return x + y
+"""
+
+
+def test_a_tree_written_in_the_client_s_script_is_shared_between_the_nodes(
+        ex, tmp_path, monkeypatch):
+    """Code of the client's ``__main__`` (a user's script or notebook) reaches the nodes
+    by value (cloudpickle), here a module registered so, as the error of the test above
+    tells a user to do.  Its tree's spawns are exported
+    and may run on the other node, and an exception of its own class comes back as itself
+    (stdlib pickle cannot write such code again on a node: no child was ever exported,
+    and the exception came back as a RemoteError)."""
+    from ray import cloudpickle  # (Ray's own copy: it writes the batches)
+
+    (tmp_path / "by_value_mod.py").write_text(BY_VALUE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import by_value_mod as m
+
+    cloudpickle.register_pickle_by_value(m)
+    try:
+        first = ex.nodes[0]
+        exported = ex.stats().nodes[first]["children"]["exported"]
+        trees = []
+        for _ in range(3):  # (the other node may be slow to ask on a busy machine)
+            value, ran = ex.submit_to(first, m.fib_where, 28).result(timeout=60)
+            assert value == ct.fib_seq(28)
+            trees.append(ran)
+            if len(ran) == 2:
+                break
+        kids = ex.stats().nodes[first]["children"]
+        assert kids["exported"] - exported >= 14 * len(trees)  # its spawns of depth 1-3
+        assert len(trees[-1]) == 2, f"the other node ran none of the trees: {trees}, {kids}"
+        with pytest.raises(m.Oops, match="leaf 14"):
+            ex.submit_to(first, m.fails_at, 24, 14).result(timeout=60)
+        with pytest.raises(m.Oops, match="leaf 7"):
+            ex.submit(m.fails_at, 7, 7).result(timeout=60)
+    finally:
+        cloudpickle.unregister_pickle_by_value(m)
+        monkeypatch.delitem(sys.modules, "by_value_mod")
+
+
 def test_a_batch_a_node_cannot_load_is_probed_task_by_task(ex, tmp_path, monkeypatch):
     """One batch of three tasks, the middle one of a module no node can import: the
     batch fails on the node, each task goes again alone (a probe; the first probe meets

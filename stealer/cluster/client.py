@@ -461,7 +461,8 @@ class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, _fbase.Exec
             f"{str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}. On a "
             "cluster the code and arguments must be importable on every node: install its "
             "package there, ship it with ray.init(runtime_env={'py_modules': [module]}), "
-            "or pickle the module by value (cloudpickle.register_pickle_by_value(module))")
+            "or pickle the module by value (ray.cloudpickle.register_pickle_by_value(module): "
+            "Ray has its own copy of cloudpickle)")
         with self._lock:
             t = self._ledger.pop(b[0], None)
             if t is not None and t.agent is not None and t.agent.failed is None \

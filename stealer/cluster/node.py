@@ -54,7 +54,6 @@ import contextlib
 import functools
 import math
 import os
-import pickle
 import random
 import shutil
 import signal
@@ -141,7 +140,7 @@ def _approx_size(args: tuple, kwargs: dict) -> int:
 
 def _outcome(f: Any) -> tuple[bool, Any]:
     """A finished local future as (ok, value) for the client: an error is (exc, traceback
-    text), and an exception Ray could not pickle back becomes a RemoteError."""
+    text), and an exception that cannot be pickled back becomes a RemoteError."""
     if f.cancelled():
         return False, (RemoteError("the task was cancelled on its node"), "")
     exc = f.exception()
@@ -150,8 +149,8 @@ def _outcome(f: Any) -> tuple[bool, Any]:
     cause = exc.__cause__
     tb = cause.tb if isinstance(cause, RemoteTraceback) else ""
     exc.__cause__ = None
-    try:
-        pickle.dumps(exc)
+    try:  # as Ray will: by value where it must (a class of the client's __main__)
+        children._pack(exc)
     except Exception:
         exc = RemoteError(f"{type(exc).__name__}: {exc}")
     return False, (exc, tb)
@@ -176,7 +175,8 @@ class NodeAgent:
         if steal is not None and steal.children > 0:
             self.kids_dir = children.make_dir()
             self.kids = children.ChildServer(self.kids_dir, self._child_back,
-                                             self._kids_changed, self._kids_hungry)
+                                             self._kids_changed, self._kids_hungry,
+                                             lambda fn: self.ex._pool.fns.id_of(fn))
             local["initargs"] = (self.kids.path, self.kids.want_path, self.kids.authkey,
                                  steal.child_depth, local.pop("initializer", None),
                                  tuple(local.pop("initargs", ()) or ()), steal.want_depth)

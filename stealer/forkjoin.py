@@ -139,6 +139,12 @@ def join(children: Child | list[Child] | tuple[Child, ...], timeout: float | Non
     their turn).
     """
     kids, single = children_of(children)
+    if timeout is not None and (isinstance(timeout, bool)
+                                or not isinstance(timeout, (int, float))):
+        raise TypeError(
+            f"stealer.join()'s second argument is a timeout in seconds, not a "
+            f"{type(timeout).__name__}: join several children as a list, "
+            "stealer.join([a, b])")
     cur = _current
     if cur is None:
         raise NotInTaskError(

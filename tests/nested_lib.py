@@ -159,3 +159,8 @@ def evaluate(tree, ex=None):
 def _evaluate_gen(kids, ex):
     vals = yield [stealer.spawn(evaluate, k, ex) for k in kids]
     return sum(vals)
+
+
+def join_two_as_arguments() -> None:
+    a, b = stealer.spawn(square, 2), stealer.spawn(square, 3)
+    stealer.join(a, b)  # wrong: a list joins several, the second argument is a timeout

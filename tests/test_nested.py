@@ -67,6 +67,12 @@ def test_joining_a_child_of_another_task_is_refused(ex):
         ex.submit(N.join_others, stealer.Child(12345)).result(60)
 
 
+def test_join_of_two_children_as_two_arguments_says_to_pass_a_list(ex):
+    # (it failed deep in the wait with "unsupported operand ... 'float' and 'Child'")
+    with pytest.raises(TypeError, match=r"as a list, stealer.join\(\[a, b\]\)"):
+        ex.submit(N.join_two_as_arguments).result(60)
+
+
 def test_join_outside_a_task_says_where_it_works():
     with pytest.raises(stealer.NotInTaskError, match="inside a task"):
         stealer.join(stealer.Child(1))

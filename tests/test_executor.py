@@ -340,6 +340,33 @@ def test_shutdown_cancel_futures():
     assert all(f.cancelled() for f in queued)
 
 
+def _interrupted_block(exc_type):
+    """A ``with`` block that submits 30 tasks to one worker and raises ``exc_type`` while
+    the first one runs: the futures, and whether the block's end let the queued run."""
+    fs = []
+    with pytest.raises(exc_type), stealer.Executor(1) as e:
+        fs.append(e.submit(tasks.sleep_then, 0.3, "first"))
+        fs += [e.submit(tasks.square, i) for i in range(29)]
+        deadline = time.monotonic() + 10
+        while not fs[0].running() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        raise exc_type()
+    assert all(f.done() for f in fs)  # shutdown(wait=True): nothing left behind
+    assert fs[0].result() == "first"  # the running one finished
+    return fs
+
+
+def test_ctrl_c_in_the_with_block_cancels_the_tasks_not_started():
+    # (the stdlib's with-block runs every queued task before the KeyboardInterrupt goes on)
+    fs = _interrupted_block(KeyboardInterrupt)
+    assert all(f.cancelled() for f in fs[1:])
+
+
+def test_an_error_in_the_with_block_still_runs_every_task():
+    fs = _interrupted_block(ValueError)
+    assert [f.result() for f in fs[1:]] == [i * i for i in range(29)]
+
+
 def test_shutdown_waits_for_pending_work():
     e = stealer.Executor(2)
     fs = [e.submit(tasks.sleep_then, 0.05, i) for i in range(10)]

@@ -60,6 +60,7 @@ from stealer.errors import (
     SerializationError,
 )
 from stealer.forkjoin import NestedExecutor, run_chunk, run_items
+from stealer.futures import CancelOnInterrupt
 from stealer.shared import serialize
 from stealer.shared._layout import S_CANCELLED, S_QUEUED
 from stealer.shared.arena import INLINE, K_ROOT
@@ -319,7 +320,7 @@ def _submit_data(pool: _Pool, retries: int, f: _Future, data: bytes, bufs: list)
     return f
 
 
-class Executor(_fbase.Executor):
+class Executor(CancelOnInterrupt, _fbase.Executor):
     """A ``concurrent.futures.Executor`` of worker processes that steal work from each other.
 
     Drop-in for :class:`~concurrent.futures.ProcessPoolExecutor`: the same

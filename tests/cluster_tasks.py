@@ -149,3 +149,19 @@ def send_to(ref: Any, method: str, *args: Any) -> str:
     """A plain task that sends to an agent it was given."""
     ref.send(method, *args)
     return "sent"
+
+
+def mark(path: str, x: int, seconds: float) -> int:
+    """Busy for ``seconds``, then append ``x`` to the file ``path`` (which tasks ran)."""
+    spin(seconds)
+    with open(path, "a") as f:
+        f.write(f"{x}\n")
+    return x
+
+
+def marked(path: str) -> list[int]:
+    try:
+        with open(path) as f:
+            return [int(line) for line in f]
+    except FileNotFoundError:
+        return []

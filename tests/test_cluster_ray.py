@@ -388,7 +388,11 @@ def test_a_tree_written_in_the_client_s_script_is_shared_between_the_nodes(
     cloudpickle.register_pickle_by_value(m)
     try:
         first = ex.nodes[0]
-        exported = ex.stats().nodes[first]["children"]["exported"]
+
+        def exported():  # (a child shipped early exports its own spawns on the other node)
+            return sum(s["children"]["exported"] for s in ex.stats().nodes.values())
+
+        before = exported()
         trees = []
         for _ in range(3):  # (the other node may be slow to ask on a busy machine)
             value, ran = ex.submit_to(first, m.fib_where, 28).result(timeout=60)
@@ -396,8 +400,8 @@ def test_a_tree_written_in_the_client_s_script_is_shared_between_the_nodes(
             trees.append(ran)
             if len(ran) == 2:
                 break
-        kids = ex.stats().nodes[first]["children"]
-        assert kids["exported"] - exported >= 14 * len(trees)  # its spawns of depth 1-3
+        assert exported() - before >= 14 * len(trees)  # each tree's spawns of depth 1-3
+        kids = {n[:8]: s["children"] for n, s in ex.stats().nodes.items()}
         assert len(trees[-1]) == 2, f"the other node ran none of the trees: {trees}, {kids}"
         with pytest.raises(m.Oops, match="leaf 14"):
             ex.submit_to(first, m.fails_at, 24, 14).result(timeout=60)
@@ -406,6 +410,23 @@ def test_a_tree_written_in_the_client_s_script_is_shared_between_the_nodes(
     finally:
         cloudpickle.unregister_pickle_by_value(m)
         monkeypatch.delitem(sys.modules, "by_value_mod")
+
+
+def test_ray_s_cloudpickle_and_the_package_name_a_class_by_value_alike():
+    """What lets a class of the client's script cross two nodes and stay itself: in the
+    client and the node agents, both copies of cloudpickle give a class written by value
+    one id (without it, each its own: the exception above came back as a copy)."""
+    import cloudpickle
+    from ray import cloudpickle as rays
+
+    from stealer.cluster.node import share_class_trackers
+
+    share_class_trackers()
+    cls = type("Made", (Exception,), {"__module__": "__main__"})
+    ids = (rays.cloudpickle._get_or_create_tracker_id(cls),
+           cloudpickle.cloudpickle._get_or_create_tracker_id(cls))
+    assert ids[0] == ids[1]
+    assert pickle.loads(cloudpickle.dumps(cls)) is pickle.loads(rays.dumps(cls)) is cls
 
 
 def test_a_batch_a_node_cannot_load_is_probed_task_by_task(ex, tmp_path, monkeypatch):
@@ -556,6 +577,52 @@ def test_submit_after_shutdown_is_refused(cluster, own):
         e.submit(ct.square, 3)
     with pytest.raises(RuntimeError):  # it is also the stdlib's error type
         e.submit(ct.square, 3)
+
+
+def test_tasks_a_node_holds_are_cancelled_there_and_never_run(cluster, own, tmp_path):
+    """A task's future is running at the client once its batch has left; cancel() then
+    withdraws it from its node if no worker took it yet (it was refused: a task queued
+    there always ran), and a map that ends early withdraws what is left, one call per
+    node (the stdlib's map cancels future by future)."""
+    log = str(tmp_path / "ran")
+    e = stealer.Executor(cluster=True, steal=None)  # (no stealing: the tasks stay put)
+    try:
+        first = e.nodes[0]
+        fs = [e.submit_to(first, ct.mark, log, i, 0.05) for i in range(30)]  # 1.5 s
+        assert fs[0].result(timeout=60) == 0
+        last = fs[-10:]
+        assert all(f.running() for f in last)  # (sent: the stdlib's cancel would refuse)
+        assert [f.cancel() for f in last] == [True] * 10
+        assert all(f.cancelled() for f in last)
+        with pytest.raises(cf.CancelledError):
+            last[0].result()
+        assert [f.result(timeout=60) for f in fs[:20]] == list(range(20))
+        assert not fs[0].cancel()  # done
+        assert sorted(ct.marked(log)) == list(range(20))
+        assert e.stats().withdrawn == 10
+
+        log2 = str(tmp_path / "ran2")
+        it = e.map(ct.mark, [log2] * 40, range(40), [0.05] * 40, timeout=0.4)
+        with pytest.raises(TimeoutError):
+            list(it)
+        withdrawn = e.stats().withdrawn - 10
+        assert withdrawn > 0
+    finally:
+        e.shutdown()
+    ran = ct.marked(log2)
+    assert len(ran) == len(set(ran)) and len(ran) + withdrawn == 40
+
+
+def test_ctrl_c_in_the_with_block_withdraws_what_the_nodes_hold(cluster, own, tmp_path):
+    log = str(tmp_path / "ran")
+    fs = []
+    with pytest.raises(KeyboardInterrupt), stealer.Executor(cluster=True) as e:
+        fs += [e.submit(ct.mark, log, i, 0.05) for i in range(60)]  # ~1.5 s on two
+        fs[0].result(timeout=60)
+        raise KeyboardInterrupt
+    assert all(f.done() for f in fs)
+    kept = sorted(f.result() for f in fs if not f.cancelled())
+    assert len(kept) < 60 and sorted(ct.marked(log)) == kept
 
 
 def test_each_node_knows_the_others_as_soon_as_the_executor_is_up(cluster, own):

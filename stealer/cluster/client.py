@@ -49,6 +49,7 @@ import os
 import random
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import _base as _fbase
@@ -64,7 +65,7 @@ from stealer.cluster.balance import BalanceConfig, Balancer
 from stealer.cluster.journal import ClusterJournal, JournalOnCluster
 from stealer.cluster.ledger import AgentRecord, ClusterStats, NodeView, Task
 from stealer.cluster.moves import AgentMoves
-from stealer.cluster.node import AgentOp, NodeAgent, run_chunk
+from stealer.cluster.node import WITHDRAWN, AgentOp, NodeAgent, run_chunk, share_class_trackers
 from stealer.cluster.policy import Load, StealConfig, place
 from stealer.errors import (
     ClusterError,
@@ -74,13 +75,14 @@ from stealer.errors import (
     SerializationError,
     with_remote_tb,
 )
-from stealer.futures import AwaitableFuture
+from stealer.futures import AwaitableFuture, CancelOnInterrupt
 
 __all__ = ["ClusterAgentRef", "ClusterExecutor", "ClusterStats"]
 
 DEFAULT_STEAL = StealConfig()  # frozen: one instance serves every executor
 DEFAULT_BALANCE = BalanceConfig()
 START_S = 60.0  # node agents must be ready this long after Executor(cluster=...)
+CANCEL_S = 5.0  # the longest Future.cancel() waits for its node's answer
 
 #: Local executor options a node executor takes as they are.
 LOCAL_OPTIONS = ("cpus", "thread_limit", "records", "metrics", "hang_timeout",
@@ -101,6 +103,48 @@ def _complain(who: str, exc: BaseException) -> None:
     print(f"stealer.cluster: {who} caught {type(exc).__name__}: {exc} (going on)",
           file=sys.stderr)
     traceback.print_exc()
+
+
+def _withdrawn(fut: Future) -> bool:
+    """Settle as cancelled a task future its node dropped unstarted (NodeAgent.cancel); the
+    future is RUNNING since its batch left, which the stdlib's cancel() refuses.  Does
+    what cancel() and set_running_or_notify_cancel() together would.  False if the
+    future has a result already."""
+    with fut._condition:
+        if fut._state in (_fbase.CANCELLED, _fbase.CANCELLED_AND_NOTIFIED):
+            return True
+        if fut._state == _fbase.FINISHED:
+            return False
+        fut._state = _fbase.CANCELLED_AND_NOTIFIED
+        for waiter in fut._waiters:
+            waiter.add_cancelled(fut)
+        fut._condition.notify_all()
+    fut._invoke_callbacks()
+    return True
+
+
+class TaskFuture(AwaitableFuture):
+    """A cluster task's future.  ``cancel()`` works as on a local executor: a task still in
+    the client's batch is dropped there; one its node holds but has not started is
+    withdrawn from the node (one Ray call, at most CANCEL_S), and cancel() says True only
+    when the node confirms it will not run."""
+
+    def __init__(self, ex: ClusterExecutor, tid: int) -> None:
+        super().__init__()
+        self._cx = weakref.ref(ex)
+        self._tid = tid
+
+    def cancel_local(self) -> bool:
+        """The stdlib's cancel(): only a task still in the client's batch (or cancelled)."""
+        return Future.cancel(self)
+
+    def cancel(self) -> bool:
+        if Future.cancel(self):
+            return True
+        ex = self._cx()
+        if ex is None or self.done():
+            return False
+        return ex._withdraw([self._tid]) == [self._tid] and _withdrawn(self)
 
 
 def _connect(cluster: Any) -> bool:
@@ -125,7 +169,8 @@ def _connect(cluster: Any) -> bool:
     return True
 
 
-class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, _fbase.Executor):
+class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, CancelOnInterrupt,
+                      _fbase.Executor):
     """A ``concurrent.futures.Executor`` over one stealer executor per node of a Ray cluster.
 
     ``cluster``: a Ray address, or True for the Ray this process already initialised.
@@ -168,6 +213,7 @@ class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, _fbase.Exec
         if not isinstance(retries, int) or not 0 <= retries <= 255:
             raise ValueError(f"retries must be an int from 0 to 255, not {retries!r}")
         self._owns_ray = _connect(cluster)
+        share_class_trackers()  # (node.py: one set of ids for classes written by value)
         self._cls = executor_cls
         self._local = {"retries": retries, **local}
         self._max_workers = max_workers
@@ -184,6 +230,7 @@ class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, _fbase.Exec
         self._wake = threading.Condition(self._lock)
         self._tids = itertools.count()
         self._ledger: dict[int, Task] = {}
+        self._gone: set[int] = set()  # tasks withdrawn (NodeAgent.cancel), outcome not in yet
         self._agents: dict[int, AgentRecord] = {}
         self._waiting_for: dict[int, dict[int, int]] = {}  # (agents.py: _wait_edge)
         self._names: dict[str, AgentRecord] = {}
@@ -309,11 +356,11 @@ class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, _fbase.Exec
     # -- submit ------------------------------------------------------------------------------
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
-        fut: Future = AwaitableFuture()
         with self._lock:
             if self._shutdown:
                 raise ExecutorShutdownError("cannot schedule new futures after shutdown")
             tid = next(self._tids)
+            fut = TaskFuture(self, tid)
             t = Task(fut, (fn, args, kwargs), None)
             self._ledger[tid] = t
             self._stats.submitted += 1
@@ -326,7 +373,6 @@ class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, _fbase.Exec
                   **kwargs: Any) -> Future:
         """``submit`` to a chosen node (data already there, or a test of stealing): it is
         queued there, and idle nodes may still steal it."""
-        fut: Future = AwaitableFuture()
         with self._lock:
             if self._shutdown:
                 raise ExecutorShutdownError("cannot schedule new futures after shutdown")
@@ -335,6 +381,7 @@ class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, _fbase.Exec
                 raise ClusterError(f"no node executor on node {node_id!r}; pick one of "
                                    "ex.nodes")
             tid = next(self._tids)
+            fut = TaskFuture(self, tid)
             t = Task(fut, (fn, args, kwargs), node)
             self._ledger[tid] = t
             self._stats.submitted += 1
@@ -489,11 +536,62 @@ class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, _fbase.Exec
         if chunksize < 1:
             raise ValueError("chunksize must be >= 1")
         if chunksize == 1:
-            return super().map(fn, *iterables, timeout=timeout)
+            return self._map(fn, zip(*iterables), timeout)
         items = iter(zip(*iterables))
         chunks = iter(lambda: list(itertools.islice(items, chunksize)), [])
-        results = super().map(lambda c: run_chunk(fn, c), chunks, timeout=timeout)
+        results = self._map(lambda c: run_chunk(fn, c), ((c,) for c in chunks), timeout)
         return itertools.chain.from_iterable(results)
+
+    def _map(self, fn: Callable[..., Any], calls: Iterable[tuple],
+             timeout: float | None) -> Iterator[Any]:
+        """The stdlib's map, but what is left when it ends early (a timeout, an error, the
+        iterator dropped) is cancelled in one call per node, not one per future."""
+        end = None if timeout is None else time.monotonic() + timeout
+        fs = [self.submit(fn, *args) for args in calls]
+
+        def results() -> Iterator[Any]:
+            try:
+                fs.reverse()
+                while fs:
+                    f = fs[-1]
+                    yield f.result(None if end is None else end - time.monotonic())
+                    fs.pop()
+            finally:
+                self._cancel_all(fs)
+
+        return results()
+
+    def _cancel_all(self, fs: Iterable[Future]) -> None:
+        """Cancel these futures: those in the client's batches at once, then those their
+        nodes hold but have not started, one cancel call per node."""
+        self._withdraw([f._tid for f in fs if isinstance(f, TaskFuture)
+                        and not f.cancel_local() and not f.done()])
+
+    def _withdraw(self, tids: list[int]) -> list[int]:
+        """Withdraw tasks from the nodes that hold them (NodeAgent.cancel): returns those
+        that will not run, their futures settled as cancelled."""
+        by_node: dict[str, list[int]] = {}
+        with self._lock:
+            for tid in tids:
+                t = self._ledger.get(tid)
+                if t is not None and t.node is not None and t.node.alive and t.agent is None:
+                    by_node.setdefault(t.node.id, []).append(tid)
+            refs = {self._nodes[n].handle.cancel.remote(ts): n for n, ts in by_node.items()}
+        gone: list[int] = []
+        for ref in refs:
+            try:
+                gone += ray.get(ref, timeout=CANCEL_S)
+            except Exception:  # (lost, or slow: its outcome still comes as WITHDRAWN)
+                pass
+        if gone:
+            with self._lock:  # out of the ledger now: no loss of its node resubmits it
+                futs = [t.fut for t in map(self._ledger.pop, gone, itertools.repeat(None))
+                        if t is not None]
+                self._gone.update(gone)  # (their WITHDRAWN outcomes, coming: no duplicates)
+                self._stats.withdrawn += len(futs)
+            for f in futs:
+                _withdrawn(f)
+        return gone
 
     def _sent(self, loads: dict[str, Load]) -> dict[str, int]:
         return {n: self._nodes[n].sent + len(self._nodes[n].pending) for n in loads}
@@ -595,10 +693,17 @@ class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, _fbase.Exec
                     dead.append(tid)
             done = []
             now, lat = time.monotonic(), node.lat
+            withdrawn = []
             for tid, ok, value in out:
                 t = self._ledger.pop(tid, None)
                 if t is None:
-                    st.duplicates += 1
+                    if tid in self._gone:
+                        self._gone.discard(tid)
+                    else:
+                        st.duplicates += 1
+                    continue
+                if not ok and isinstance(value[0], str) and value[0] == WITHDRAWN:
+                    withdrawn.append(t.fut)  # (its cancel's answer was late, or lost)
                     continue
                 if not ok and t.agent is not None and t.agent.failed is not None:
                     value = (t.agent.failed, "")  # (its spawn failed: that is the reason)
@@ -607,6 +712,9 @@ class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, _fbase.Exec
             st.done += len(done)
             if dead:
                 self._replace(dead, node)
+        for fut in withdrawn:
+            _withdrawn(fut)
+        st.withdrawn += len(withdrawn)
         for fut, ok, value in done:
             if ok:
                 fut.set_result(value)
@@ -781,7 +889,10 @@ class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, _fbase.Exec
                     if t is not None:
                         t.fut.cancel()
                 self._orphans = []
+                held = [tid for tid, t in self._ledger.items() if t.agent is None]
             self._wake.notify()
+        if cancel_futures:  # and those the nodes hold, not started (one call per node)
+            self._withdraw(held)
         if wait:
             _fbase.wait([t.fut for t in list(self._ledger.values())])
         with self._lock:
@@ -846,7 +957,8 @@ class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, _fbase.Exec
             stats = ClusterStats({}, st.submitted, st.done, len(self._ledger),
                                  st.resubmitted, st.duplicates, st.moved, st.transient,
                                  list(st.losses), st.replayed, st.state_errors,
-                                 st.agent_moves, st.move_s, st.move_errors, st.recovered)
+                                 st.agent_moves, st.move_s, st.move_errors, st.recovered,
+                                 withdrawn=st.withdrawn)
         for n, ld, lat in views:
             s = statuses.get(n.id, {})
             lat.sort()

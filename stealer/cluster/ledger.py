@@ -114,3 +114,4 @@ class ClusterStats:
     move_s: float = 0.0  # the measured time of a move (from its state in to its restore)
     move_errors: int = 0  # moves given up (the state could not be taken): the agent stayed
     recovered: int = 0  # live agents resumed from the journal (recover=True)
+    withdrawn: int = 0  # tasks cancelled on their node before they started (Future.cancel)

@@ -138,11 +138,39 @@ def _approx_size(args: tuple, kwargs: dict) -> int:
     return n
 
 
+def share_class_trackers() -> None:
+    """Make Ray's copy of cloudpickle and the cloudpickle package name the classes they
+    write by value (those of the client's ``__main__``) with one set of ids in this
+    process.  A class written by value carries an id, and a process that reads it back
+    with an id it knows gets the class it already has.  The client writes with Ray's
+    copy and the workers of a node executor with the package (they never import Ray),
+    each keeping its own ids, so an exception or result of such a class that crossed two
+    nodes came back to the client as a copy: ``except MyError`` missed it.  The client and
+    every node agent call this once; a cloudpickle without the registries is left as it
+    is."""
+    try:
+        import cloudpickle.cloudpickle as mine
+        from ray.cloudpickle import cloudpickle as rays
+    except ImportError:
+        return
+    names = ("_DYNAMIC_CLASS_TRACKER_BY_CLASS", "_DYNAMIC_CLASS_TRACKER_BY_ID",
+             "_DYNAMIC_CLASS_TRACKER_LOCK")
+    if all(hasattr(rays, n) and hasattr(mine, n) for n in names):
+        for n in names:
+            setattr(mine, n, getattr(rays, n))
+
+
+#: The outcome ``(False, (WITHDRAWN, ""))`` of a task the client withdrew before it started
+#: (NodeAgent.cancel): its future is cancelled, not failed.
+WITHDRAWN = "stealer: withdrawn by the client"
+
+
 def _outcome(f: Any) -> tuple[bool, Any]:
     """A finished local future as (ok, value) for the client: an error is (exc, traceback
-    text), and an exception that cannot be pickled back becomes a RemoteError."""
+    text), and an exception that cannot be pickled back becomes a RemoteError.  A local
+    future is cancelled only by NodeAgent.cancel: WITHDRAWN."""
     if f.cancelled():
-        return False, (RemoteError("the task was cancelled on its node"), "")
+        return False, (WITHDRAWN, "")
     exc = f.exception()
     if exc is None:
         return True, f.result()
@@ -161,6 +189,7 @@ class NodeAgent:
     def __init__(self, node_id: str, executor_cls: type, workers: int, local: dict,
                  fence_s: float, window_s: float, steal: StealConfig | None,
                  seed: int) -> None:
+        share_class_trackers()
         self.node = node_id
         self.workers = workers
         local = dict(local)
@@ -195,6 +224,7 @@ class NodeAgent:
         self.lock = threading.Lock()
         self.queue: deque[tuple] = deque()  # (tid, fn, args, kwargs, hops)
         self.inflight = 0
+        self.local_f: dict[int, Any] = {}  # tid -> its local future, while in flight
         self.out: list[tuple] = []  # (tid, ok, value) not yet sent to the client
         self.moved: list[tuple[int, str, int]] = []  # (tid, thief, hops) not yet reported
         self.done_n = 0
@@ -546,9 +576,11 @@ class NodeAgent:
                     self.inflight -= 1
                 self._finished(tid, False, (exc, ""))
                 continue
+            self.local_f[tid] = f
             f.add_done_callback(functools.partial(self._done, tid))
 
     def _done(self, tid: int, f: Any) -> None:
+        self.local_f.pop(tid, None)
         ok, value = _outcome(f)
         with self.lock:
             self._occupy()
@@ -604,6 +636,29 @@ class NodeAgent:
             sample = (now - when) * self.workers / max(1, n)
             self.task_s = sample if self.task_s <= 0 else 0.7 * self.task_s + 0.3 * sample
             self._busy_mark = (now, self.done_n)
+
+    async def cancel(self, tids: list[int]) -> list[int]:
+        """The client withdraws tasks (``Future.cancel``, ``shutdown(cancel_futures=True)``,
+        a map that ended early): those not started here, queued on this node or in its
+        executor, never run and go back as WITHDRAWN; returns their ids.  A task started,
+        done, or not here (moved to a thief; its batch not in yet) is left alone."""
+        self._contact()
+        want = set(tids)
+        gone: list[int] = []
+        with self.lock:
+            if want and self.queue:
+                keep = [b for b in self.queue if b[0] not in want]
+                if len(keep) < len(self.queue):
+                    gone = [b[0] for b in self.queue if b[0] in want]
+                    self.queue.clear()
+                    self.queue.extend(keep)
+            local = [(t, self.local_f.get(t)) for t in want.difference(gone)]
+        for tid in gone:
+            self._finished(tid, False, (WITHDRAWN, ""))
+        for tid, f in local:  # (fails once a worker took it; else _done reports WITHDRAWN)
+            if f is not None and f.cancel():
+                gone.append(tid)
+        return gone
 
     def _finished(self, tid: int, ok: bool, value: Any) -> None:
         with self.lock:

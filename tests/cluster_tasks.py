@@ -7,6 +7,8 @@ import os
 import time
 from typing import Any
 
+import ray
+
 import stealer
 
 
@@ -165,3 +167,17 @@ def marked(path: str) -> list[int]:
             return [int(line) for line in f]
     except FileNotFoundError:
         return []
+
+
+def total(a, extra: float = 0.0) -> float:
+    return float(a.sum()) + extra
+
+
+@ray.remote(num_cpus=0)
+def no_value() -> None:
+    raise ValueError("no value here")
+
+
+@ray.remote(num_cpus=1)
+def needs_a_cpu() -> int:  # (the node agents hold every CPU of the test cluster: it waits)
+    return 1

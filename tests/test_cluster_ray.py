@@ -184,6 +184,29 @@ def test_fork_join_runs_inside_the_nodes(ex):
     assert [f.result(timeout=60) for f in fs] == [ct.fib_seq(18)] * 4
 
 
+def test_object_ref_arguments_are_fetched_on_the_node(ex):
+    """As a Ray task's: an ObjectRef argument (top level, positional or keyword) reaches
+    the task as its value; one that cannot be had fails its task alone, with Ray's error;
+    one not ready holds back only its own task, and cancel() withdraws it (it was handed
+    to the task as the ref itself)."""
+    import numpy as np
+
+    a = np.arange(1000.0)
+    ref = ray.put(a)
+    fs = [ex.submit_to(n, ct.total, ref, extra=ray.put(1.0)) for n in ex.nodes]
+    assert [f.result(timeout=60) for f in fs] == [a.sum() + 1.0] * 2
+    assert list(ex.map(ct.total, [ref] * 3)) == [a.sum()] * 3
+    with pytest.raises(Exception, match="no value here"):
+        ex.submit(ct.total, ct.no_value.remote()).result(timeout=60)
+    never = ct.needs_a_cpu.remote()
+    stuck = ex.submit(ct.total, never)
+    assert [f.result(timeout=60) for f in [ex.submit(ct.square, i) for i in range(20)]] \
+        == [i * i for i in range(20)]
+    assert stuck.running() and not stuck.done()
+    assert stuck.cancel() and stuck.cancelled()
+    ray.cancel(never)
+
+
 def test_a_fork_join_tree_started_on_one_node_is_shared_with_the_other(ex):
     # the idle node leaves a lifeline; the busy one's shallow spawns are exported, one is
     # shipped, runs there (forking there) and its result resumes its parent here

@@ -138,6 +138,16 @@ def _approx_size(args: tuple, kwargs: dict) -> int:
     return n
 
 
+def _has_refs(b: tuple) -> bool:
+    """Whether task ``b`` (tid, fn, args, kwargs, hops) has an ObjectRef argument."""
+    if isinstance(b[1], AgentOp):
+        return False
+    for a in b[2]:
+        if isinstance(a, ray.ObjectRef):
+            return True
+    return bool(b[3]) and any(isinstance(v, ray.ObjectRef) for v in b[3].values())
+
+
 def share_class_trackers() -> None:
     """Make Ray's copy of cloudpickle and the cloudpickle package name the classes they
     write by value (those of the client's ``__main__``) with one set of ids in this
@@ -260,6 +270,8 @@ class NodeAgent:
         # agent id -> its operations handed to its local agent and not answered yet: an
         # agent with some holds a worker (the occupied fraction, and Load.active)
         self.agent_out: dict[int, int] = {}
+        # tid -> the fetch of its ObjectRef arguments (on the default group's loop)
+        self.fetching: dict[int, asyncio.Task] = {}
         self.next_in = 1  # the client's next batch to run (submit's seq)
         self.early: dict[int, list[tuple]] = {}  # batches that came before their turn
         self.reordered = 0  # batches that came before their turn (held until it)
@@ -287,6 +299,13 @@ class NodeAgent:
         agent's messages are handled in the order they were sent; a batch sent again
         after a lost reply runs once.  None: at once (a caller that numbers nothing)."""
         self._contact()
+        if any(_has_refs(b) for b in batch):  # (no agent operation has: they keep order)
+            loop = asyncio.get_running_loop()
+            for b in batch:
+                if _has_refs(b):
+                    t = self.fetching[b[0]] = loop.create_task(self._fetch(b))
+                    t.add_done_callback(functools.partial(self._fetched, b[0]))
+            batch = [b for b in batch if not _has_refs(b)]
         if seq is None:
             self._accept(batch)
         elif seq >= self.next_in and seq not in self.early:
@@ -297,6 +316,28 @@ class NodeAgent:
                 self.next_in += 1
                 self._accept(b)
         return self.load()
+
+    async def _fetch(self, b: tuple) -> None:
+        """Task ``b`` once its ObjectRef arguments (top level, as Ray resolves a task's)
+        are replaced by their values, fetched to this node; the tasks sent with it do not
+        wait for them.  A task whose argument cannot be had fails alone with Ray's error,
+        as a Ray task would."""
+        tid, fn, args, kwargs, hops = b
+        try:
+            args = tuple([await a if isinstance(a, ray.ObjectRef) else a for a in args])
+            if kwargs:
+                kwargs = {k: (await v if isinstance(v, ray.ObjectRef) else v)
+                          for k, v in kwargs.items()}
+        except Exception as exc:
+            self._finished(tid, False, (children._picklable(exc), ""))
+            return
+        with contextlib.suppress(NodeFencedError):  # (fenced: the client runs it elsewhere)
+            self._accept([(tid, fn, args, kwargs, hops)])
+
+    def _fetched(self, tid: int, t: asyncio.Task) -> None:
+        self.fetching.pop(tid, None)
+        if t.cancelled():  # withdrawn by the client (cancel), maybe before it began
+            self._finished(tid, False, (WITHDRAWN, ""))
 
     async def results(self, ack: int, wait_s: float, linger_s: float,
                       loads: dict[str, Load] | None,
@@ -655,6 +696,10 @@ class NodeAgent:
             local = [(t, self.local_f.get(t)) for t in want.difference(gone)]
         for tid in gone:
             self._finished(tid, False, (WITHDRAWN, ""))
+        for tid in want.difference(gone):  # (its _fetch reports it WITHDRAWN)
+            fetch = self.fetching.get(tid)
+            if fetch is not None and fetch.cancel():
+                gone.append(tid)
         for tid, f in local:  # (fails once a worker took it; else _done reports WITHDRAWN)
             if f is not None and f.cancel():
                 gone.append(tid)

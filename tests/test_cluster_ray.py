@@ -452,6 +452,28 @@ def test_ray_s_cloudpickle_and_the_package_name_a_class_by_value_alike():
     assert pickle.loads(cloudpickle.dumps(cls)) is pickle.loads(rays.dumps(cls)) is cls
 
 
+def test_a_class_the_package_named_before_keeps_its_id(monkeypatch):
+    # (a local executor in the same process may have sent it by value already)
+    import threading
+    import weakref
+
+    import cloudpickle
+
+    from stealer.cluster.node import share_class_trackers
+
+    mine = cloudpickle.cloudpickle
+    for name, fresh in (("_DYNAMIC_CLASS_TRACKER_BY_CLASS", weakref.WeakKeyDictionary()),
+                        ("_DYNAMIC_CLASS_TRACKER_BY_ID", weakref.WeakValueDictionary()),
+                        ("_DYNAMIC_CLASS_TRACKER_LOCK", threading.Lock())):
+        monkeypatch.setattr(mine, name, fresh)  # (as before any sharing)
+    cls = type("Before", (), {"__module__": "__main__"})
+    cid = mine._get_or_create_tracker_id(cls)
+    share_class_trackers()
+    from ray import cloudpickle as rays
+
+    assert rays.cloudpickle._get_or_create_tracker_id(cls) == cid
+
+
 def test_a_batch_a_node_cannot_load_is_probed_task_by_task(ex, tmp_path, monkeypatch):
     """One batch of three tasks, the middle one of a module no node can import: the
     batch fails on the node, each task goes again alone (a probe; the first probe meets

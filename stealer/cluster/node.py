@@ -165,7 +165,16 @@ def share_class_trackers() -> None:
         return
     names = ("_DYNAMIC_CLASS_TRACKER_BY_CLASS", "_DYNAMIC_CLASS_TRACKER_BY_ID",
              "_DYNAMIC_CLASS_TRACKER_LOCK")
-    if all(hasattr(rays, n) and hasattr(mine, n) for n in names):
+    if not all(hasattr(rays, n) and hasattr(mine, n) for n in names):
+        return
+    by_class, by_id = rays._DYNAMIC_CLASS_TRACKER_BY_CLASS, rays._DYNAMIC_CLASS_TRACKER_BY_ID
+    if mine._DYNAMIC_CLASS_TRACKER_BY_CLASS is by_class:
+        return  # (shared already)
+    with rays._DYNAMIC_CLASS_TRACKER_LOCK, mine._DYNAMIC_CLASS_TRACKER_LOCK:
+        for cls, cid in list(mine._DYNAMIC_CLASS_TRACKER_BY_CLASS.items()):  # (a local
+            if cls not in by_class and cid not in by_id:  # executor's, before: kept)
+                by_class[cls] = cid
+                by_id[cid] = cls
         for n in names:
             setattr(mine, n, getattr(rays, n))
 

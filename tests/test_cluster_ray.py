@@ -902,16 +902,23 @@ def test_node_loss_resubmits_its_tasks_and_new_nodes_join(cluster, own):
         fs += [e.submit_to(other, ct.spin, 0.02, i) for i in range(150, 200)]
         tree = e.submit_to(head, ct.fib_where, 26)  # its children may be out on the other
         cf.wait(fs[:20], timeout=60)
+        # some of the node's queued tasks withdrawn just before it goes: they must stay
+        # cancelled (not run again elsewhere, no result, no error), the others all run
+        withdrawn = [f for f in fs[190:] if f.cancel()]
+        assert withdrawn, "none of the node's newest tasks could be withdrawn"
         victim = [n for n in cluster.worker_nodes if n.node_id == other]
         assert victim, "the second node is gone already"
         cluster.remove_node(victim[0])
-        got = [f.result(timeout=90) for f in fs]
-        assert [x for _, x in got] == list(range(200))  # every future, each result once
+        kept = [i for i, f in enumerate(fs) if f not in withdrawn]
+        got = [fs[i].result(timeout=90) for i in kept]
+        assert [x for _, x in got] == kept  # every future, each result once
+        assert all(f.cancelled() for f in withdrawn)
         assert tree.result(timeout=90)[0] == ct.fib_seq(26)  # children lost there re-ran
         st = e.stats()
         (loss,) = st.losses
         assert loss["node"] == other and loss["tasks"] > 0 and loss["replaced"] == loss["tasks"]
         assert st.resubmitted >= loss["tasks"] and st.outstanding == 0
+        assert st.withdrawn == len(withdrawn)
         assert e.nodes == [head]
         # the agents of the lost node started again on the head: from the state the client
         # kept and the messages since, or (state_every=0) from their spawn arguments

@@ -447,6 +447,15 @@ class AgentVectorEnv(VectorEnv):
             if self._own:
                 self._ex.shutdown()
 
+    def __enter__(self) -> AgentVectorEnv:
+        """``with AgentVectorEnv(...) as envs:`` closes it at the end, as ``with env:`` does
+        for a gymnasium Env (gymnasium's vector environments have no ``with``)."""
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        self.close()
+        return False
+
     def __del__(self) -> None:
         # as AsyncVectorEnv: an environment dropped without close() still stops its agents
         if not getattr(self, "closed", True) and getattr(self, "_refs", ()):

@@ -232,6 +232,22 @@ def test_close_stops_agents_own_executor_and_refuses_use() -> None:
     assert len(refs) == 3
 
 
+def test_a_with_block_closes_it_even_on_ctrl_c() -> None:
+    with AgentVectorEnv([gym_lib.make_count_env()] * 2, workers=2) as a:
+        a.reset()
+        assert a.step(np.array([1, 1]))[0][:, 0].tolist() == [1.0, 1.0]
+    assert a.closed
+    with pytest.raises(ClosedEnvError, match="closed"):
+        a.step(np.array([1, 1]))
+    with pytest.raises(KeyboardInterrupt), AgentVectorEnv([gym_lib.make_count_env()] * 2,
+                                                          workers=2) as b:
+        b.reset()
+        raise KeyboardInterrupt
+    assert b.closed
+    with pytest.raises(RuntimeError):  # its own executor is shut down
+        b.executor.submit(abs, 1)
+
+
 def test_shared_executor_outlives_the_vector(ex) -> None:
     a = AgentVectorEnv([gym_lib.make_count_env()] * 2, executor=ex)
     b = AgentVectorEnv([gym_lib.make_count_env()] * 2, executor=ex)

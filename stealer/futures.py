@@ -6,9 +6,10 @@ on it."""
 from __future__ import annotations
 
 from concurrent.futures import Future
+from concurrent.futures import _base as _fbase
 from typing import Any
 
-__all__ = ["AwaitableFuture", "CancelOnInterrupt"]
+__all__ = ["AwaitableFuture", "CancelOnInterrupt", "notify_cancelled"]
 
 
 class AwaitableFuture(Future):
@@ -21,6 +22,18 @@ class AwaitableFuture(Future):
         import asyncio
 
         return asyncio.wrap_future(self).__await__()
+
+
+def notify_cancelled(fut: Future) -> None:
+    """Settle ``fut`` as cancelled, with its ``_condition`` held by the caller, for an
+    executor that withdrew its task where the stdlib's cancel() could not (a task in
+    shared memory, or one its node holds): what cancel() and the executor's
+    set_running_or_notify_cancel() would do together.  The caller then runs
+    ``fut._invoke_callbacks()`` outside the lock, as the stdlib does."""
+    fut._state = _fbase.CANCELLED_AND_NOTIFIED  # type: ignore[attr-defined]
+    for waiter in fut._waiters:  # type: ignore[attr-defined]
+        waiter.add_cancelled(fut)
+    fut._condition.notify_all()  # type: ignore[attr-defined]
 
 
 class CancelOnInterrupt:

@@ -11,7 +11,7 @@ from concurrent.futures import Future
 from concurrent.futures import _base as _fbase
 from typing import Any
 
-from stealer.futures import AwaitableFuture
+from stealer.futures import AwaitableFuture, notify_cancelled
 from stealer.shared._layout import S_RUNNING
 from stealer.shared.records import Outcome
 
@@ -311,10 +311,7 @@ class _Future(AwaitableFuture):
             pool.futures.pop(self._st_fid, None)
             # Nobody will run it, so nobody else would call set_running_or_notify_cancel():
             # do its part here, under the same lock as the cancel.
-            self._state = _fbase.CANCELLED_AND_NOTIFIED
-            for waiter in self._waiters:
-                waiter.add_cancelled(self)
-            cond.notify_all()
+            notify_cancelled(self)
         if pool is not None:
             pool.idle.poke_waiter()  # a thread in wait_for may wait on this one
         self._invoke_callbacks()  # outside the lock, as the stdlib does

@@ -406,7 +406,7 @@ class ChildServer:
                     got = self.table.take_import()
                     if got is not None:
                         self.table.n["helped"] += 1
-                        return ("help", got[0], self._local(got[1]))
+                        break
                     if asked:
                         self.cv.wait(0.5)
                         continue
@@ -418,6 +418,8 @@ class ChildServer:
         finally:
             with self.cv:
                 self.waiting -= 1
+        # (outside the lock: a first import unpickles the function and registers it)
+        return ("help", got[0], self._local(got[1]))
 
 
 # -- the workers' end ------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ from stealer.errors import (
     SerializationError,
     with_remote_tb,
 )
-from stealer.futures import AwaitableFuture, CancelOnInterrupt
+from stealer.futures import AwaitableFuture, CancelOnInterrupt, notify_cancelled
 
 __all__ = ["ClusterAgentRef", "ClusterExecutor", "ClusterStats"]
 
@@ -115,10 +115,7 @@ def _withdrawn(fut: Future) -> bool:
             return True
         if fut._state == _fbase.FINISHED:
             return False
-        fut._state = _fbase.CANCELLED_AND_NOTIFIED
-        for waiter in fut._waiters:
-            waiter.add_cancelled(fut)
-        fut._condition.notify_all()
+        notify_cancelled(fut)
     fut._invoke_callbacks()
     return True
 

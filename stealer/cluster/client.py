@@ -581,10 +581,13 @@ class ClusterExecutor(JournalOnCluster, AgentMoves, AgentsOnCluster, CancelOnInt
             except Exception:  # (lost, or slow: its outcome still comes as WITHDRAWN)
                 pass
         if gone:
+            futs = []
             with self._lock:  # out of the ledger now: no loss of its node resubmits it
-                futs = [t.fut for t in map(self._ledger.pop, gone, itertools.repeat(None))
-                        if t is not None]
-                self._gone.update(gone)  # (their WITHDRAWN outcomes, coming: no duplicates)
+                for tid in gone:
+                    t = self._ledger.pop(tid, None)
+                    if t is not None:  # (else its WITHDRAWN outcome came first: settled)
+                        futs.append(t.fut)
+                        self._gone.add(tid)  # its outcome, still coming: no duplicate
                 self._stats.withdrawn += len(futs)
             for f in futs:
                 _withdrawn(f)

@@ -438,3 +438,23 @@ def test_a_node_lingers_longer_only_with_much_work_queued():
     assert linger_for(0.5, 100_000, 0.002, 1) == 0.5  # the client asked for longer
     assert linger_for(0.0, 0, 0.002, 1) == 0.0
     assert linger_for(0.05, 400, -1.0, 1) == 0.05  # a bad measure is no measure
+
+
+def test_a_node_never_gives_more_tasks_than_it_has_queued():
+    """A lifeline push counts its batch, then gives it with the node's lock released in
+    between; tasks handed to the local executor meanwhile left fewer queued (seen once
+    in a 100 s run: IndexError, pop from an empty deque, raised in the node agent)."""
+    pytest.importorskip("ray")
+    import threading
+    from types import SimpleNamespace
+
+    from stealer.cluster.node import NodeAgent
+
+    give = NodeAgent.__ray_metadata__.modified_class._give
+    node = SimpleNamespace(lock=threading.Lock(), queue=deque((t, abs, (t,), {}, 0)
+                                                               for t in range(2)),
+                           victim=SimpleNamespace(cfg=SimpleNamespace(max_count=1024)),
+                           moved=[], _notify=lambda: None)
+    batch = give(node, "thief", lambda _q, _sizes: 5)  # counted when 5 were queued
+    assert [t[0] for t in batch] == [1, 0] and not node.queue
+    assert node.moved == [(1, "thief", 1), (0, "thief", 1)]

@@ -799,7 +799,8 @@ class NodeAgent:
             look = min(q, self.victim.cfg.max_count)
             sizes = [_approx_size(self.queue[-1 - i][2], self.queue[-1 - i][3])
                      for i in range(look)]
-            n = count(q, sizes)
+            # (at most what is queued now: a push counts before it gives, unlocked between)
+            n = min(count(q, sizes), q)
             batch = [(*t[:4], t[4] + 1) for t in (self.queue.pop() for _ in range(n))]
             # hops: the client applies a move only if it is newer than the last it applied
             # (the reports of a task pushed on twice may reach it in either order)

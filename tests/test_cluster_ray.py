@@ -932,8 +932,10 @@ def test_node_loss_resubmits_its_tasks_and_new_nodes_join(cluster, own):
         cf.wait(fs[:20], timeout=60)
         # some of the node's queued tasks withdrawn just before it goes: they must stay
         # cancelled (not run again elsewhere, no result, no error), the others all run
-        withdrawn = [f for f in fs[190:] if f.cancel()]
-        assert withdrawn, "none of the node's newest tasks could be withdrawn"
+        # (every other one of its 50: those a thief took meanwhile, its move not yet
+        # reported, are asked of the wrong node and refused; seen once for its newest 10)
+        withdrawn = [f for f in fs[151::2] if f.cancel()]
+        assert withdrawn, "none of the node's queued tasks could be withdrawn"
         victim = [n for n in cluster.worker_nodes if n.node_id == other]
         assert victim, "the second node is gone already"
         cluster.remove_node(victim[0])
